@@ -1,0 +1,45 @@
+"""plait: multi-writer, ordered streams on PostgreSQL.
+
+Several writer processes append to the same streams with IDs from one shared sequence,
+committing out of order; plait tracks what each writer has finished and turns it into
+safe positions and vector-clock tokens that readers follow without skipping or
+repeating a row.
+"""
+
+from plait.core.positions import PositionTracker
+from plait.core.tokens import StreamToken
+from plait.errors import (
+    ConfigError,
+    DatabaseUnavailableError,
+    EmbeddedServerError,
+    NotAWriterError,
+    PlaitError,
+    SchemaError,
+    SequenceBehindError,
+    TokenParseError,
+)
+from plait.storage.database import Database, Transaction
+from plait.storage.embedded import EmbeddedPostgres
+from plait.storage.stream_store import StreamRow
+from plait.streams.generator import MultiWriterIdGenerator
+from plait.streams.spec import StreamSpec, TableSpec
+
+__all__ = [
+    "ConfigError",
+    "Database",
+    "DatabaseUnavailableError",
+    "EmbeddedPostgres",
+    "EmbeddedServerError",
+    "MultiWriterIdGenerator",
+    "NotAWriterError",
+    "PlaitError",
+    "PositionTracker",
+    "SchemaError",
+    "SequenceBehindError",
+    "StreamRow",
+    "StreamSpec",
+    "StreamToken",
+    "TableSpec",
+    "TokenParseError",
+    "Transaction",
+]

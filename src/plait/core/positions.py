@@ -1,0 +1,303 @@
+"""What one process knows about the positions of one stream's writers. Pure: no I/O.
+
+Everything that moves a position lives in this file; it does not know about SQL,
+sockets or time. Callers feed it events (a fetch of IDs began or ended, local IDs
+completed, another writer advanced, rows were seen) and read positions back.
+
+Vocabulary. IDs are in the *internal* domain, where they always grow; a backwards
+stream negates them before they get here. A writer's *position* p is a promise that
+every ID of that writer at or below p has completed (committed or rolled back), and
+that p itself is a completed ID. *Persisted-up-to* is the largest ID at or below which
+every ID of every writer has completed.
+
+Invariants (tests/test_positions.py checks them with Hypothesis):
+- The local writer's position never passes its smallest unfinished ID, nor any ID an
+  in-flight fetch may still return.
+- Nothing moves backwards: writer positions, the local reported position and
+  persisted-up-to are monotone.
+- Persisted-up-to is sound: every ID at or below it has completed, provided every value
+  fed to `advance` or `observe_completed` is a completed ID. The positions this class
+  reports always are, so trackers that feed each other stay sound.
+- An idle local writer (nothing unfinished, nothing in flight) reports the largest
+  completed ID it has seen anywhere, so it never holds back the others.
+
+Why the reported position of a starting writer is not simply the sequence head: the
+head may be an ID another writer still has in flight. A reader told "W is at H" would
+treat H as completed and could step over it, then never see that row. So a starting
+writer reports the largest ID it *knows* completed; that is the head whenever the head
+is known to be complete.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+
+class PositionError(Exception):
+    """An event broke the tracker's contract (an ID completed twice, a fetch ended twice)."""
+
+
+class SequenceWentBackwardsError(PositionError):
+    """A fetch returned an ID at or below one already seen: the sequence was reset."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchTicket:
+    """A fetch of IDs in flight. Every ID it can return is at least `floor`."""
+
+    serial: int
+    floor: int
+
+
+class _MinMultiset:
+    """A multiset of ints with O(log n) add, remove and min (a heap with lazy deletion)."""
+
+    __slots__ = ("_counts", "_heap", "_size")
+
+    def __init__(self) -> None:
+        self._heap: list[int] = []
+        self._counts: dict[int, int] = {}
+        self._size = 0
+
+    def add(self, value: int) -> None:
+        count = self._counts.get(value, 0)
+        if count == 0:
+            heapq.heappush(self._heap, value)
+        self._counts[value] = count + 1
+        self._size += 1
+
+    def remove(self, value: int) -> bool:
+        count = self._counts.get(value, 0)
+        if count == 0:
+            return False
+        if count == 1:
+            del self._counts[value]
+        else:
+            self._counts[value] = count - 1
+        self._size -= 1
+        return True
+
+    def __contains__(self, value: int) -> bool:
+        return value in self._counts
+
+    def __len__(self) -> int:
+        return self._size
+
+    def min(self) -> int | None:
+        heap = self._heap
+        while heap and heap[0] not in self._counts:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def sorted(self) -> list[int]:
+        return sorted(v for v, n in self._counts.items() for _ in range(n))
+
+
+class PositionTracker:
+    """Positions of one stream's writers as seen by `instance`.
+
+    `writers` is the configured writer list; `None` means any instance may write (and
+    so this one is a writer too). `floor` is persisted-up-to as loaded at start-up,
+    `positions` the writer positions loaded from the database, and `completed` IDs
+    above the floor known to have completed (rows seen in the tables).
+    """
+
+    def __init__(
+        self,
+        instance: str,
+        *,
+        writers: Collection[str] | None,
+        floor: int,
+        positions: Mapping[str, int] | None = None,
+        completed: Iterable[int] = (),
+        seat: bool = True,
+    ) -> None:
+        self._instance = instance
+        self._writers = None if writers is None else frozenset(writers)
+        self._is_writer = writers is None or instance in writers
+        self._positions: dict[str, int] = dict(positions or {})
+        self._persisted = floor
+        # Completed IDs above persisted-up-to, to skip forward over gapless runs.
+        self._known_completed: list[int] = []
+        self._max_seen = max([floor, *self._positions.values()])
+
+        self._unfinished = _MinMultiset()
+        # Local IDs completed while a smaller local ID was still unfinished.
+        self._finished_above: list[int] = []
+        self._in_flight = _MinMultiset()
+        self._open_tickets: set[int] = set()
+        self._next_serial = 0
+
+        for stream_id in sorted(completed):
+            self._note_completed(stream_id)
+        # The local writer has nothing in flight yet, so every completed ID it has seen
+        # is a safe position for it (`_settle` applies that while it stays idle).
+        self._local = self._persisted
+        self._seated = False
+        self._settle()
+        if seat:
+            self.seat_writers()
+
+    def seat_writers(self) -> None:
+        """End of loading: writers without a known position start at persisted-up-to.
+
+        Start-up feeds rows seen in the tables to `observe_completed` before this, so
+        new writers start as far ahead as those rows allow (never at 0).
+        """
+        if self._seated:
+            return
+        self._seated = True
+        if self._is_writer:
+            self._positions.setdefault(self._instance, self._local)
+        if self._writers is not None:
+            for writer in sorted(self._writers):
+                self._positions.setdefault(writer, self._persisted)
+        self._settle()
+
+    # -- events ---------------------------------------------------------------------
+
+    def begin_fetch(self) -> FetchTicket:
+        """Record that IDs are about to be requested from the sequence.
+
+        Until `end_fetch`, the local position cannot pass what the fetch may return.
+        """
+        if not self._is_writer:
+            raise PositionError(f"{self._instance!r} is not a writer of this stream")
+        ticket = FetchTicket(serial=self._next_serial, floor=self._max_seen + 1)
+        self._next_serial += 1
+        self._open_tickets.add(ticket.serial)
+        self._in_flight.add(ticket.floor)
+        return ticket
+
+    def end_fetch(self, ticket: FetchTicket, ids: Iterable[int]) -> None:
+        """The fetch returned `ids` (none if it failed); they are now unfinished."""
+        if ticket.serial not in self._open_tickets:
+            raise PositionError(f"fetch {ticket.serial} already ended")
+        self._open_tickets.discard(ticket.serial)
+        self._in_flight.remove(ticket.floor)
+        got = list(ids)
+        stale = [i for i in got if i < ticket.floor]
+        if stale:
+            self._recompute_local()
+            self._settle()
+            raise SequenceWentBackwardsError(
+                f"the sequence returned {stale[0]}, but IDs up to {ticket.floor - 1} were "
+                "already seen: it has been reset or moved backwards"
+            )
+        for stream_id in got:
+            if stream_id in self._unfinished:
+                raise PositionError(f"ID {stream_id} returned twice by the sequence")
+            self._unfinished.add(stream_id)
+            self._max_seen = max(self._max_seen, stream_id)
+        self._recompute_local()
+        self._settle()
+
+    def complete(self, ids: Iterable[int]) -> None:
+        """Local IDs finished (committed or rolled back)."""
+        done = list(ids)
+        for stream_id in done:
+            if not self._unfinished.remove(stream_id):
+                raise PositionError(f"ID {stream_id} completed but was not unfinished")
+            heapq.heappush(self._finished_above, stream_id)
+        self._recompute_local()
+        for stream_id in done:
+            self._note_completed(stream_id)
+        self._settle()
+
+    def advance(self, writer: str, position: int) -> None:
+        """Another writer reports it is at `position` (never moves anything back)."""
+        if writer == self._instance and self._is_writer:
+            return  # our own position only moves by our own completions
+        if position > self._positions.get(writer, position - 1):
+            self._positions[writer] = position
+        self._note_completed(position)
+        self._settle()
+
+    def observe_completed(self, ids: Iterable[int]) -> None:
+        """IDs seen completed elsewhere (for example committed rows read from a table)."""
+        for stream_id in sorted(ids):
+            self._note_completed(stream_id)
+        self._settle()
+
+    # -- queries --------------------------------------------------------------------
+
+    @property
+    def instance(self) -> str:
+        return self._instance
+
+    @property
+    def is_writer(self) -> bool:
+        return self._is_writer
+
+    @property
+    def persisted_upto(self) -> int:
+        return self._persisted
+
+    @property
+    def max_seen(self) -> int:
+        """The largest ID seen allocated or completed anywhere."""
+        return self._max_seen
+
+    @property
+    def local_position(self) -> int:
+        """What this instance reports for itself: idle-advanced, never backwards."""
+        return self._local if self._is_writer else self._persisted
+
+    @property
+    def last_local_write(self) -> int:
+        """The local position from local completions only (not idle-advanced)."""
+        return self._positions.get(self._instance, self._persisted)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._unfinished and not self._in_flight
+
+    def position_of(self, writer: str) -> int:
+        """A safe position for `writer`; unknown writers are at persisted-up-to."""
+        if writer == self._instance and self._is_writer:
+            return self._local
+        return max(self._positions.get(writer, self._persisted), self._persisted)
+
+    def positions(self) -> dict[str, int]:
+        return dict(self._positions)
+
+    def unfinished(self) -> list[int]:
+        return self._unfinished.sorted()
+
+    def fetches_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _note_completed(self, stream_id: int) -> None:
+        self._max_seen = max(self._max_seen, stream_id)
+        if stream_id > self._persisted:
+            heapq.heappush(self._known_completed, stream_id)
+
+    def _recompute_local(self) -> None:
+        """Move the local position to the largest finished ID below anything pending."""
+        if not self._is_writer:
+            return
+        bounds = [b for b in (self._unfinished.min(), self._in_flight.min()) if b is not None]
+        bound = min(bounds) if bounds else None
+        new = None
+        finished = self._finished_above
+        while finished and (bound is None or finished[0] < bound):
+            new = heapq.heappop(finished)
+        if new is not None and new > self._positions.get(self._instance, new - 1):
+            self._positions[self._instance] = new
+        self._local = max(self._local, self._positions.get(self._instance, self._local))
+
+    def _settle(self) -> None:
+        if self._is_writer and self.is_idle:
+            self._local = max(self._local, self._max_seen)
+        others = [p for w, p in self._positions.items() if w != self._instance]
+        if self._is_writer:
+            others.append(self._local)
+        if others:
+            self._persisted = max(self._persisted, min(others))
+        heap = self._known_completed
+        while heap and heap[0] <= self._persisted + 1:
+            self._persisted = max(self._persisted, heapq.heappop(heap))

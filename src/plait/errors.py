@@ -1,0 +1,40 @@
+"""plait's exception types: each says what was wrong and what to do about it.
+
+Callers catch what they mean: `ConfigError` for a bad spec, `TokenParseError` for a
+malformed token, `DatabaseUnavailableError` when PostgreSQL cannot be reached, and so on.
+All derive from `PlaitError`.
+"""
+
+from __future__ import annotations
+
+
+class PlaitError(Exception):
+    """Base class of every error plait raises on purpose."""
+
+
+class ConfigError(PlaitError, ValueError):
+    """A stream spec, option or argument is invalid."""
+
+
+class DatabaseUnavailableError(PlaitError):
+    """PostgreSQL could not be reached or is unsuitable (wrong DSN, too old, ...)."""
+
+
+class EmbeddedServerError(PlaitError):
+    """The embedded PostgreSQL server could not be initialised, started or stopped."""
+
+
+class SchemaError(PlaitError):
+    """A stream's table, column or sequence is missing or has the wrong shape."""
+
+
+class SequenceBehindError(PlaitError):
+    """The stream's sequence is behind what plait has recorded; starting would reuse IDs."""
+
+
+class NotAWriterError(PlaitError):
+    """This instance tried to allocate stream IDs on a stream it is not configured to write."""
+
+
+class TokenParseError(PlaitError, ValueError):
+    """A stream token (text or JSON form) is malformed."""

@@ -1,0 +1,322 @@
+"""The connection pool, transactions with after-commit hooks, migrations, instance map.
+
+`Database` is where plait's connections come from. SQL about one stream lives in
+`stream_store.py`; this module holds what every stream shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import AsyncConnection, AsyncCursor
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+
+from plait.errors import DatabaseUnavailableError
+from plait.storage.embedded import EmbeddedPostgres
+from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
+
+logger = logging.getLogger(__name__)
+
+MIN_SERVER_VERSION = 140000
+T = TypeVar("T")
+
+
+class Transaction:
+    """An open transaction on one pooled connection.
+
+    `call_after` callbacks run after COMMIT succeeded, `call_on_exception` callbacks after
+    it rolled back or failed; both run only once the server has finished the transaction.
+    """
+
+    def __init__(self, conn: AsyncConnection[TupleRow]) -> None:
+        self.conn = conn
+        self._after_commit: list[Callable[[], None]] = []
+        self._after_rollback: list[Callable[[], None]] = []
+        # Set when something in the transaction learned its xid (see `track_xid`), so an
+        # interrupted COMMIT can be waited out instead of guessed.
+        self.xid: str | None = None
+
+    async def execute(
+        self, query: Any, params: Sequence[Any] | None = None
+    ) -> AsyncCursor[TupleRow]:
+        return await self.conn.execute(query, params)
+
+    def call_after(self, callback: Callable[[], None]) -> None:
+        self._after_commit.append(callback)
+
+    def call_on_exception(self, callback: Callable[[], None]) -> None:
+        self._after_rollback.append(callback)
+
+    def _run(self, callbacks: list[Callable[[], None]]) -> None:
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("transaction callback %r failed", callback)
+
+
+class Database:
+    """A psycopg 3 async pool on PostgreSQL 14+, or on the embedded server."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[AsyncConnection[TupleRow]],
+        dsn: str,
+        embedded: EmbeddedPostgres | None,
+    ) -> None:
+        self._pool = pool
+        self._dsn = dsn
+        self._embedded = embedded
+        self._instance_ids: dict[str, int] = {}
+        self._instance_names: dict[int, str] = {}
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._closed = False
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str | None = None,
+        *,
+        data_dir: Path | None = None,
+        min_size: int = 1,
+        max_size: int = 10,
+        application_name: str = "plait",
+    ) -> Database:
+        """Connect to `dsn`, or start (or reuse) the embedded server when it is None."""
+        embedded = None
+        if dsn is None:
+            embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
+            dsn = embedded.dsn
+        try:
+            await _probe(dsn)
+            pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                kwargs={"autocommit": True, "application_name": application_name},
+                open=False,
+                name="plait",
+            )
+            await pool.open(wait=True, timeout=30)
+        except BaseException:
+            if embedded is not None:
+                await asyncio.to_thread(embedded.release)
+            raise
+        return cls(pool, dsn, embedded)
+
+    @property
+    def dsn(self) -> str:
+        """The connection string, for other processes and tools (Spark, psql)."""
+        return self._dsn
+
+    @property
+    def embedded(self) -> EmbeddedPostgres | None:
+        return self._embedded
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConnection[TupleRow]]:
+        """A pooled connection in autocommit mode."""
+        async with self._pool.connection() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Transaction]:
+        """A transaction; committed when the block exits normally, else rolled back.
+
+        COMMIT and ROLLBACK run to completion even if the calling task is cancelled
+        meanwhile: callbacks must know how the transaction ended.
+        """
+        async with self._pool.connection() as conn:
+            txn = Transaction(conn)
+            block = conn.transaction()
+            await block.__aenter__()
+            try:
+                yield txn
+            except BaseException as exc:
+                try:
+                    await _finish(block.__aexit__(type(exc), exc, exc.__traceback__))
+                finally:
+                    txn._run(txn._after_rollback)
+                raise
+            try:
+                await _finish(block.__aexit__(None, None, None))
+            except BaseException as exc:
+                if txn.xid is not None and isinstance(exc, psycopg.OperationalError):
+                    await self._wait_out(txn.xid)
+                txn._run(txn._after_rollback)
+                raise
+            txn._run(txn._after_commit)
+
+    async def _wait_out(self, xid: str, patience: float = 60.0) -> None:
+        """Wait until the server has finished transaction `xid` (its COMMIT was cut off)."""
+        deadline = asyncio.get_running_loop().time() + patience
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                async with self.connection() as conn:
+                    row = await (
+                        await conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,))
+                    ).fetchone()
+                if row is None or row[0] != "in progress":
+                    return
+            except psycopg.Error:
+                pass
+            await asyncio.sleep(0.05)
+        logger.error(
+            "transaction %s still in progress after %.0f s; giving up waiting", xid, patience
+        )
+
+    async def migrate(self) -> None:
+        """Create or update plait's own tables (idempotent, safe to run concurrently)."""
+        async with self.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS plait_schema_version ("
+                " version INTEGER PRIMARY KEY, description TEXT NOT NULL,"
+                " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+            )
+            cur = await conn.execute("SELECT COALESCE(MAX(version), 0) FROM plait_schema_version")
+            row = await cur.fetchone()
+            current = row[0] if row else 0
+            if current > LATEST:
+                raise DatabaseUnavailableError(
+                    f"the database's plait schema is version {current}, newer than this plait "
+                    f"({LATEST}); upgrade plait before connecting it to this database"
+                )
+            for version, description, statements in MIGRATIONS:
+                if version <= current:
+                    continue
+                logger.info("applying plait schema migration %d: %s", version, description)
+                await conn.execute(statements)
+                await conn.execute(
+                    "INSERT INTO plait_schema_version (version, description) VALUES (%s, %s)",
+                    (version, description),
+                )
+
+    # -- instance map: compact ids for writer names in tokens -------------------------------
+
+    async def get_instance_ids(self, names: list[str]) -> dict[str, int]:
+        """Compact ids of `names`, registering new names (select first, insert if missing)."""
+        missing = sorted({n for n in names if n not in self._instance_ids})
+        if missing:
+            async with self.connection() as conn:
+                await self._load_instances(conn, "instance_name = ANY(%s)", missing)
+                for name in missing:
+                    if name in self._instance_ids:
+                        continue
+                    await conn.execute(
+                        "INSERT INTO instance_map (instance_name) VALUES (%s)"
+                        " ON CONFLICT (instance_name) DO NOTHING",
+                        (name,),
+                    )
+                await self._load_instances(conn, "instance_name = ANY(%s)", missing)
+        return {n: self._instance_ids[n] for n in names}
+
+    async def get_instance_names(self, ids: list[int]) -> dict[int, str]:
+        """Names of the known ids among `ids` (unknown ids are left out)."""
+        missing = sorted({i for i in ids if i not in self._instance_names})
+        if missing:
+            async with self.connection() as conn:
+                await self._load_instances(conn, "instance_id = ANY(%s)", missing)
+        return {i: self._instance_names[i] for i in ids if i in self._instance_names}
+
+    async def _load_instances(
+        self, conn: AsyncConnection[TupleRow], where: str, values: list[Any]
+    ) -> None:
+        cur = await conn.execute(
+            f"SELECT instance_id, instance_name FROM instance_map WHERE {where}", (values,)
+        )
+        for instance_id, name in await cur.fetchall():
+            self._instance_ids[name] = instance_id
+            self._instance_names[instance_id] = name
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Run `closer` when the database closes (generators stop their tasks this way)."""
+        self._closers.append(closer)
+
+    def forget_on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        if closer in self._closers:
+            self._closers.remove(closer)
+
+    async def close(self) -> None:
+        """Stop what uses the pool, close the pool, and release the embedded server."""
+        if self._closed:
+            return
+        self._closed = True
+        for closer in reversed(self._closers):
+            try:
+                await closer()
+            except Exception:
+                logger.exception("error while closing %r", closer)
+        self._closers.clear()
+        await self._pool.close()
+        if self._embedded is not None:
+            await asyncio.to_thread(self._embedded.release)
+
+    async def __aenter__(self) -> Database:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _finish(step: Awaitable[T]) -> T:
+    """Await `step` to its end even if we are cancelled meanwhile, then re-raise that."""
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages and logs."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparsable DSN>"
+    if "password" in params:
+        params["password"] = "***"
+    return make_conninfo("", **params)
+
+
+async def _probe(dsn: str) -> None:
+    """Connect once to turn a bad DSN or old server into one clear error."""
+    try:
+        conn = await AsyncConnection.connect(dsn, connect_timeout=10, autocommit=True)
+    except psycopg.ProgrammingError as err:
+        raise DatabaseUnavailableError(
+            f"invalid DSN {dsn!r}: {err}. Use a URI such as "
+            "postgresql://user@host:5432/dbname, or dsn=None for the embedded server"
+        ) from None
+    except psycopg.OperationalError as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise DatabaseUnavailableError(
+            f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. Check host, port, "
+            "user, password and database name, or pass dsn=None to use the embedded server"
+        ) from None
+    try:
+        version = conn.info.server_version
+    finally:
+        await conn.close()
+    if version < MIN_SERVER_VERSION:
+        raise DatabaseUnavailableError(
+            f"PostgreSQL {version // 10000} at {redact(dsn)} is too old: plait needs 14 or newer"
+        )

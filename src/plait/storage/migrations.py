@@ -1,0 +1,40 @@
+"""plait's own schema, as numbered migrations applied in order, once each.
+
+Append new migrations at the end; never edit one that has shipped. `Database.migrate`
+applies the missing ones under an advisory lock, so processes starting together do not
+race each other.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (
+        1,
+        "stream positions, instance map and stream specs",
+        """
+        CREATE TABLE IF NOT EXISTS stream_positions (
+            stream_name TEXT NOT NULL,
+            instance_name TEXT NOT NULL,
+            stream_id BIGINT NOT NULL,
+            CONSTRAINT stream_positions_uniq UNIQUE (stream_name, instance_name)
+        );
+        CREATE TABLE IF NOT EXISTS instance_map (
+            instance_id SERIAL PRIMARY KEY,
+            instance_name TEXT NOT NULL UNIQUE
+        );
+        CREATE TABLE IF NOT EXISTS plait_streams (
+            stream_name TEXT PRIMARY KEY,
+            sequence_name TEXT NOT NULL,
+            backwards BOOLEAN NOT NULL,
+            writers JSONB NOT NULL,
+            tables JSONB NOT NULL,
+            updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+        );
+        """,
+    ),
+)
+
+LATEST = MIGRATIONS[-1][0]
+
+# Any 64-bit number unlikely to clash with an application's own advisory locks.
+MIGRATION_LOCK = 0x706C616974_01  # "plait", 1

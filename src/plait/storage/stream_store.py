@@ -1,0 +1,465 @@
+"""All SQL about one stream: its sequence, its rows in `stream_positions`, its tables.
+
+Values cross this module's boundary in the *internal* domain (always growing); a
+backwards stream's stored IDs and positions are negated here and nowhere else. Reads
+that look for rows by ID go through the required (instance, id) index one writer at a
+time (a loose index scan), so start-up never scans a whole table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import AsyncConnection, sql
+from psycopg.rows import TupleRow, dict_row
+
+from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
+from plait.errors import SchemaError, SequenceBehindError
+from plait.storage.database import Database, Transaction
+from plait.streams.spec import StreamSpec, TableSpec
+
+logger = logging.getLogger(__name__)
+
+_INTEGER_TYPES = {"bigint", "integer", "smallint"}
+_TEXT_TYPES = {"text", "character varying", "character", "name"}
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRow:
+    """One row of a stream table. `stream_id` is as stored (negative when backwards)."""
+
+    stream_id: int
+    instance_name: str
+    table: str
+    data: dict[str, Any]
+
+
+def _ident(name: str) -> sql.Identifier:
+    return sql.Identifier(*name.split("."))
+
+
+def _regclass(name: str) -> str:
+    # Names are validated by StreamSpec (no quotes), so this quoting is exact.
+    return ".".join(f'"{part}"' for part in name.split("."))
+
+
+class _Table:
+    """SQL fragments for one table of a stream."""
+
+    def __init__(self, spec: TableSpec, backwards: bool) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.table = _ident(spec.name)
+        self.id = sql.Identifier(spec.id_column)
+        self.inst = sql.Identifier(spec.instance_column)
+        self.backwards = backwards
+        # Forwards: internal = stored, "above x" is `> x`, ascending order.
+        # Backwards: internal = -stored, "above x" is `< -x`, descending order.
+        self.above = sql.SQL("<" if backwards else ">")
+        self.at_most = sql.SQL(">=" if backwards else "<=")
+        self.order = sql.SQL("DESC" if backwards else "ASC")
+        self.extreme = sql.SQL("MIN" if backwards else "MAX")
+        self.indexed = True
+
+    def stored(self, internal: int) -> int:
+        return -internal if self.backwards else internal
+
+    def _writers_cte(self) -> sql.Composed:
+        # Distinct writer names through the (instance, id) index, one probe per name.
+        return sql.SQL(
+            "WITH RECURSIVE w(name) AS ("
+            " (SELECT {inst} FROM {t} ORDER BY {inst} LIMIT 1)"
+            " UNION ALL"
+            " SELECT (SELECT {inst} FROM {t} WHERE {inst} > w.name ORDER BY {inst} LIMIT 1)"
+            " FROM w WHERE w.name IS NOT NULL) "
+        ).format(inst=self.inst, t=self.table)
+
+    def max_query(self) -> sql.Composed:
+        if not self.indexed:
+            return sql.SQL("SELECT {agg}({id}) FROM {t}").format(
+                agg=self.extreme, id=self.id, t=self.table
+            )
+        return self._writers_cte() + sql.SQL(
+            "SELECT {agg}(x.m) FROM w CROSS JOIN LATERAL"
+            " (SELECT {agg}({id}) AS m FROM {t} WHERE {inst} = w.name) x"
+            " WHERE w.name IS NOT NULL"
+        ).format(agg=self.extreme, id=self.id, t=self.table, inst=self.inst)
+
+    def ids_above_query(self) -> sql.Composed:
+        """IDs above %(floor)s, lowest first, at most %(n)s, with their writer."""
+        if not self.indexed:
+            return sql.SQL(
+                "SELECT {id}, {inst} FROM {t} WHERE {id} {above} %(floor)s"
+                " ORDER BY {id} {order} LIMIT %(n)s"
+            ).format(id=self.id, inst=self.inst, t=self.table, above=self.above, order=self.order)
+        return self._writers_cte() + sql.SQL(
+            "SELECT x.id, w.name FROM w CROSS JOIN LATERAL"
+            " (SELECT {id} AS id FROM {t} WHERE {inst} = w.name AND {id} {above} %(floor)s"
+            "  ORDER BY {id} {order} LIMIT %(n)s) x"
+            " WHERE w.name IS NOT NULL ORDER BY x.id {order} LIMIT %(n)s"
+        ).format(id=self.id, inst=self.inst, t=self.table, above=self.above, order=self.order)
+
+    def own_max_above_query(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT {agg}({id}) FROM {t} WHERE {inst} = %(inst)s AND {id} {above} %(floor)s"
+        ).format(agg=self.extreme, id=self.id, t=self.table, inst=self.inst, above=self.above)
+
+    def range_query(self, by_writer: bool) -> sql.Composed:
+        writer = (
+            sql.SQL("{inst} = %(writer)s AND ").format(inst=self.inst) if by_writer else sql.SQL("")
+        )
+        return sql.SQL(
+            "SELECT * FROM {t} WHERE {writer}{id} {above} %(lo)s AND {id} {at_most} %(hi)s"
+            " ORDER BY {id} {order} LIMIT %(n)s"
+        ).format(
+            t=self.table,
+            writer=writer,
+            id=self.id,
+            above=self.above,
+            at_most=self.at_most,
+            order=self.order,
+        )
+
+    def whole_id_query(self, by_writer: bool) -> sql.Composed:
+        writer = (
+            sql.SQL("{inst} = %(writer)s AND ").format(inst=self.inst) if by_writer else sql.SQL("")
+        )
+        return sql.SQL("SELECT * FROM {t} WHERE {writer}{id} = %(id)s").format(
+            t=self.table, writer=writer, id=self.id
+        )
+
+
+class StreamStore:
+    """The database side of one stream, for `MultiWriterIdGenerator` and readers."""
+
+    def __init__(self, db: Database, spec: StreamSpec) -> None:
+        self.db = db
+        self.spec = spec
+        self._sign = spec.sign
+        self._seq = _ident(spec.sequence)
+        self._seq_regclass = _regclass(spec.sequence)
+        self._tables = [_Table(t, spec.backwards) for t in spec.tables]
+
+    # -- start-up checks ------------------------------------------------------------------
+
+    async def check_tables(self) -> None:
+        """Every table and column exists with a usable type; warn about a missing index."""
+        async with self.db.connection() as conn:
+            for table in self._tables:
+                await self._check_table(conn, table)
+
+    async def _check_table(self, conn: AsyncConnection[TupleRow], table: _Table) -> None:
+        spec = table.spec
+        cur = await conn.execute("SELECT to_regclass(%s)::oid", (_regclass(spec.name),))
+        row = await cur.fetchone()
+        if row is None or row[0] is None:
+            raise SchemaError(
+                f"stream {self.spec.name!r}: table {spec.name!r} does not exist. Create it "
+                f"with a BIGINT {spec.id_column!r} column and a TEXT {spec.instance_column!r} "
+                "column, or fix the table name in the StreamSpec"
+            )
+        oid = row[0]
+        cur = await conn.execute(
+            "SELECT attname, attnum, format_type(atttypid, NULL) FROM pg_attribute"
+            " WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
+            (oid,),
+        )
+        columns = {name: (num, kind) for name, num, kind in await cur.fetchall()}
+        for column, allowed, wanted in (
+            (spec.id_column, _INTEGER_TYPES, "BIGINT"),
+            (spec.instance_column, _TEXT_TYPES, "TEXT"),
+        ):
+            if column not in columns:
+                raise SchemaError(
+                    f"stream {self.spec.name!r}: table {spec.name!r} has no column {column!r} "
+                    f"(it has {', '.join(sorted(columns))}). Add a {wanted} column {column!r} "
+                    "or fix the column name in the TableSpec"
+                )
+            if columns[column][1] not in allowed:
+                raise SchemaError(
+                    f"stream {self.spec.name!r}: column {spec.name}.{column} is "
+                    f"{columns[column][1]}, but plait needs {wanted}"
+                )
+        if columns[spec.id_column][1] != "bigint":
+            logger.warning(
+                "stream %s: %s.%s is %s; BIGINT is recommended",
+                self.spec.name,
+                spec.name,
+                spec.id_column,
+                columns[spec.id_column][1],
+            )
+        cur = await conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indrelid = %s AND indisvalid"
+            " AND indpred IS NULL AND indkey[0] = %s AND indkey[1] = %s)",
+            (oid, columns[spec.instance_column][0], columns[spec.id_column][0]),
+        )
+        row = await cur.fetchone()
+        table.indexed = bool(row and row[0])
+        if not table.indexed:
+            logger.warning(
+                "stream %s: table %s has no index on (%s, %s), so start-up and per-writer "
+                "reads scan it; create one with: CREATE INDEX CONCURRENTLY ON %s (%s, %s)",
+                self.spec.name,
+                spec.name,
+                spec.instance_column,
+                spec.id_column,
+                spec.name,
+                spec.instance_column,
+                spec.id_column,
+            )
+
+    async def ensure_sequence(self) -> bool:
+        """Create the sequence if missing, then take ID 1 so the first real ID is 2."""
+        async with self.db.connection() as conn, conn.transaction():
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                (f"plait:sequence:{self.spec.sequence}",),
+            )
+            cur = await conn.execute("SELECT to_regclass(%s)", (self._seq_regclass,))
+            row = await cur.fetchone()
+            if row is not None and row[0] is not None:
+                return False
+            logger.info("creating sequence %s for stream %s", self.spec.sequence, self.spec.name)
+            await conn.execute(sql.SQL("CREATE SEQUENCE {}").format(self._seq))
+            await conn.execute("SELECT nextval(%s::regclass)", (self._seq_regclass,))
+            return True
+
+    async def record_spec(self) -> None:
+        """Record the spec so database-only readers (Spark) find the stream by name."""
+        spec = self.spec.to_json()
+        async with self.db.connection() as conn:
+            await conn.execute(
+                "INSERT INTO plait_streams (stream_name, sequence_name, backwards, writers, tables)"
+                " VALUES (%s, %s, %s, %s::jsonb, %s::jsonb)"
+                " ON CONFLICT (stream_name) DO UPDATE SET sequence_name = EXCLUDED.sequence_name,"
+                " backwards = EXCLUDED.backwards, writers = EXCLUDED.writers,"
+                " tables = EXCLUDED.tables, updated_at = now()"
+                " WHERE (plait_streams.sequence_name, plait_streams.backwards,"
+                " plait_streams.writers, plait_streams.tables) IS DISTINCT FROM"
+                " (EXCLUDED.sequence_name, EXCLUDED.backwards, EXCLUDED.writers, EXCLUDED.tables)",
+                (
+                    self.spec.name,
+                    self.spec.sequence,
+                    self.spec.backwards,
+                    json.dumps(spec["writers"]),
+                    json.dumps(spec["tables"]),
+                ),
+            )
+
+    async def sequence_head(self) -> int:
+        """The largest ID the sequence has handed out."""
+        async with self.db.connection() as conn:
+            cur = await conn.execute(
+                sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        last, called = row
+        return int(last) if called else int(last) - 1
+
+    async def table_max(self) -> int | None:
+        """The largest stored ID over all tables (internal domain), None if all are empty."""
+        best: int | None = None
+        async with self.db.connection() as conn:
+            for table in self._tables:
+                row = await (await conn.execute(table.max_query())).fetchone()
+                if row is not None and row[0] is not None:
+                    value = self._sign * int(row[0])
+                    best = value if best is None else max(best, value)
+        return best
+
+    async def check_sequence(self, table_max: int | None) -> None:
+        """R-ST-4: move a lagging sequence up; refuse when positions are ahead of it."""
+        head = await self.sequence_head()
+        if table_max is not None and table_max > head:
+            logger.warning(
+                "stream %s: sequence %s is at %d but its tables hold ID %d; moving the "
+                "sequence up to %d so no ID is handed out twice",
+                self.spec.name,
+                self.spec.sequence,
+                head,
+                table_max,
+                table_max,
+            )
+            async with self.db.connection() as conn, conn.transaction():
+                await conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                    (f"plait:sequence:{self.spec.sequence}",),
+                )
+                await conn.execute(
+                    sql.SQL(
+                        "SELECT setval(%s::regclass, %s) WHERE (SELECT last_value FROM {}) < %s"
+                    ).format(self._seq),
+                    (self._seq_regclass, table_max, table_max),
+                )
+            head = await self.sequence_head()
+        if self.spec.any_writer:
+            return
+        async with self.db.connection() as conn:
+            cur = await conn.execute(
+                "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s"
+                " ORDER BY stream_id " + ("ASC" if self.spec.backwards else "DESC") + " LIMIT 1",
+                (self.spec.name,),
+            )
+            row = await cur.fetchone()
+        if row is not None and self._sign * int(row[1]) > head:
+            raise SequenceBehindError(
+                f"stream {self.spec.name!r}: stream_positions records writer {row[0]!r} at "
+                f"{row[1]}, but sequence {self.spec.sequence!r} has only handed out up to "
+                f"{self._sign * head}. The sequence was reset or restored from an older backup, "
+                "and allocating now would reuse IDs. To recover: stop every writer of the "
+                "stream, run DELETE FROM stream_positions WHERE stream_name = "
+                f"'{self.spec.name}'; and start the writers again"
+            )
+
+    # -- positions ------------------------------------------------------------------------
+
+    async def load_positions(self, drop_others: bool) -> dict[str, int]:
+        """Writer positions from `stream_positions`; with `drop_others`, rows of writers
+        no longer configured are deleted first (a writer added back starts afresh)."""
+        async with self.db.connection() as conn:
+            if drop_others:
+                await conn.execute(
+                    "DELETE FROM stream_positions WHERE stream_name = %s"
+                    " AND NOT (instance_name = ANY(%s))",
+                    (self.spec.name, list(self.spec.writers)),
+                )
+            cur = await conn.execute(
+                "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
+                (self.spec.name,),
+            )
+            rows = await cur.fetchall()
+        writers = set(self.spec.writers)
+        return {name: self._sign * int(value) for name, value in rows if name in writers}
+
+    async def upsert_position(self, instance: str, position: int, *, durable: bool) -> None:
+        """Move `instance`'s row forwards to `position` (never backwards).
+
+        Position rows are hints that start-up re-derives from the tables when they are
+        stale, so routine updates use asynchronous commit and never wait for a disk flush.
+        """
+        query = (
+            "INSERT INTO stream_positions (stream_name, instance_name, stream_id)"
+            " VALUES (%s, %s, %s) ON CONFLICT (stream_name, instance_name)"
+            " DO UPDATE SET stream_id = EXCLUDED.stream_id WHERE stream_positions.stream_id "
+            + ("> EXCLUDED.stream_id" if self.spec.backwards else "< EXCLUDED.stream_id")
+        )
+        params = (self.spec.name, instance, self._sign * position)
+        async with self.db.connection() as conn:
+            if durable:
+                await conn.execute(query, params)
+                return
+            async with conn.pipeline(), conn.transaction():
+                await conn.execute("SET LOCAL synchronous_commit TO off")
+                await conn.execute(query, params)
+
+    # -- rows seen at start-up ---------------------------------------------------------------
+
+    async def ids_above(self, floor: int, limit: int) -> tuple[list[int], int, bool]:
+        """Committed IDs above `floor`, lowest first, complete up to a cutoff.
+
+        Returns (ids, cutoff, more): every committed ID in (floor, cutoff] is in `ids`, and
+        `more` says whether there may be IDs above the cutoff.
+        """
+        found: list[int] = []
+        cutoff: int | None = None
+        exhausted = True
+        async with self.db.connection() as conn:
+            for table in self._tables:
+                cur = await conn.execute(
+                    table.ids_above_query(), {"floor": table.stored(floor), "n": limit}
+                )
+                ids = [self._sign * int(r[0]) for r in await cur.fetchall()]
+                found.extend(ids)
+                if len(ids) >= limit:
+                    exhausted = False
+                    cutoff = ids[-1] if cutoff is None else min(cutoff, ids[-1])
+        if exhausted:
+            return sorted(found), max(found, default=floor), False
+        assert cutoff is not None
+        return sorted(i for i in found if i <= cutoff), cutoff, True
+
+    async def own_max_above(self, instance: str, floor: int) -> int | None:
+        best: int | None = None
+        async with self.db.connection() as conn:
+            for table in self._tables:
+                cur = await conn.execute(
+                    table.own_max_above_query(), {"inst": instance, "floor": table.stored(floor)}
+                )
+                row = await cur.fetchone()
+                if row is not None and row[0] is not None:
+                    value = self._sign * int(row[0])
+                    best = value if best is None else max(best, value)
+        return best
+
+    # -- allocation ------------------------------------------------------------------------
+
+    async def allocate(self, n: int) -> list[int]:
+        """`n` new IDs from the sequence in one round trip, sorted."""
+        async with self.db.connection() as conn:
+            cur = await conn.execute(
+                "SELECT nextval(%s::regclass) FROM generate_series(1, %s)",
+                (self._seq_regclass, n),
+            )
+            return sorted(int(r[0]) for r in await cur.fetchall())
+
+    async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
+        """`n` new IDs in the caller's transaction; also learns the transaction's xid."""
+        cur = await txn.execute(
+            "SELECT nextval(%s::regclass), pg_current_xact_id()::text FROM generate_series(1, %s)",
+            (self._seq_regclass, n),
+        )
+        rows = await cur.fetchall()
+        if rows:
+            txn.xid = rows[0][1]
+        return sorted(int(r[0]) for r in rows)
+
+    # -- range reads -----------------------------------------------------------------------
+
+    async def read_page(
+        self, writer: str | None, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> Page[StreamRow]:
+        """Rows with IDs in (from, to] (internal domain), of one writer or of all."""
+        by_writer = writer is not None
+        pages: list[TablePage[StreamRow]] = []
+        complete: set[int] = set()
+        async with self.db.connection() as conn:
+            for table in self._tables:
+                params: dict[str, Any] = {
+                    "writer": writer,
+                    "lo": table.stored(from_exclusive),
+                    "hi": table.stored(to_inclusive),
+                    "n": limit,
+                }
+                rows = await self._fetch_rows(conn, table.range_query(by_writer), params, table)
+                page = TablePage(
+                    ids=[self._sign * r.stream_id for r in rows], rows=rows, limit=limit
+                )
+                whole = needs_whole_id(page)
+                if whole is not None:
+                    rows = await self._fetch_rows(
+                        conn,
+                        table.whole_id_query(by_writer),
+                        {"writer": writer, "id": table.stored(whole)},
+                        table,
+                    )
+                    page = TablePage(ids=[whole] * len(rows), rows=rows, limit=limit)
+                    complete.add(whole)
+                pages.append(page)
+        return merge_pages(pages, to_inclusive, limit, frozenset(complete))
+
+    async def _fetch_rows(
+        self,
+        conn: AsyncConnection[TupleRow],
+        query: sql.Composed,
+        params: dict[str, Any],
+        table: _Table,
+    ) -> list[StreamRow]:
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(query, params)
+            records = await cur.fetchall()
+        id_col, inst_col = table.spec.id_column, table.spec.instance_column
+        return [StreamRow(int(r[id_col]), r[inst_col], table.name, r) for r in records]

@@ -1,0 +1,100 @@
+"""Concurrent allocations on one writer share sequence round trips (R-ID-13).
+
+Callers queue requests; one fetch at a time asks the sequence for the sum of everything
+queued and hands each caller its slice. No lock is held across the round trip: the
+tracker is told a fetch is in flight before the request leaves, so the writer's position
+cannot pass IDs that are on their way back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from plait.core.positions import PositionTracker, SequenceWentBackwardsError
+from plait.errors import SequenceBehindError
+
+logger = logging.getLogger(__name__)
+
+Fetch = Callable[[int], Awaitable[list[int]]]
+
+
+class IdAllocator:
+    """Batches `allocate(n)` calls into shared `fetch(total)` round trips."""
+
+    def __init__(
+        self, tracker: PositionTracker, fetch: Fetch, give_back: Callable[[list[int]], None]
+    ) -> None:
+        self._tracker = tracker
+        self._fetch = fetch
+        # IDs whose caller went away (cancelled) complete at once, with no rows.
+        self._give_back = give_back
+        self._queue: list[tuple[int, asyncio.Future[list[int]]]] = []
+        self._pump: asyncio.Task[None] | None = None
+        self.round_trips = 0
+
+    async def allocate(self, n: int) -> list[int]:
+        future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._queue.append((n, future))
+        if self._pump is None:
+            self._pump = asyncio.create_task(self._run(), name="plait-id-allocator")
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._give_back(future.result())
+            raise
+
+    async def _run(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                await self._serve(batch)
+        finally:
+            self._pump = None
+
+    async def _serve(self, batch: list[tuple[int, asyncio.Future[list[int]]]]) -> None:
+        ticket = self._tracker.begin_fetch()
+        try:
+            self.round_trips += 1
+            ids = await self._fetch(sum(n for n, _ in batch))
+        except asyncio.CancelledError:
+            self._tracker.end_fetch(ticket, [])
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as err:
+            self._tracker.end_fetch(ticket, [])
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        try:
+            self._tracker.end_fetch(ticket, ids)
+        except SequenceWentBackwardsError as err:
+            logger.error("%s", err)
+            failure = SequenceBehindError(
+                f"{err}. Allocation refused to avoid handing out an ID twice: stop all writers "
+                "and restart them so the sequence is checked and repaired"
+            )
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(failure)
+            return
+        start = 0
+        for n, future in batch:
+            part = ids[start : start + n]
+            start += n
+            if future.done():
+                self._give_back(part)
+            else:
+                future.set_result(part)
+
+    async def close(self) -> None:
+        pump = self._pump
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump

@@ -1,0 +1,346 @@
+"""`MultiWriterIdGenerator`: allocate stream IDs on one writer and follow every writer.
+
+This wires small parts together: a `PositionTracker` (pure position logic), a
+`StreamStore` (all SQL), an `IdAllocator` (shared round trips) and a `PositionWriter`
+(the background upserts of this writer's row). Public values are signed: a backwards
+stream shows negative IDs and positions, and `advance` takes them that way too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from plait.core.positions import PositionTracker
+from plait.errors import ConfigError, NotAWriterError
+from plait.storage.database import Database, Transaction
+from plait.storage.stream_store import StreamRow, StreamStore
+from plait.streams.allocator import IdAllocator
+from plait.streams.position_writer import PositionWriter
+from plait.streams.spec import StreamSpec
+
+logger = logging.getLogger(__name__)
+
+# IDs read per query while looking for rows above the loaded positions at start-up.
+STARTUP_PAGE = 10_000
+DEFAULT_BATCH = 100
+
+
+class MultiWriterIdGenerator:
+    """Stream IDs for one writer of a multi-writer stream, and the positions of all.
+
+    Create with `await MultiWriterIdGenerator.create(db, spec, instance_name)`.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        spec: StreamSpec,
+        instance_name: str,
+        store: StreamStore,
+        tracker: PositionTracker,
+        *,
+        position_flush_interval: float,
+        follow_database: bool,
+    ) -> None:
+        self._db = db
+        self._spec = spec
+        self._instance = instance_name
+        self._store = store
+        self._tracker = tracker
+        self._sign = spec.sign
+        self._allocator = IdAllocator(tracker, store.allocate, self._finish)
+        # Any-writer streams keep no position rows (R-ID-12).
+        self._keeps_rows = bool(spec.writers)
+        self._position_writer: PositionWriter | None = None
+        if self._keeps_rows and (tracker.is_writer or follow_database):
+            self._position_writer = PositionWriter(
+                current=lambda: tracker.local_position,
+                upsert=self._store_own_position if tracker.is_writer else None,
+                refresh=self.refresh_positions if follow_database else None,
+                interval=position_flush_interval,
+                written=tracker.local_position,
+                name=f"{spec.name}/{instance_name}",
+            )
+        self._closed = False
+
+    @classmethod
+    async def create(
+        cls,
+        db: Database,
+        spec: StreamSpec,
+        instance_name: str,
+        *,
+        position_flush_interval: float = 1.0,
+        follow_database: bool = True,
+    ) -> MultiWriterIdGenerator:
+        """Check the stream's tables and sequence, load positions, register this writer.
+
+        `position_flush_interval` bounds how stale this writer's row in `stream_positions`
+        gets while it is idle. With `follow_database` the generator also refreshes the
+        other writers' positions from the database that often (needed when no
+        replication feeds it).
+        """
+        if not isinstance(spec, StreamSpec):
+            raise ConfigError(f"spec must be a StreamSpec, not {type(spec).__name__}")
+        if not isinstance(instance_name, str) or not instance_name.strip():
+            raise ConfigError(f"instance_name must be a non-empty string, not {instance_name!r}")
+        if position_flush_interval <= 0:
+            raise ConfigError("position_flush_interval must be positive (seconds)")
+        store = StreamStore(db, spec)
+        logger.info(
+            "stream %s: starting as %s; checking tables and sequence %s",
+            spec.name,
+            instance_name,
+            spec.sequence,
+        )
+        await store.check_tables()
+        await store.ensure_sequence()
+        await store.record_spec()
+        table_max = await store.table_max()
+        await store.check_sequence(table_max)
+        logger.info("stream %s: loading positions", spec.name)
+        tracker = await _load_tracker(store, spec, instance_name, table_max)
+        gen = cls(
+            db,
+            spec,
+            instance_name,
+            store,
+            tracker,
+            position_flush_interval=position_flush_interval,
+            follow_database=follow_database,
+        )
+        if gen._keeps_rows and tracker.is_writer:
+            # Registered before the first allocation, so database-only readers know
+            # every live writer.
+            await store.upsert_position(instance_name, tracker.local_position, durable=True)
+        gen._start()
+        logger.info(
+            "stream %s: %s ready; persisted up to %d, positions %s",
+            spec.name,
+            instance_name,
+            gen.get_persisted_upto_position(),
+            gen.get_positions(),
+        )
+        return gen
+
+    # -- identity ----------------------------------------------------------------------
+
+    @property
+    def spec(self) -> StreamSpec:
+        return self._spec
+
+    @property
+    def stream_name(self) -> str:
+        return self._spec.name
+
+    @property
+    def instance_name(self) -> str:
+        return self._instance
+
+    @property
+    def backwards(self) -> bool:
+        return self._spec.backwards
+
+    @property
+    def is_writer(self) -> bool:
+        return self._tracker.is_writer
+
+    @property
+    def store(self) -> StreamStore:
+        return self._store
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def get_next(self) -> AbstractAsyncContextManager[int]:
+        """`async with gen.get_next() as stream_id:` write rows, then the ID completes."""
+        self._check_writer()
+        return self._one()
+
+    def get_next_mult(self, n: int) -> AbstractAsyncContextManager[list[int]]:
+        """Like `get_next`, for `n` IDs taken in one round trip."""
+        self._check_writer()
+        _check_count(n)
+        return self._many(n)
+
+    async def get_next_txn(self, txn: Transaction) -> int:
+        """An ID inside the caller's transaction; it completes after commit or rollback."""
+        return (await self.get_next_mult_txn(txn, 1))[0]
+
+    async def get_next_mult_txn(self, txn: Transaction, n: int) -> list[int]:
+        self._check_writer()
+        _check_count(n)
+        ticket = self._tracker.begin_fetch()
+        try:
+            ids = await self._store.allocate_in(txn, n)
+        except BaseException:
+            self._tracker.end_fetch(ticket, [])
+            raise
+        self._tracker.end_fetch(ticket, ids)
+        txn.call_after(lambda: self._finish(ids))
+        txn.call_on_exception(lambda: self._finish(ids))
+        return [self._sign * i for i in ids]
+
+    @asynccontextmanager
+    async def _one(self) -> AsyncIterator[int]:
+        ids = await self._allocator.allocate(1)
+        try:
+            yield self._sign * ids[0]
+        finally:
+            self._finish(ids)
+
+    @asynccontextmanager
+    async def _many(self, n: int) -> AsyncIterator[list[int]]:
+        ids = await self._allocator.allocate(n)
+        try:
+            yield [self._sign * i for i in ids]
+        finally:
+            self._finish(ids)
+
+    def _finish(self, ids: list[int]) -> None:
+        before = self._tracker.local_position
+        self._tracker.complete(ids)
+        if self._position_writer is not None and self._tracker.local_position != before:
+            self._position_writer.poke()
+
+    def _check_writer(self) -> None:
+        if self._closed:
+            raise ConfigError(f"generator for stream {self._spec.name!r} is closed")
+        if not self._tracker.is_writer:
+            raise NotAWriterError(
+                f"instance {self._instance!r} is not a writer of stream {self._spec.name!r} "
+                f"(its writers are {list(self._spec.writers)}); allocate from one of those "
+                "instances, or add this one to the stream's writers"
+            )
+
+    # -- positions -------------------------------------------------------------------------
+
+    def get_current_token(self) -> int:
+        """Persisted-up-to: every ID at or below it has completed, on every writer."""
+        return self._sign * self._tracker.persisted_upto
+
+    def get_persisted_upto_position(self) -> int:
+        return self._sign * self._tracker.persisted_upto
+
+    def get_current_token_for_writer(self, instance_name: str) -> int:
+        """A safe position for one writer (for this instance: idle-advanced)."""
+        return self._sign * self._tracker.position_of(instance_name)
+
+    def get_minimal_local_current_token(self) -> int:
+        """This writer's position from its own completed writes only."""
+        return self._sign * self._tracker.last_local_write
+
+    def get_positions(self) -> dict[str, int]:
+        return {w: self._sign * p for w, p in self._tracker.positions().items()}
+
+    def advance(self, instance_name: str, position: int) -> None:
+        """Another writer reached `position` (signed); never moves anything backwards."""
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise ConfigError(f"position must be an int, not {position!r}")
+        internal = self._sign * position
+        if internal < 1:
+            raise ConfigError(
+                f"position {position} of {instance_name!r} is not a valid position of "
+                f"{'a backwards' if self.backwards else 'a'} stream"
+            )
+        self._tracker.advance(instance_name, internal)
+
+    async def get_max_allocated_token(self) -> int:
+        """The largest ID the sequence has handed out (signed)."""
+        return self._sign * await self._store.sequence_head()
+
+    async def refresh_positions(self) -> None:
+        """Learn the other writers' positions from `stream_positions`."""
+        if not self._keeps_rows:
+            return
+        for writer, position in (await self._store.load_positions(drop_others=False)).items():
+            if writer != self._instance or not self._tracker.is_writer:
+                self._tracker.advance(writer, position)
+
+    async def flush_position(self) -> None:
+        """Store this writer's current position now (it is otherwise stored in the
+        background after each write and every `position_flush_interval`)."""
+        if self._position_writer is not None and self._tracker.is_writer:
+            await self._position_writer.flush()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def get_updates_since(
+        self,
+        writer: str | None,
+        from_exclusive: int,
+        to_inclusive: int,
+        limit: int = DEFAULT_BATCH,
+    ) -> tuple[list[StreamRow], int, bool]:
+        """Rows with IDs in (from, to] of one writer (or of all with `writer=None`).
+
+        Returns (rows sorted by ID, upto, limited). When limited, every row with ID <= upto
+        is included and reading on from upto skips nothing.
+        """
+        _check_count(limit)
+        low, high = self._sign * from_exclusive, self._sign * to_inclusive
+        if high <= low:
+            return [], to_inclusive, False
+        page = await self._store.read_page(writer, low, high, limit)
+        return page.rows, self._sign * page.upto, page.limited
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._position_writer is not None:
+            self._position_writer.start()
+        self._db.on_close(self.close)
+
+    async def _store_own_position(self, position: int) -> None:
+        await self._store.upsert_position(self._instance, position, durable=False)
+
+    async def close(self) -> None:
+        """Stop background work and store the final position."""
+        if self._closed:
+            return
+        self._closed = True
+        self._db.forget_on_close(self.close)
+        await self._allocator.close()
+        if self._position_writer is not None:
+            await self._position_writer.stop(final_flush=self._tracker.is_writer)
+
+    async def __aenter__(self) -> MultiWriterIdGenerator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _check_count(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"expected a positive number of IDs or rows, not {n!r}")
+
+
+async def _load_tracker(
+    store: StreamStore, spec: StreamSpec, instance: str, table_max: int | None
+) -> PositionTracker:
+    """Positions from `stream_positions` plus rows above them, without scanning (R-ID-9)."""
+    positions = await store.load_positions(drop_others=True) if spec.writers else {}
+    writers = spec.writers or None
+    if not positions:
+        floor = max(1, table_max or 1)
+        return PositionTracker(instance, writers=writers, floor=floor)
+    floor = min(positions.values())
+    if writers is not None and instance in writers:
+        own = await store.own_max_above(instance, positions.get(instance, floor))
+        if own is not None:
+            positions[instance] = max(positions.get(instance, own), own)
+    tracker = PositionTracker(
+        instance, writers=writers, floor=floor, positions=positions, seat=False
+    )
+    start = floor
+    while True:
+        ids, cutoff, more = await store.ids_above(start, STARTUP_PAGE)
+        tracker.observe_completed(ids)
+        # Past the first gap, more rows cannot move persisted-up-to: stop reading.
+        if not more or tracker.persisted_upto < cutoff:
+            break
+        start = cutoff
+    tracker.seat_writers()
+    return tracker

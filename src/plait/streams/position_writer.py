@@ -1,0 +1,96 @@
+"""Keeps a writer's row in `stream_positions` current, off the write path (R-ID-8).
+
+After a write completes the writer is poked; one background task upserts the newest
+position, so at most one upsert is in flight and a burst of writes costs about one.
+Every `interval` it also refreshes the other writers' positions from the database (so
+an idle writer learns how far the others got) and flushes its idle-advanced position
+if that moved: readers that only see the database never stall on an idle writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+
+class PositionWriter:
+    def __init__(
+        self,
+        *,
+        current: Callable[[], int],
+        upsert: Callable[[int], Awaitable[None]] | None,
+        refresh: Callable[[], Awaitable[None]] | None,
+        interval: float,
+        written: int,
+        name: str,
+    ) -> None:
+        self._current = current
+        self._upsert = upsert
+        self._refresh = refresh
+        self._interval = interval
+        self._written = written
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._name = name
+        self.upserts = 0
+
+    @property
+    def written(self) -> int:
+        """The last position this writer stored."""
+        return self._written
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"plait-positions-{self._name}")
+
+    def poke(self) -> None:
+        """A write completed: store the new position soon."""
+        self._wake.set()
+
+    async def flush(self) -> None:
+        value = self._current()
+        if self._upsert is not None and value > self._written:
+            await self._upsert(value)
+            self._written = max(self._written, value)
+            self.upserts += 1
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time() + self._interval
+        failures = 0
+        while True:
+            try:
+                async with asyncio.timeout(max(0.0, next_tick - loop.time())):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                if loop.time() >= next_tick:
+                    next_tick = loop.time() + self._interval
+                    if self._refresh is not None:
+                        await self._refresh()
+                await self.flush()
+                failures = 0
+            except Exception as err:
+                failures += 1
+                log = logger.warning if failures in (1, 10) or failures % 100 == 0 else logger.debug
+                log("%s: could not update stream_positions (%s); retrying", self._name, err)
+                await asyncio.sleep(min(self._interval, 0.5 * failures))
+                self._wake.set()
+
+    async def stop(self, *, final_flush: bool = True) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if final_flush:
+            try:
+                async with asyncio.timeout(5):
+                    await self.flush()
+            except Exception as err:
+                logger.warning("%s: final position flush failed: %s", self._name, err)

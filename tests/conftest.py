@@ -1,0 +1,68 @@
+"""Test fixtures: a real PostgreSQL for every test that needs one, never a mock.
+
+The server is `PLAIT_TEST_DSN` when set, else the embedded server from the pip wheel,
+started once per session. Each test gets its own schema (through `search_path` in the
+DSN), so tests, and the processes they start, never see each other's tables.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from plait import Database
+from plait.storage.embedded import EmbeddedPostgres
+
+
+@pytest.fixture(scope="session")
+def server_dsn() -> Iterator[str]:
+    dsn = os.environ.get("PLAIT_TEST_DSN")
+    if dsn:
+        yield dsn
+        return
+    base = Path(tempfile.mkdtemp(prefix="plait-test-pg-"))
+    base.chmod(0o755)  # the server's user (when run as root) must reach its data dir
+    server = EmbeddedPostgres.acquire(base / "pgdata")
+    try:
+        yield server.dsn
+    finally:
+        server.release()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def with_search_path(dsn: str, schema: str) -> str:
+    params = conninfo_to_dict(dsn)
+    options = str(params.get("options", "") or "")
+    params["options"] = f"{options} -c search_path={schema}".strip()
+    return make_conninfo("", **params)
+
+
+@pytest.fixture
+async def dsn(server_dsn: str) -> AsyncIterator[str]:
+    """A DSN whose search_path is a fresh, empty schema."""
+    schema = f"plait_test_{uuid.uuid4().hex[:12]}"
+    async with await psycopg.AsyncConnection.connect(server_dsn, autocommit=True) as conn:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield with_search_path(server_dsn, schema)
+    finally:
+        async with await psycopg.AsyncConnection.connect(server_dsn, autocommit=True) as conn:
+            await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.fixture
+async def db(dsn: str) -> AsyncIterator[Database]:
+    database = await Database.connect(dsn, max_size=20)
+    await database.migrate()
+    try:
+        yield database
+    finally:
+        await database.close()
