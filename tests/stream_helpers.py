@@ -61,8 +61,9 @@ async def insert_rows(
     """Rows written the way a plain writer would: IDs from the stream's sequence (created
     by hand if missing, so the first ID is 1), then the writer's position row."""
     async with db.connection() as conn:
-        await conn.execute(sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(
-            sql.Identifier(f"{stream}_seq")))
+        await conn.execute(
+            sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(sql.Identifier(f"{stream}_seq"))
+        )
         ids = []
         for _ in range(count):
             cur = await conn.execute(
@@ -81,28 +82,34 @@ async def insert_rows(
 
 
 async def insert_row_with_id(
-    db: Database, instance: str, stream_id: int, *, table: str = "events",
+    db: Database,
+    instance: str,
+    stream_id: int,
+    *,
+    table: str = "events",
     stream: str = "events",
 ) -> None:
     """One row with an explicit ID; the sequence is moved up to it and the position set."""
     async with db.connection() as conn:
-        await conn.execute(sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(
-            sql.Identifier(f"{stream}_seq")))
+        await conn.execute(
+            sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(sql.Identifier(f"{stream}_seq"))
+        )
         await conn.execute(
             sql.SQL("INSERT INTO {t} (stream_id, instance_name) VALUES (%s, %s)").format(
-                t=sql.Identifier(table)),
+                t=sql.Identifier(table)
+            ),
             (stream_id, instance),
         )
         await conn.execute(
-            "SELECT setval(%s, GREATEST(%s, (SELECT last_value FROM "
-            + f'"{stream}_seq"' + ")))",
+            "SELECT setval(%s, GREATEST(%s, (SELECT last_value FROM " + f'"{stream}_seq"' + ")))",
             (f"{stream}_seq", stream_id),
         )
     await upsert_position(db, instance, stream_id, stream=stream)
 
 
-async def upsert_position(db: Database, instance: str, position: int, *, stream: str = "events"
-                          ) -> None:
+async def upsert_position(
+    db: Database, instance: str, position: int, *, stream: str = "events"
+) -> None:
     async with db.connection() as conn:
         await conn.execute(
             "INSERT INTO stream_positions (stream_name, instance_name, stream_id)"

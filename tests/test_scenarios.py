@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+
+from plait import Database, MultiWriterIdGenerator
 from stream_helpers import (
     create_generator,
     create_table,
@@ -12,8 +14,6 @@ from stream_helpers import (
     insert_rows,
     stored_positions,
 )
-
-from plait import Database, MultiWriterIdGenerator
 
 
 async def test_empty_database_single_writer(db: Database) -> None:

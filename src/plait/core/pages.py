@@ -65,10 +65,13 @@ def merge_pages(
         if not page.full or not page.ids:
             continue
         last = page.ids[-1]
-        # The last ID of a full page may be cut short, unless it was read in full.
-        safe = last if last in complete_ids else last - 1
-        if page.ids[0] == last and last not in complete_ids:
+        # The last ID of a full page may be cut short, unless this page is the whole read
+        # of that ID. `complete_ids` is shared by all tables: another table's whole read
+        # of `last` says nothing about this table's rows of `last`.
+        whole = page.ids[0] == last
+        if whole and last not in complete_ids:
             raise ValueError(f"page of one ID {last} needs a whole read first")
+        safe = last if whole else last - 1
         if safe < upto:
             upto = safe
             limited = True

@@ -296,6 +296,12 @@ class PositionTracker:
         others = [p for w, p in self._positions.items() if w != self._instance]
         if self._is_writer:
             others.append(self._local)
+        # Until seated, a configured writer without a known position may still have
+        # anything above persisted-up-to unfinished: it holds persisted-up-to back.
+        if not self._seated and any(
+            w not in self._positions and w != self._instance for w in self._writers or ()
+        ):
+            others.append(self._persisted)
         if others:
             self._persisted = max(self._persisted, min(others))
         heap = self._known_completed

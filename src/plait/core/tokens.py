@@ -67,7 +67,8 @@ class StreamToken:
         if not _is_position(min):
             raise ValueError(f"token min must be a non-negative int, not {min!r}")
         clean: dict[str, int] = {}
-        for writer, position in sorted((writers or {}).items()):
+        # Checked before sorting: names of mixed types would make sorted() raise TypeError.
+        for writer, position in (writers or {}).items():
             if not isinstance(writer, str) or not writer:
                 raise ValueError(f"token writer names must be non-empty strings, not {writer!r}")
             if not _is_position(position):
@@ -78,6 +79,7 @@ class StreamToken:
                     "leave writers at or below min out of the token"
                 )
             clean[writer] = position
+        clean = dict(sorted(clean.items()))
         self._min = min
         self._writers = clean
         self._items = tuple(clean.items())
@@ -203,7 +205,7 @@ class StreamToken:
             raise TokenParseError(f"a JSON token must be an object, not {type(value).__name__}")
         extra = set(value) - {"min", "writers"}
         if extra:
-            raise TokenParseError(f"unknown keys in JSON token: {sorted(extra)}")
+            raise TokenParseError(f"unknown keys in JSON token: {sorted(extra, key=repr)}")
         low = value.get("min")
         writers = value.get("writers", {})
         if not isinstance(low, int) or not _is_position(low):

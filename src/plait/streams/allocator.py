@@ -93,8 +93,12 @@ class IdAllocator:
                 future.set_result(part)
 
     async def close(self) -> None:
+        """Let a fetch in progress finish (its callers still get their IDs)."""
         pump = self._pump
         if pump is not None:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
+            try:
+                await asyncio.wait_for(asyncio.shield(pump), timeout=10)
+            except TimeoutError:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump

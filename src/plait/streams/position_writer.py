@@ -35,6 +35,7 @@ class PositionWriter:
         self._written = written
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._name = name
         self.upserts = 0
 
@@ -61,13 +62,15 @@ class PositionWriter:
         loop = asyncio.get_running_loop()
         next_tick = loop.time() + self._interval
         failures = 0
-        while True:
+        while not self._stopping:
             try:
                 async with asyncio.timeout(max(0.0, next_tick - loop.time())):
                     await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
+            if self._stopping:
+                break
             try:
                 if loop.time() >= next_tick:
                     next_tick = loop.time() + self._interval
@@ -83,11 +86,18 @@ class PositionWriter:
                 self._wake.set()
 
     async def stop(self, *, final_flush: bool = True) -> None:
+        """Let an upsert in progress finish (cancelling one mid-transaction would leave its
+        connection in an unknown state), then store the final position."""
         task, self._task = self._task, None
+        self._stopping = True
+        self._wake.set()
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=10)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if final_flush:
             try:
                 async with asyncio.timeout(5):

@@ -1,0 +1,126 @@
+"""Bad input gets one clear error naming the problem and the fix, and corrupts nothing."""
+
+from __future__ import annotations
+
+import pytest
+from psycopg import sql
+
+from plait import (
+    ConfigError,
+    Database,
+    DatabaseUnavailableError,
+    MultiWriterIdGenerator,
+    SchemaError,
+    SequenceBehindError,
+    StreamSpec,
+    StreamToken,
+    TableSpec,
+    TokenParseError,
+)
+from stream_helpers import create_generator, create_table, insert_rows, stored_positions
+
+
+async def test_wrong_dsn_is_one_clear_error() -> None:
+    with pytest.raises(DatabaseUnavailableError, match="could not connect to PostgreSQL at"):
+        await Database.connect("postgresql://nobody:secret@127.0.0.1:1/none")
+    with pytest.raises(DatabaseUnavailableError) as info:
+        await Database.connect("postgresql://nobody:secret@127.0.0.1:1/none")
+    assert "secret" not in str(info.value)
+    with pytest.raises(DatabaseUnavailableError, match="invalid DSN"):
+        await Database.connect("host=127.0.0.1 bogus_option=1")
+
+
+async def test_missing_database_name(server_dsn: str) -> None:
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(server_dsn)
+    params["dbname"] = "plait_no_such_database"
+    with pytest.raises(DatabaseUnavailableError, match="plait_no_such_database"):
+        await Database.connect(make_conninfo("", **params))
+
+
+async def test_missing_table(db: Database) -> None:
+    with pytest.raises(SchemaError, match="table 'events' does not exist"):
+        await create_generator(db, ["w"], "w")
+
+
+async def test_missing_column(db: Database) -> None:
+    await create_table(db)
+    spec = StreamSpec("events", tables=[TableSpec("events", id_column="ordering")], writers=["w"])
+    with pytest.raises(SchemaError, match="has no column 'ordering'"):
+        await MultiWriterIdGenerator.create(db, spec, "w")
+
+
+async def test_wrong_column_type(db: Database) -> None:
+    async with db.connection() as conn:
+        await conn.execute("CREATE TABLE events (stream_id TEXT, instance_name TEXT)")
+    with pytest.raises(SchemaError, match=r"events.stream_id is text, but plait needs BIGINT"):
+        await create_generator(db, ["w"], "w")
+
+
+async def test_positions_ahead_of_sequence_refuse_to_start(db: Database) -> None:
+    await create_table(db)
+    await insert_rows(db, "w", 5)
+    async with db.connection() as conn:
+        await conn.execute("SELECT setval('events_seq', 10)")
+        await conn.execute("UPDATE stream_positions SET stream_id = 12 WHERE instance_name = 'w'")
+    with pytest.raises(SequenceBehindError) as info:
+        await create_generator(db, ["w"], "w")
+    message = str(info.value)
+    assert "DELETE FROM stream_positions WHERE stream_name = 'events'" in message
+    assert "stop every writer" in message
+    assert await stored_positions(db) == {"w": 12}  # nothing was changed
+
+
+async def test_bad_specs() -> None:
+    with pytest.raises(ConfigError, match="at least one table"):
+        StreamSpec("s", tables=[])
+    with pytest.raises(ConfigError, match="not a valid SQL"):
+        StreamSpec("s", tables=[TableSpec("bad name")])
+    with pytest.raises(ConfigError, match="writers must be a list"):
+        StreamSpec("s", tables=[TableSpec("t")], writers="first")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="lists a writer twice"):
+        StreamSpec("s", tables=[TableSpec("t")], writers=["a", "a"])
+    with pytest.raises(ConfigError, match="must differ"):
+        TableSpec("t", id_column="x", instance_column="x")
+
+
+async def test_bad_arguments(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    with pytest.raises(ConfigError):
+        gen.get_next_mult(0)
+    with pytest.raises(ConfigError):
+        gen.advance("other", "7")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        await gen.get_updates_since("w", 0, 5, limit=0)
+    with pytest.raises(ConfigError, match="instance_name"):
+        await MultiWriterIdGenerator.create(db, gen.spec, "")
+    assert gen.get_positions() == {"w": 1}
+
+
+async def test_malformed_tokens(db: Database) -> None:
+    for text in ("", "s", "x5", "m5~1", "s-3", "m5~1.9~1.8", "s5 "):
+        with pytest.raises(TokenParseError):
+            await StreamToken.parse(db, text)
+    with pytest.raises(TokenParseError, match="instance id 999"):
+        await StreamToken.parse(db, "m1~999.5")
+
+
+async def test_case_sensitive_identifiers_are_quoted(db: Database) -> None:
+    async with db.connection() as conn:
+        await conn.execute(
+            sql.SQL(
+                'CREATE TABLE "Mixed" ("Id" BIGINT NOT NULL, "Who" TEXT NOT NULL);'
+                ' CREATE INDEX ON "Mixed" ("Who", "Id")'
+            )
+        )
+    spec = StreamSpec(
+        "mixed",
+        sequence="Mixed_Seq",
+        tables=[TableSpec("Mixed", id_column="Id", instance_column="Who")],
+        writers=["w"],
+    )
+    gen = await MultiWriterIdGenerator.create(db, spec, "w")
+    async with gen.get_next() as stream_id:
+        assert stream_id == 2

@@ -1,0 +1,267 @@
+"""MultiWriterIdGenerator on real PostgreSQL: allocation, completion, position rows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from plait import (
+    Database,
+    MultiWriterIdGenerator,
+    NotAWriterError,
+    StreamSpec,
+    StreamToken,
+    TableSpec,
+)
+from stream_helpers import create_generator, create_table, insert_rows, stored_positions
+
+
+async def test_non_writer_cannot_allocate(db: Database) -> None:
+    await create_table(db)
+    reader = await create_generator(db, ["first", "second"], "worker")
+    with pytest.raises(NotAWriterError, match="'worker' is not a writer of stream 'events'"):
+        reader.get_next()
+    with pytest.raises(NotAWriterError):
+        reader.get_next_mult(2)
+    async with db.transaction() as txn:
+        with pytest.raises(NotAWriterError):
+            await reader.get_next_txn(txn)
+    assert reader.get_positions() == {"first": 1, "second": 1}
+
+
+async def test_get_next_txn_completes_after_commit_and_rollback(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with db.transaction() as txn:
+        stream_id = await gen.get_next_txn(txn)
+        assert stream_id == 2
+        await txn.execute(
+            "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')", (stream_id,)
+        )
+        assert gen.get_current_token() == 1  # not before commit
+    assert gen.get_current_token() == 2
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        async with db.transaction() as txn:
+            ids = await gen.get_next_mult_txn(txn, 3)
+            assert ids == [3, 4, 5]
+            raise Boom
+    assert gen.get_current_token() == 5  # rolled-back IDs complete too
+    rows, upto, limited = await gen.get_updates_since("master", 0, 5)
+    assert [r.stream_id for r in rows] == [2]
+    assert (upto, limited) == (5, False)
+
+
+async def test_failing_write_in_get_next_still_completes(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    with pytest.raises(RuntimeError):
+        async with gen.get_next():
+            raise RuntimeError("write failed")
+    assert gen.get_current_token() == 2
+    async with gen.get_next() as stream_id:
+        assert stream_id == 3
+
+
+async def test_concurrent_get_next_share_round_trips(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    seen: list[int] = []
+
+    async def one() -> None:
+        async with gen.get_next() as stream_id:
+            seen.append(stream_id)
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(one() for _ in range(100)))
+    assert sorted(seen) == list(range(2, 102))
+    assert gen._allocator.round_trips < 20  # 100 calls, a handful of round trips
+    assert gen.get_current_token() == 101
+
+
+async def test_cancelled_allocation_does_not_stall_the_position(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+
+    async def slow() -> None:
+        async with gen.get_next():
+            await asyncio.sleep(30)
+
+    tasks = [asyncio.create_task(slow()) for _ in range(5)]
+    await asyncio.sleep(0.2)
+    assert gen.get_current_token() == 1
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert gen.get_current_token() == 6
+    assert gen._tracker.unfinished() == []
+
+
+async def test_position_upserts_are_coalesced(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    writer = gen._position_writer
+    assert writer is not None
+
+    async def one() -> None:
+        async with gen.get_next() as stream_id, db.transaction() as txn:
+            await txn.execute(
+                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
+                (stream_id,),
+            )
+
+    await asyncio.gather(*(one() for _ in range(200)))
+    await gen.flush_position()
+    assert await stored_positions(db) == {"master": 201}
+    assert writer.upserts < 50, writer.upserts  # 200 writes, far fewer upserts
+
+
+async def test_positions_flushed_in_background_after_writes(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with gen.get_next_mult(10):
+        pass
+    for _ in range(100):
+        if (await stored_positions(db)).get("master") == 11:
+            break
+        await asyncio.sleep(0.02)
+    assert await stored_positions(db) == {"master": 11}
+
+
+async def test_idle_writer_flushes_advanced_position(db: Database) -> None:
+    """An idle writer learns others' positions from the database and stores its own,
+    so a database-only reader's linear position reaches the end."""
+    await create_table(db)
+    writers = ["busy", "idle"]
+    busy = await create_generator(db, writers, "busy", position_flush_interval=0.1)
+    idle = await create_generator(db, writers, "idle", position_flush_interval=0.1)
+    reader = await create_generator(db, writers, "reader")
+    async with busy.get_next_mult(20) as ids:
+        assert ids[-1] == 21
+    deadline = asyncio.get_running_loop().time() + 3
+    while asyncio.get_running_loop().time() < deadline:
+        await reader.refresh_positions()
+        if reader.get_current_token() == 21:
+            break
+        await asyncio.sleep(0.05)
+    assert reader.get_current_token() == 21
+    assert (await stored_positions(db))["idle"] == 21
+    assert idle.get_current_token() == 21
+
+
+async def test_any_writer_mode_keeps_no_position_rows(db: Database) -> None:
+    await create_table(db)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=[])
+    one = await MultiWriterIdGenerator.create(db, spec, "one")
+    two = await MultiWriterIdGenerator.create(db, spec, "two")
+    async with one.get_next() as a, two.get_next() as b:
+        assert {a, b} == {2, 3}
+        async with db.transaction() as txn:
+            for sid, name in ((a, "one"), (b, "two")):
+                await txn.execute(
+                    "INSERT INTO events (stream_id, instance_name) VALUES (%s, %s)", (sid, name)
+                )
+    await one.close()
+    await two.close()
+    assert await stored_positions(db) == {}
+    again = await MultiWriterIdGenerator.create(db, spec, "three")
+    assert again.get_current_token() == 3  # the max over the table
+
+
+async def test_restart_carries_on_without_reusing_ids(db: Database) -> None:
+    await create_table(db)
+    writers = ["first", "second"]
+    first = await create_generator(db, writers, "first")
+    second = await create_generator(db, writers, "second")
+    async with first.get_next_mult(3), second.get_next_mult(2):
+        pass
+    await first.close()
+    await second.close()
+    assert await stored_positions(db) == {"first": 4, "second": 6}
+    first = await create_generator(db, writers, "first")
+    assert first.get_current_token_for_writer("first") == 6  # everything it knows completed
+    async with first.get_next() as stream_id:
+        assert stream_id == 7
+    # "second" is at 6 and 7 is first's own completed ID: nothing below 7 is pending.
+    assert first.get_current_token() == 7
+    assert first.get_current_token_for_writer("first") == 7
+
+
+async def test_token_round_trip_through_instance_map(db: Database) -> None:
+    await create_table(db)
+    writers = ["first", "second"]
+    first = await create_generator(db, writers, "first")
+    second = await create_generator(db, writers, "second")
+    held = second.get_next()
+    assert await held.__aenter__() == 2  # in flight on "second"
+    async with first.get_next_mult(3) as ids:
+        assert ids == [3, 4, 5]
+    token = StreamToken.from_generator(first)
+    assert token == StreamToken(1, {"first": 5})
+    await held.__aexit__(None, None, None)
+    text = await token.to_string(db)
+    assert text.startswith("m1~")
+    assert await StreamToken.parse(db, text) == token
+    assert await StreamToken.parse(db, "s7") == StreamToken(7)
+    ids = await db.get_instance_ids(["first", "second", "first"])
+    assert set(ids) == {"first", "second"} and ids["first"] != ids["second"]
+    # Known names are never inserted again: the serial is not burnt.
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT max(instance_id) FROM instance_map")).fetchone()
+    assert row == (2,)
+
+
+async def test_tokens_of_backwards_streams_hold_magnitudes(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master", backwards=True)
+    async with gen.get_next_mult(2):
+        pass
+    assert gen.get_current_token() == -3
+    assert StreamToken.from_generator(gen) == StreamToken(3)
+
+
+async def test_max_allocated_token(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with gen.get_next_mult(4):
+        assert await gen.get_max_allocated_token() == 5
+    assert await gen.get_max_allocated_token() == 5
+
+
+async def test_stream_spec_recorded_for_database_readers(db: Database) -> None:
+    await create_table(db)
+    await insert_rows(db, "a", 1)
+    gen = await create_generator(db, ["a", "b"], "a")
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT sequence_name, backwards, writers, tables FROM plait_streams"
+                " WHERE stream_name = 'events'"
+            )
+        ).fetchone()
+    assert row == (
+        "events_seq",
+        False,
+        ["a", "b"],
+        [{"name": "events", "id_column": "stream_id", "instance_column": "instance_name"}],
+    )
+    assert gen.spec == StreamSpec.from_json(gen.spec.to_json())
+
+
+async def test_close_via_database(dsn: str) -> None:
+    db = await Database.connect(dsn)
+    await db.migrate()
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with gen.get_next_mult(2):
+        pass
+    await db.close()  # stops the generator's background task and flushes its position
+    db = await Database.connect(dsn)
+    try:
+        assert await stored_positions(db) == {"master": 3}
+    finally:
+        await db.close()

@@ -1,0 +1,87 @@
+"""get_updates_since on real tables: per writer, linear, paged, several tables, backwards."""
+
+from __future__ import annotations
+
+from plait import Database, MultiWriterIdGenerator, StreamRow
+from stream_helpers import create_generator, create_table
+
+
+async def write(db: Database, table: str, rows: list[tuple[int, str]]) -> None:
+    async with db.transaction() as txn:
+        for stream_id, instance in rows:
+            await txn.execute(
+                f"INSERT INTO {table} (stream_id, instance_name, payload) VALUES (%s, %s, %s)",
+                (stream_id, instance, f"{table}:{stream_id}"),
+            )
+
+
+async def read_all(
+    gen: MultiWriterIdGenerator, writer: str | None, low: int, high: int, limit: int
+) -> list[StreamRow]:
+    """Page through (low, high] as a reader would, checking every page's contract."""
+    got: list[StreamRow] = []
+    position = low
+    while True:
+        rows, upto, limited = await gen.get_updates_since(writer, position, high, limit)
+        ids = [gen.spec.sign * r.stream_id for r in rows]  # stream order
+        assert ids == sorted(ids)
+        sign = gen.spec.sign
+        assert all(sign * position < i <= sign * upto for i in ids)
+        got.extend(rows)
+        if not limited:
+            assert upto == high
+            return got
+        assert sign * upto > sign * position
+        position = upto
+
+
+async def test_per_writer_and_linear_reads(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["a", "b"], "reader")
+    await write(db, "events", [(i, "a" if i % 3 else "b") for i in range(2, 300)])
+    a_rows = await read_all(gen, "a", 1, 299, limit=7)
+    assert [r.stream_id for r in a_rows] == [i for i in range(2, 300) if i % 3]
+    assert {r.instance_name for r in a_rows} == {"a"}
+    assert a_rows[0].data["payload"] == "events:2" and a_rows[0].table == "events"
+    every = await read_all(gen, None, 1, 299, limit=50)
+    assert [r.stream_id for r in every] == list(range(2, 300))
+    rows, upto, limited = await gen.get_updates_since("a", 10, 20)
+    assert [r.stream_id for r in rows] == [11, 13, 14, 16, 17, 19, 20]
+    assert (upto, limited) == (20, False)
+    assert await gen.get_updates_since("a", 20, 20) == ([], 20, False)
+
+
+async def test_two_tables_merged_under_one_upto(db: Database) -> None:
+    await create_table(db, "ta")
+    await create_table(db, "tb")
+    gen = await create_generator(db, ["w"], "reader", tables=("ta", "tb"))
+    # ta has every ID 2..251; tb has every third ID, several rows for some IDs.
+    await write(db, "ta", [(i, "w") for i in range(2, 252)])
+    await write(db, "tb", [(i, "w") for i in range(2, 252, 3)] + [(50, "w")] * 4)
+    rows = await read_all(gen, "w", 1, 251, limit=100)
+    expected = sorted(
+        [(i, "ta") for i in range(2, 252)]
+        + [(i, "tb") for i in range(2, 252, 3)]
+        + [(50, "tb")] * 4
+    )
+    assert sorted((r.stream_id, r.table) for r in rows) == expected
+    assert [r.stream_id for r in rows] == sorted(r.stream_id for r in rows)
+
+
+async def test_one_id_with_more_rows_than_the_limit(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "reader")
+    await write(db, "events", [(5, "w")] * 30 + [(6, "w"), (7, "w")])
+    rows = await read_all(gen, "w", 1, 10, limit=10)
+    assert [r.stream_id for r in rows] == [5] * 30 + [6, 7]
+
+
+async def test_backwards_stream_reads(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "reader", backwards=True)
+    await write(db, "events", [(-i, "w") for i in range(2, 40)])
+    rows = await read_all(gen, "w", -1, -39, limit=9)
+    assert [r.stream_id for r in rows] == [-i for i in range(2, 40)]
+    rows, upto, limited = await gen.get_updates_since("w", -5, -8)
+    assert [r.stream_id for r in rows] == [-6, -7, -8]
+    assert (upto, limited) == (-8, False)
