@@ -45,11 +45,14 @@ async def test_get_next_txn_completes_after_commit_and_rollback(db: Database) ->
     class Boom(Exception):
         pass
 
-    with pytest.raises(Boom):
+    async def write_then_fail() -> None:
         async with db.transaction() as txn:
             ids = await gen.get_next_mult_txn(txn, 3)
             assert ids == [3, 4, 5]
             raise Boom
+
+    with pytest.raises(Boom):
+        await write_then_fail()
     assert gen.get_current_token() == 5  # rolled-back IDs complete too
     rows, upto, limited = await gen.get_updates_since("master", 0, 5)
     assert [r.stream_id for r in rows] == [2]
@@ -208,7 +211,8 @@ async def test_token_round_trip_through_instance_map(db: Database) -> None:
     assert await StreamToken.parse(db, text) == token
     assert await StreamToken.parse(db, "s7") == StreamToken(7)
     ids = await db.get_instance_ids(["first", "second", "first"])
-    assert set(ids) == {"first", "second"} and ids["first"] != ids["second"]
+    assert set(ids) == {"first", "second"}
+    assert ids["first"] != ids["second"]
     # Known names are never inserted again: the serial is not burnt.
     async with db.connection() as conn:
         row = await (await conn.execute("SELECT max(instance_id) FROM instance_map")).fetchone()

@@ -42,7 +42,8 @@ async def test_per_writer_and_linear_reads(db: Database) -> None:
     a_rows = await read_all(gen, "a", 1, 299, limit=7)
     assert [r.stream_id for r in a_rows] == [i for i in range(2, 300) if i % 3]
     assert {r.instance_name for r in a_rows} == {"a"}
-    assert a_rows[0].data["payload"] == "events:2" and a_rows[0].table == "events"
+    assert a_rows[0].data["payload"] == "events:2"
+    assert a_rows[0].table == "events"
     every = await read_all(gen, None, 1, 299, limit=50)
     assert [r.stream_id for r in every] == list(range(2, 300))
     rows, upto, limited = await gen.get_updates_since("a", 10, 20)
