@@ -28,14 +28,17 @@ def server_dsn() -> Iterator[str]:
     if dsn:
         yield dsn
         return
-    base = Path(tempfile.mkdtemp(prefix="plait-test-pg-"))
+    # A fixed place: a session killed before its teardown leaves the server running, and
+    # the next session reuses it (and stops it) instead of leaking another one.
+    base = Path(tempfile.gettempdir()) / f"plait-test-pg-{os.getuid()}"
+    base.mkdir(exist_ok=True)
     base.chmod(0o755)  # the server's user (when run as root) must reach its data dir
     server = EmbeddedPostgres.acquire(base / "pgdata")
     try:
         yield server.dsn
     finally:
-        server.release()
-        shutil.rmtree(base, ignore_errors=True)
+        if server.release():
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def with_search_path(dsn: str, schema: str) -> str:

@@ -73,17 +73,21 @@ class EmbeddedPostgres:
             _register(data_dir, os.getpid())
         return cls(data_dir, port, started)
 
-    def release(self) -> None:
-        """Forget this process; stop the server if no other live process uses it."""
+    def release(self) -> bool:
+        """Forget this process; stop the server if no other live process uses it.
+
+        Returns True if the server was stopped.
+        """
         if self._released:
-            return
+            return False
         self._released = True
         with _Lock(self.data_dir):
             users = _unregister(self.data_dir, os.getpid())
             if users:
                 logger.info("embedded PostgreSQL still used by pids %s; leaving it running", users)
-                return
+                return False
             stop(self.data_dir)
+            return True
 
 
 def stop(data_dir: Path) -> None:
