@@ -269,3 +269,48 @@ async def test_close_via_database(dsn: str) -> None:
         assert await stored_positions(db) == {"master": 3}
     finally:
         await db.close()
+
+
+async def test_cancelled_during_commit_runs_the_right_callbacks(db: Database) -> None:
+    """A task cancelled while COMMIT is in flight still learns how the transaction ended."""
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    outcome: list[str] = []
+    committed = asyncio.Event()
+
+    async def write() -> None:
+        async with db.transaction() as txn:
+            txn.call_after(lambda: outcome.append("committed"))
+            txn.call_on_exception(lambda: outcome.append("rolled back"))
+            stream_id = await gen.get_next_txn(txn)
+            await txn.execute(
+                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
+                (stream_id,),
+            )
+            # The test task runs again only once this one awaits, which is at COMMIT.
+            committed.set()
+
+    task = asyncio.create_task(write())
+    await committed.wait()
+    task.cancel()  # lands while the block exits, i.e. during COMMIT
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    rows, _, _ = await gen.get_updates_since("master", 0, 10)
+    assert outcome == (["committed"] if rows else ["rolled back"])
+    assert gen.get_current_token() == 2  # the ID completed either way
+    assert gen._tracker.unfinished() == []
+
+
+async def test_psycopg_rollback_is_honoured(db: Database) -> None:
+    import psycopg
+
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with db.transaction() as txn:
+        stream_id = await gen.get_next_txn(txn)
+        await txn.execute(
+            "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')", (stream_id,)
+        )
+        raise psycopg.Rollback
+    assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
+    assert gen.get_current_token() == 2

@@ -142,18 +142,26 @@ class Database:
                 yield txn
             except BaseException as exc:
                 try:
-                    await _finish(block.__aexit__(type(exc), exc, exc.__traceback__))
+                    suppressed, cancelled = await _finish(
+                        block.__aexit__(type(exc), exc, exc.__traceback__)
+                    )
                 finally:
                     txn._run(txn._after_rollback)
+                if cancelled and not isinstance(exc, asyncio.CancelledError):
+                    raise asyncio.CancelledError from exc
+                if suppressed:  # psycopg.Rollback: rolled back on purpose
+                    return
                 raise
             try:
-                await _finish(block.__aexit__(None, None, None))
+                _, cancelled = await _finish(block.__aexit__(None, None, None))
             except BaseException as exc:
                 if txn.xid is not None and isinstance(exc, psycopg.OperationalError):
                     await self._wait_out(txn.xid)
                 txn._run(txn._after_rollback)
                 raise
             txn._run(txn._after_commit)
+            if cancelled:
+                raise asyncio.CancelledError
 
     async def _wait_out(self, xid: str, patience: float = 60.0) -> None:
         """Wait until the server has finished transaction `xid` (its COMMIT was cut off)."""
@@ -269,21 +277,23 @@ class Database:
         await self.close()
 
 
-async def _finish(step: Awaitable[T]) -> T:
-    """Await `step` to its end even if we are cancelled meanwhile, then re-raise that."""
+async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
+    """Await `step` to its end even if we are cancelled meanwhile.
+
+    Returns its result and whether a cancellation arrived meanwhile; the caller acts on
+    how the step ended first, then re-raises that cancellation.
+    """
     task = asyncio.ensure_future(step)
     cancelled = False
     while True:
         try:
-            result = await asyncio.shield(task)
-            break
+            return await asyncio.shield(task), cancelled
         except asyncio.CancelledError:
-            if task.done():
-                raise
             cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
+            if task.done():
+                if task.cancelled():
+                    raise
+                return task.result(), True  # the step's outcome (or its exception)
 
 
 def redact(dsn: str) -> str:

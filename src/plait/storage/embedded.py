@@ -40,6 +40,10 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("plait")) / "postgres"
 
 
+# Handles held by this process per data directory: the pid is registered while > 0.
+_handles: dict[Path, int] = {}
+
+
 class EmbeddedPostgres:
     """A handle on a running embedded server; `release()` when done with it."""
 
@@ -71,6 +75,7 @@ class EmbeddedPostgres:
             else:
                 logger.info("reusing embedded PostgreSQL on 127.0.0.1:%d (%s)", port, data_dir)
             _register(data_dir, os.getpid())
+            _handles[data_dir] = _handles.get(data_dir, 0) + 1
         return cls(data_dir, port, started)
 
     def release(self) -> bool:
@@ -82,6 +87,10 @@ class EmbeddedPostgres:
             return False
         self._released = True
         with _Lock(self.data_dir):
+            _handles[self.data_dir] -= 1
+            if _handles[self.data_dir] > 0:
+                return False  # another handle in this process still uses it
+            del _handles[self.data_dir]
             users = _unregister(self.data_dir, os.getpid())
             if users:
                 logger.info("embedded PostgreSQL still used by pids %s; leaving it running", users)
