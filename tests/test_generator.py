@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -314,3 +315,48 @@ async def test_psycopg_rollback_is_honoured(db: Database) -> None:
         raise psycopg.Rollback
     assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
     assert gen.get_current_token() == 2
+
+
+async def test_commit_after_a_caught_error_is_not_reported_as_committed(db: Database) -> None:
+    import psycopg
+
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    outcome: list[str] = []
+
+    async def write() -> None:
+        async with db.transaction() as txn:
+            txn.call_after(lambda: outcome.append("committed"))
+            txn.call_on_exception(lambda: outcome.append("rolled back"))
+            stream_id = await gen.get_next_txn(txn)
+            await txn.execute(
+                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
+                (stream_id,),
+            )
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                await txn.execute("SELECT 1/0")
+
+    with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"):
+        await write()
+    assert outcome == ["rolled back"]
+    assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
+    assert gen.get_current_token() == 2
+
+
+async def test_transaction_round_trips(db: Database) -> None:
+    """BEGIN travels with the first statement; an empty transaction costs nothing."""
+    await create_table(db)
+    async with db.transaction() as txn:
+        pass
+    async with db.transaction() as txn:
+        cur = await txn.execute("SELECT txid_current_if_assigned() IS NULL, 42")
+        assert await cur.fetchone() == (True, 42)
+        conn = await txn.connection()
+        assert conn.info.transaction_status == conn.info.transaction_status.INTRANS
+        await txn.executemany(
+            "INSERT INTO events (stream_id, instance_name) VALUES (%s, %s)",
+            [(i, "w") for i in range(2, 12)],
+        )
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT count(*) FROM events")).fetchone()
+    assert row == (10,)

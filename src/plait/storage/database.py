@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,28 +32,65 @@ T = TypeVar("T")
 class Transaction:
     """An open transaction on one pooled connection.
 
-    `call_after` callbacks run after COMMIT succeeded, `call_on_exception` callbacks after
-    it rolled back or failed; both run only once the server has finished the transaction.
+    BEGIN is not sent on its own: it travels with the first statement (psycopg pipeline
+    mode), so a transaction costs one round trip less. `call_after` callbacks run after
+    COMMIT succeeded, `call_on_exception` callbacks after it rolled back or failed; both
+    run only once the server has finished the transaction.
     """
 
     def __init__(self, conn: AsyncConnection[TupleRow]) -> None:
-        self.conn = conn
+        self._conn = conn
+        self._begun = False
         self._after_commit: list[Callable[[], None]] = []
         self._after_rollback: list[Callable[[], None]] = []
-        # Set when something in the transaction learned its xid (see `track_xid`), so an
-        # interrupted COMMIT can be waited out instead of guessed.
+        # Set when something in the transaction learned its xid (see `allocate_in`), so
+        # an interrupted COMMIT can be waited out instead of guessed.
         self.xid: str | None = None
 
     async def execute(
-        self, query: Any, params: Sequence[Any] | None = None
+        self, query: Any, params: Sequence[Any] | Mapping[str, Any] | None = None
     ) -> AsyncCursor[TupleRow]:
-        return await self.conn.execute(query, params)
+        if self._begun:
+            return await self._conn.execute(query, params)
+        async with self._conn.pipeline():
+            await self._conn.execute("BEGIN")
+            self._begun = True
+            cursor = await self._conn.execute(query, params)
+        return cursor
+
+    async def executemany(
+        self, query: Any, params_seq: Iterable[Sequence[Any] | Mapping[str, Any]]
+    ) -> None:
+        async with self._conn.pipeline():
+            if not self._begun:
+                await self._conn.execute("BEGIN")
+                self._begun = True
+            async with self._conn.cursor() as cursor:
+                await cursor.executemany(query, params_seq)
+
+    async def connection(self) -> AsyncConnection[TupleRow]:
+        """The connection, inside the transaction (for cursors, COPY, nested blocks)."""
+        if not self._begun:
+            await self._conn.execute("BEGIN")
+            self._begun = True
+        return self._conn
 
     def call_after(self, callback: Callable[[], None]) -> None:
         self._after_commit.append(callback)
 
     def call_on_exception(self, callback: Callable[[], None]) -> None:
         self._after_rollback.append(callback)
+
+    async def _end(self, command: str) -> None:
+        if not self._begun:
+            return
+        cursor = await self._conn.execute(command)
+        if command == "COMMIT" and cursor.statusmessage != "COMMIT":
+            # The server answers COMMIT with ROLLBACK when a statement failed earlier.
+            raise psycopg.errors.InFailedSqlTransaction(
+                "the transaction was rolled back at COMMIT because a statement in it failed "
+                "earlier (and the error was caught); nothing was committed"
+            )
 
     def _run(self, callbacks: list[Callable[[], None]]) -> None:
         for callback in callbacks:
@@ -136,24 +173,20 @@ class Database:
         """
         async with self._pool.connection() as conn:
             txn = Transaction(conn)
-            block = conn.transaction()
-            await block.__aenter__()
             try:
                 yield txn
             except BaseException as exc:
                 try:
-                    suppressed, cancelled = await _finish(
-                        block.__aexit__(type(exc), exc, exc.__traceback__)
-                    )
+                    _, cancelled = await _finish(txn._end("ROLLBACK"))
                 finally:
                     txn._run(txn._after_rollback)
                 if cancelled and not isinstance(exc, asyncio.CancelledError):
                     raise asyncio.CancelledError from exc
-                if suppressed:  # psycopg.Rollback: rolled back on purpose
+                if isinstance(exc, psycopg.Rollback):  # rolled back on purpose
                     return
                 raise
             try:
-                _, cancelled = await _finish(block.__aexit__(None, None, None))
+                _, cancelled = await _finish(txn._end("COMMIT"))
             except BaseException as exc:
                 if txn.xid is not None and isinstance(exc, psycopg.OperationalError):
                     await self._wait_out(txn.xid)

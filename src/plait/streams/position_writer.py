@@ -1,7 +1,8 @@
 """Keeps a writer's row in `stream_positions` current, off the write path (R-ID-8).
 
 After a write completes the writer is poked; one background task upserts the newest
-position, so at most one upsert is in flight and a burst of writes costs about one.
+position a few milliseconds later, so at most one upsert is in flight and the writes of
+that window (a burst, or a steady stream) cost one upsert between them.
 Every `interval` it also refreshes the other writers' positions from the database (so
 an idle writer learns how far the others got) and flushes its idle-advanced position
 if that moved: readers that only see the database never stall on an idle writer.
@@ -27,11 +28,15 @@ class PositionWriter:
         interval: float,
         written: int,
         name: str,
+        delay: float = 0.02,
     ) -> None:
         self._current = current
         self._upsert = upsert
         self._refresh = refresh
         self._interval = interval
+        # After a write, wait this long before storing, so the writes of that window
+        # cost one upsert between them instead of one each.
+        self._delay = delay
         self._written = written
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -68,9 +73,11 @@ class PositionWriter:
                     await self._wake.wait()
             except TimeoutError:
                 pass
-            self._wake.clear()
             if self._stopping:
                 break
+            if self._wake.is_set() and self._delay > 0:
+                await asyncio.sleep(self._delay)
+            self._wake.clear()
             try:
                 if loop.time() >= next_tick:
                     next_tick = loop.time() + self._interval
