@@ -360,3 +360,15 @@ async def test_transaction_round_trips(db: Database) -> None:
     async with db.connection() as conn:
         row = await (await conn.execute("SELECT count(*) FROM events")).fetchone()
     assert row == (10,)
+
+
+async def test_positions_of_unconfigured_writers_are_ignored(db: Database) -> None:
+    await create_table(db)
+    reader = await create_generator(db, ["a", "b"], "reader")
+    reader.advance("a", 5)
+    reader.advance("b", 5)
+    reader.advance("removed", 2)  # a late message from a writer no longer configured
+    assert reader.get_positions() == {"a": 5, "b": 5}
+    reader.advance("a", 9)
+    reader.advance("b", 9)
+    assert reader.get_current_token() == 9

@@ -244,6 +244,16 @@ class MultiWriterIdGenerator:
                 f"position {position} of {instance_name!r} is not a valid position of "
                 f"{'a backwards' if self.backwards else 'a'} stream"
             )
+        if self._spec.writers and instance_name not in self._spec.writers:
+            # The configured writers are authoritative (start-up drops the rows of
+            # others too): a late message from a removed writer must not hold the
+            # linear position back forever.
+            logger.debug(
+                "stream %s: ignoring position of %r, not a configured writer",
+                self._spec.name,
+                instance_name,
+            )
+            return
         self._tracker.advance(instance_name, internal)
 
     async def get_max_allocated_token(self) -> int:
