@@ -47,8 +47,12 @@ async def writer(args: dict[str, Any]) -> None:
     gen = await MultiWriterIdGenerator.create(
         db, spec(args["writers"]), name, position_flush_interval=0.2
     )
-    emit(out, event="start", positions=gen.get_positions(),
-         own=gen.get_current_token_for_writer(name))
+    emit(
+        out,
+        event="start",
+        positions=gen.get_positions(),
+        own=gen.get_current_token_for_writer(name),
+    )
     slots = asyncio.Semaphore(4)
 
     async def one(i: int) -> None:
@@ -79,7 +83,7 @@ async def writer(args: dict[str, Any]) -> None:
 
     await asyncio.gather(*(one(i) for i in range(args["writes"])))
     emit(out, event="done", own=gen.get_current_token_for_writer(name))
-    while not control(ctl).get("writers_stop"):
+    while not control(ctl).get("writers_stop"):  # noqa: ASYNC110 - another process writes it
         await asyncio.sleep(0.05)
     await gen.close()
     await db.close()
@@ -103,7 +107,9 @@ async def reader(args: dict[str, Any]) -> None:
         await gen.refresh_positions()
         token = StreamToken.from_generator(gen)
         if not previous.is_before_or_eq(token):
-            emit(out, event="regression", before=previous.to_json_dict(), after=token.to_json_dict())
+            emit(
+                out, event="regression", before=previous.to_json_dict(), after=token.to_json_dict()
+            )
         previous = token
         if mode == "token":
             for w in writers:

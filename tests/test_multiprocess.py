@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stream_helpers import create_table, stored_positions
 
 from plait import Database, MultiWriterIdGenerator, StreamSpec, StreamToken, TableSpec
+from stream_helpers import create_table, stored_positions
 
 ROLES = Path(__file__).with_name("mp_roles.py")
 WRITERS = ["w0", "w1", "w2", "w3"]
@@ -42,14 +42,19 @@ def set_control(path: Path, **values: Any) -> None:
 
 async def spawn(role: str, args: dict[str, Any]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, str(ROLES), role, json.dumps(args),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        str(ROLES),
+        role,
+        json.dumps(args),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
 
 
-async def wait_for_event(paths: list[Path], event: str, timeout: float,
-                         procs: list[asyncio.subprocess.Process]) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
+async def wait_for_event(
+    paths: list[Path], event: str, seconds: float, procs: list[asyncio.subprocess.Process]
+) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
     while asyncio.get_running_loop().time() < deadline:
         if all(any(e["event"] == event for e in read_events(p)) for p in paths):
             return
@@ -61,10 +66,10 @@ async def wait_for_event(paths: list[Path], event: str, timeout: float,
     raise AssertionError(f"timed out waiting for {event!r} from {paths}")
 
 
-async def finish(procs: list[asyncio.subprocess.Process], timeout: float = 60) -> None:
+async def finish(procs: list[asyncio.subprocess.Process], seconds: float = 60) -> None:
     for proc in procs:
         try:
-            await asyncio.wait_for(proc.wait(), timeout)
+            await asyncio.wait_for(proc.wait(), seconds)
         except TimeoutError:
             proc.kill()
             raise
@@ -73,15 +78,24 @@ async def finish(procs: list[asyncio.subprocess.Process], timeout: float = 60) -
         assert proc.returncode == 0, err[-3000:]
 
 
-async def run_writers(dsn: str, tmp: Path, phase: int, writes: int,
-                      control: Path) -> tuple[list[asyncio.subprocess.Process], list[Path]]:
+async def run_writers(
+    dsn: str, tmp: Path, phase: int, writes: int, control: Path
+) -> tuple[list[asyncio.subprocess.Process], list[Path]]:
     outs = [tmp / f"writer-{phase}-{name}.jsonl" for name in WRITERS]
     procs = [
-        await spawn("writer", {
-            "dsn": dsn, "name": name, "writers": WRITERS, "writes": writes,
-            "seed": phase * 100 + i, "slow_fraction": 0.06, "out": str(out),
-            "control": str(control),
-        })
+        await spawn(
+            "writer",
+            {
+                "dsn": dsn,
+                "name": name,
+                "writers": WRITERS,
+                "writes": writes,
+                "seed": phase * 100 + i,
+                "slow_fraction": 0.06,
+                "out": str(out),
+                "control": str(control),
+            },
+        )
         for i, (name, out) in enumerate(zip(WRITERS, outs, strict=True))
     ]
     return procs, outs
@@ -95,8 +109,16 @@ async def test_four_writer_processes_two_readers_and_a_restart(
     set_control(control, writers_stop=False)
     reader_outs = {mode: tmp_path / f"reader-{mode}.jsonl" for mode in ("token", "linear")}
     readers = [
-        await spawn("reader", {"dsn": dsn, "mode": mode, "writers": WRITERS,
-                               "out": str(out), "control": str(control)})
+        await spawn(
+            "reader",
+            {
+                "dsn": dsn,
+                "mode": mode,
+                "writers": WRITERS,
+                "out": str(out),
+                "control": str(control),
+            },
+        )
         for mode, out in reader_outs.items()
     ]
     await wait_for_event(list(reader_outs.values()), "start", 60, readers)
@@ -134,7 +156,7 @@ async def test_four_writer_processes_two_readers_and_a_restart(
     assert rolled_back, "the run should include rollbacks"
     assert len(committed) == len(set(committed))
     set_control(control, stop_at=max(allocated_before | allocated_after))
-    await finish(readers, timeout=90)
+    await finish(readers, seconds=90)
     set_control(control, writers_stop=True)
     await finish(writers)
 
