@@ -200,11 +200,12 @@ class PositionTracker:
         for stream_id in done:
             if not self._unfinished.remove(stream_id):
                 raise PositionError(f"ID {stream_id} completed but was not unfinished")
-            heapq.heappush(self._finished_above, stream_id)
+        self._finished_above.extend(done)
+        heapq.heapify(self._finished_above)
         self._recompute_local()
-        for stream_id in done:
-            self._note_completed(stream_id)
-        self._settle()
+        if done:
+            self._max_seen = max(self._max_seen, max(done))
+        self._settle(done)
 
     def advance(self, writer: str, position: int) -> None:
         """Another writer reports it is at `position` (never moves anything back)."""
@@ -284,13 +285,23 @@ class PositionTracker:
         bound = min(bounds) if bounds else None
         new = None
         finished = self._finished_above
-        while finished and (bound is None or finished[0] < bound):
-            new = heapq.heappop(finished)
+        if bound is None:
+            # Nothing pending: every finished ID is covered (the common, fast case).
+            new = max(finished, default=None)
+            finished.clear()
+        else:
+            while finished and finished[0] < bound:
+                new = heapq.heappop(finished)
         if new is not None and new > self._positions.get(self._instance, new - 1):
             self._positions[self._instance] = new
         self._local = max(self._local, self._positions.get(self._instance, self._local))
 
-    def _settle(self) -> None:
+    def _settle(self, completed: Iterable[int] = ()) -> None:
+        """Re-derive the local reported position and persisted-up-to.
+
+        `completed` are newly completed IDs (their `max_seen` already noted); only those
+        above the new persisted-up-to need a place in the heap.
+        """
         if self._is_writer and self.is_idle:
             self._local = max(self._local, self._max_seen)
         others = [p for w, p in self._positions.items() if w != self._instance]
@@ -305,5 +316,8 @@ class PositionTracker:
         if others:
             self._persisted = max(self._persisted, min(others))
         heap = self._known_completed
+        for stream_id in completed:
+            if stream_id > self._persisted:
+                heapq.heappush(heap, stream_id)
         while heap and heap[0] <= self._persisted + 1:
             self._persisted = max(self._persisted, heapq.heappop(heap))

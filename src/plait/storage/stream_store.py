@@ -397,6 +397,12 @@ class StreamStore:
 
     # -- allocation ------------------------------------------------------------------------
 
+    def next_id_sql(self) -> str:
+        """An SQL expression that takes the next stream ID (stored form), for use inside a
+        statement (`MultiWriterIdGenerator.insert`). Plain text: the name is validated."""
+        expression = f"nextval('{self._seq_regclass}')"
+        return f"(-{expression})" if self.spec.backwards else expression
+
     async def allocate(self, n: int) -> list[int]:
         """`n` new IDs from the sequence in one round trip, sorted."""
         async with self.db.connection() as conn:

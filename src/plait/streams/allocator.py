@@ -33,12 +33,15 @@ class IdAllocator:
         self._give_back = give_back
         self._queue: list[tuple[int, asyncio.Future[list[int]]]] = []
         self._pump: asyncio.Task[None] | None = None
+        self._busy = False  # a caller is fetching directly
         self.round_trips = 0
 
     async def allocate(self, n: int) -> list[int]:
+        if self._pump is None and not self._busy:
+            return await self._allocate_directly(n)
         future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._queue.append((n, future))
-        if self._pump is None:
+        if self._pump is None and not self._busy:  # else the direct fetcher starts it
             self._pump = asyncio.create_task(self._run(), name="plait-id-allocator")
         try:
             return await future
@@ -46,6 +49,29 @@ class IdAllocator:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self._give_back(future.result())
             raise
+
+    async def _allocate_directly(self, n: int) -> list[int]:
+        """Nothing in flight: fetch in the caller's task (no task or future to set up).
+
+        Callers arriving meanwhile queue up and are served together once this returns.
+        """
+        self._busy = True
+        ticket = self._tracker.begin_fetch()
+        try:
+            self.round_trips += 1
+            ids = await self._fetch(n)
+        except BaseException:
+            self._tracker.end_fetch(ticket, [])
+            raise
+        finally:
+            self._busy = False
+            if self._queue and self._pump is None:
+                self._pump = asyncio.create_task(self._run(), name="plait-id-allocator")
+        try:
+            self._tracker.end_fetch(ticket, ids)
+        except SequenceWentBackwardsError as err:
+            raise _refusal(err) from None
+        return ids
 
     async def _run(self) -> None:
         try:
@@ -74,11 +100,7 @@ class IdAllocator:
         try:
             self._tracker.end_fetch(ticket, ids)
         except SequenceWentBackwardsError as err:
-            logger.error("%s", err)
-            failure = SequenceBehindError(
-                f"{err}. Allocation refused to avoid handing out an ID twice: stop all writers "
-                "and restart them so the sequence is checked and repaired"
-            )
+            failure = _refusal(err)
             for _, future in batch:
                 if not future.done():
                     future.set_exception(failure)
@@ -102,3 +124,11 @@ class IdAllocator:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
+
+
+def _refusal(err: SequenceWentBackwardsError) -> SequenceBehindError:
+    logger.error("%s", err)
+    return SequenceBehindError(
+        f"{err}. Allocation refused to avoid handing out an ID twice: stop all writers "
+        "and restart them so the sequence is checked and repaired"
+    )

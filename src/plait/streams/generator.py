@@ -9,11 +9,12 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
-from plait.core.positions import PositionTracker
-from plait.errors import ConfigError, NotAWriterError
+from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
+from plait.errors import ConfigError, NotAWriterError, SequenceBehindError
 from plait.storage.database import Database, Transaction
 from plait.storage.stream_store import StreamRow, StreamStore
 from plait.streams.allocator import IdAllocator
@@ -177,10 +178,89 @@ class MultiWriterIdGenerator:
         except BaseException:
             self._tracker.end_fetch(ticket, [])
             raise
-        self._tracker.end_fetch(ticket, ids)
+        self._end_fetch(ticket, ids)
         txn.call_after(lambda: self._finish(ids))
         txn.call_on_exception(lambda: self._finish(ids))
         return [self._sign * i for i in ids]
+
+    async def insert(
+        self, query: str, params: Sequence[Any] | Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Run one statement that takes its own stream IDs, in one round trip.
+
+        Write `{id}` wherever a new row's stream ID goes (once per row, e.g. in each
+        VALUES tuple or in the SELECT list of INSERT ... SELECT), and end the statement
+        with `RETURNING <id column>` so plait learns the IDs it took. The statement runs
+        in autocommit mode; its IDs complete as soon as it returns. Returns the IDs.
+        """
+        self._check_writer()
+        text = self._with_ids(query)
+        ticket = self._tracker.begin_fetch()
+        try:
+            async with self._db.connection() as conn:
+                cursor = await conn.execute(text, params)
+                rows = await cursor.fetchall() if cursor.description else None
+            ids = self._returned_ids(rows)
+        except BaseException:
+            # Whatever the statement took is committed or rolled back by now.
+            self._tracker.end_fetch(ticket, [])
+            raise
+        self._end_fetch(ticket, ids)
+        self._finish(ids)
+        return [self._sign * i for i in ids]
+
+    async def insert_txn(
+        self,
+        txn: Transaction,
+        query: str,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Like `insert`, inside the caller's transaction: the IDs complete after it
+        commits or rolls back."""
+        self._check_writer()
+        text = self._with_ids(query)
+        ticket = self._tracker.begin_fetch()
+        try:
+            cursor = await txn.execute(text, params)
+            ids = self._returned_ids(await cursor.fetchall() if cursor.description else None)
+        except BaseException:
+            self._tracker.end_fetch(ticket, [])
+            raise
+        self._end_fetch(ticket, ids)
+        txn.call_after(lambda: self._finish(ids))
+        txn.call_on_exception(lambda: self._finish(ids))
+        return [self._sign * i for i in ids]
+
+    def _with_ids(self, query: str) -> str:
+        if not isinstance(query, str) or "{id}" not in query:
+            raise ConfigError(
+                "the statement must say where stream IDs go: write {id} in place of each "
+                "new row's ID, e.g. INSERT INTO t (stream_id, ...) VALUES ({id}, ...) "
+                "RETURNING stream_id"
+            )
+        return query.replace("{id}", self._store.next_id_sql())
+
+    def _returned_ids(self, rows: list[tuple[Any, ...]] | None) -> list[int]:
+        if rows is None:
+            raise ConfigError(
+                "the statement returned nothing: end it with RETURNING <id column> so "
+                "plait learns which stream IDs it took"
+            )
+        values = [row[0] for row in rows]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ConfigError(
+                "the statement must return the new stream IDs as its first column "
+                "(RETURNING <id column>)"
+            )
+        return sorted(self._sign * v for v in values)
+
+    def _end_fetch(self, ticket: FetchTicket, ids: list[int]) -> None:
+        try:
+            self._tracker.end_fetch(ticket, ids)
+        except SequenceWentBackwardsError as err:
+            raise SequenceBehindError(
+                f"{err}. Stop all writers and restart them so the sequence is checked"
+            ) from None
 
     @asynccontextmanager
     async def _one(self) -> AsyncIterator[int]:
