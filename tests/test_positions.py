@@ -148,11 +148,25 @@ class TrackerNetwork(RuleBasedStateMachine):
             self.owner[self.head] = fetch.writer
 
     @precondition(lambda self: self.fetches)
-    @rule(data=st.data(), fails=st.booleans())
-    def end_fetch(self, data: st.DataObject, fails: bool) -> None:
+    @rule(data=st.data(), fails=st.booleans(), done=st.booleans())
+    def end_fetch(self, data: st.DataObject, fails: bool, done: bool) -> None:
         fetch = data.draw(st.sampled_from(self.fetches), label="fetch")
         self.fetches.remove(fetch)
         tracker = self.trackers[fetch.writer]
+        if done and not fails:
+            # A statement that took its own IDs and committed (`insert`): fetched and
+            # completed in one step.
+            ids = data.draw(st.permutations(fetch.drawn), label="ids")
+            for stream_id in ids:
+                for name, last in self.last_read.items():
+                    assert stream_id > last, f"{name} read up to {last} before {stream_id}"
+            tracker.end_fetch(fetch.ticket, ids, completed=True)
+            self.returned.update(ids)
+            self.completed.update(ids)
+            self.rows.update(ids)
+            if ids:
+                self.store(fetch.writer)
+            return
         if fails:
             # The round trip failed after the sequence moved: those IDs are burnt. Nobody
             # will ever write them, so they count as completed (with no rows).

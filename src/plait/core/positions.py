@@ -171,8 +171,14 @@ class PositionTracker:
         self._in_flight.add(ticket.floor)
         return ticket
 
-    def end_fetch(self, ticket: FetchTicket, ids: Iterable[int]) -> None:
-        """The fetch returned `ids` (none if it failed); they are now unfinished."""
+    def end_fetch(
+        self, ticket: FetchTicket, ids: Iterable[int], *, completed: bool = False
+    ) -> None:
+        """The fetch returned `ids` (none if it failed); they are now unfinished.
+
+        With `completed`, the IDs are already finished too (a statement that took its own
+        IDs and committed): the same as `end_fetch` then `complete`, in one step.
+        """
         if ticket.serial not in self._open_tickets:
             raise PositionError(f"fetch {ticket.serial} already ended")
         self._open_tickets.discard(ticket.serial)
@@ -186,11 +192,18 @@ class PositionTracker:
                 f"the sequence returned {stale[0]}, but IDs up to {ticket.floor - 1} were "
                 "already seen: it has been reset or moved backwards"
             )
+        if got:
+            self._max_seen = max(self._max_seen, max(got))
+        if completed:
+            self._finished_above.extend(got)
+            heapq.heapify(self._finished_above)
+            self._recompute_local()
+            self._settle(got)
+            return
         for stream_id in got:
             if stream_id in self._unfinished:
                 raise PositionError(f"ID {stream_id} returned twice by the sequence")
             self._unfinished.add(stream_id)
-            self._max_seen = max(self._max_seen, stream_id)
         self._recompute_local()
         self._settle()
 

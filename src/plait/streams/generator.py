@@ -8,6 +8,7 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -205,8 +206,10 @@ class MultiWriterIdGenerator:
             # Whatever the statement took is committed or rolled back by now.
             self._tracker.end_fetch(ticket, [])
             raise
-        self._end_fetch(ticket, ids)
-        self._finish(ids)
+        before = self._tracker.local_position
+        self._end_fetch(ticket, ids, completed=True)  # autocommit: already committed
+        if self._position_writer is not None and self._tracker.local_position != before:
+            self._position_writer.poke()
         return [self._sign * i for i in ids]
 
     async def insert_txn(
@@ -254,9 +257,9 @@ class MultiWriterIdGenerator:
             )
         return sorted(self._sign * v for v in values)
 
-    def _end_fetch(self, ticket: FetchTicket, ids: list[int]) -> None:
+    def _end_fetch(self, ticket: FetchTicket, ids: list[int], *, completed: bool = False) -> None:
         try:
-            self._tracker.end_fetch(ticket, ids)
+            self._tracker.end_fetch(ticket, ids, completed=completed)
         except SequenceWentBackwardsError as err:
             raise SequenceBehindError(
                 f"{err}. Stop all writers and restart them so the sequence is checked"
@@ -417,20 +420,27 @@ async def _load_tracker(
         floor = max(1, table_max or 1)
         return PositionTracker(instance, writers=writers, floor=floor)
     floor = min(positions.values())
-    if writers is not None and instance in writers:
-        own = await store.own_max_above(instance, positions.get(instance, floor))
-        if own is not None:
-            positions[instance] = max(positions.get(instance, own), own)
+    # Our own latest row and the first page of rows above the floor, in parallel.
+    own_query = (
+        store.own_max_above(instance, positions.get(instance, floor))
+        if writers is not None and instance in writers
+        else _none()
+    )
+    own, (ids, cutoff, more) = await asyncio.gather(own_query, store.ids_above(floor, STARTUP_PAGE))
+    if own is not None:
+        positions[instance] = max(positions.get(instance, own), own)
     tracker = PositionTracker(
         instance, writers=writers, floor=floor, positions=positions, seat=False
     )
-    start = floor
     while True:
-        ids, cutoff, more = await store.ids_above(start, STARTUP_PAGE)
         tracker.observe_completed(ids)
         # Past the first gap, more rows cannot move persisted-up-to: stop reading.
         if not more or tracker.persisted_upto < cutoff:
             break
-        start = cutoff
+        ids, cutoff, more = await store.ids_above(cutoff, STARTUP_PAGE)
     tracker.seat_writers()
     return tracker
+
+
+async def _none() -> None:
+    return None
