@@ -24,7 +24,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
@@ -39,6 +38,7 @@ from common import (
     rnd,
     round_trip_delta,
     round_trip_snapshot,
+    run,
     server,
     server_info,
 )
@@ -185,8 +185,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse_args(sys.argv[1:])))
-    except psycopg.Error as err:
-        log(f"database error: {err}")
-        sys.exit(1)
+    run(main, parse_args(sys.argv[1:]))

@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -248,3 +248,14 @@ def round_trip_snapshot() -> dict[str, int]:
 def round_trip_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     keys = set(before) | set(after)
     return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys)}
+
+
+def run(
+    main: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], args: argparse.Namespace
+) -> None:
+    """Run a benchmark's `main`; a database error ends it with a one-line message."""
+    try:
+        asyncio.run(main(args))
+    except psycopg.Error as err:
+        log(f"database error: {err}")
+        sys.exit(1)

@@ -27,13 +27,11 @@ Run: python bench/startup.py [--quick] [--dsn DSN] [--rows N]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 
 from common import (
@@ -47,6 +45,7 @@ from common import (
     rotated,
     round_trip_delta,
     round_trip_snapshot,
+    run,
     server,
     server_info,
 )
@@ -130,7 +129,6 @@ STEPS = (
     "table_max",
     "check_sequence",
     "load_positions",
-    "own_max_above",
     "ids_above",
     "upsert_position",
 )
@@ -327,8 +325,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse_args(sys.argv[1:])))
-    except psycopg.Error as err:
-        log(f"database error: {err}")
-        sys.exit(1)
+    run(main, parse_args(sys.argv[1:]))

@@ -26,13 +26,10 @@ Run: python bench/write_breakdown.py [--quick] [--dsn DSN] [--batch]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 
-import psycopg
-
-from common import add_common_args, bench_schema, emit, log, median, rnd, server, server_info
+from common import add_common_args, bench_schema, emit, log, median, rnd, run, server, server_info
 from write_path import BATCH, Tally, run_group
 
 VARIANTS = (
@@ -100,8 +97,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse_args(sys.argv[1:])))
-    except psycopg.Error as err:
-        log(f"database error: {err}")
-        sys.exit(1)
+    run(main, parse_args(sys.argv[1:]))

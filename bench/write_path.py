@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 
 from common import (
@@ -53,6 +52,7 @@ from common import (
     rotated,
     round_trip_delta,
     round_trip_snapshot,
+    run,
     server,
     server_cpu_seconds,
     server_info,
@@ -560,8 +560,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse_args(sys.argv[1:])))
-    except psycopg.Error as err:
-        log(f"database error: {err}")
-        sys.exit(1)
+    run(main, parse_args(sys.argv[1:]))

@@ -358,42 +358,48 @@ class StreamStore:
 
     # -- rows seen at start-up ---------------------------------------------------------------
 
-    async def ids_above(self, floor: int, limit: int) -> tuple[list[int], int, bool]:
+    async def ids_above(
+        self, floor: int, limit: int, *, own: tuple[str, int] | None = None
+    ) -> tuple[list[int], int, bool, int | None]:
         """Committed IDs above `floor`, lowest first, complete up to a cutoff.
 
-        Returns (ids, cutoff, more): every committed ID in (floor, cutoff] is in `ids`, and
-        `more` says whether there may be IDs above the cutoff.
+        Returns (ids, cutoff, more, own_max): every committed ID in (floor, cutoff] is in
+        `ids`, and `more` says whether there may be IDs above the cutoff. With
+        `own=(instance, above)`, `own_max` is that instance's largest ID above `above`.
+        Every query goes out in one pipeline: one round trip for all tables.
         """
-        found: list[int] = []
-        cutoff: int | None = None
-        exhausted = True
         async with self.db.connection() as conn:
-            for table in self._tables:
-                cur = await conn.execute(
-                    table.ids_above_query(), {"floor": table.stored(floor), "n": limit}
+            async with conn.pipeline():
+                pages = [
+                    await conn.execute(t.ids_above_query(), {"floor": t.stored(floor), "n": limit})
+                    for t in self._tables
+                ]
+                owns = (
+                    [
+                        await conn.execute(
+                            t.own_max_above_query(), {"inst": own[0], "floor": t.stored(own[1])}
+                        )
+                        for t in self._tables
+                    ]
+                    if own is not None
+                    else []
                 )
-                ids = [self._sign * int(r[0]) for r in await cur.fetchall()]
+            found: list[int] = []
+            cutoff: int | None = None
+            for cursor in pages:
+                ids = [self._sign * int(r[0]) for r in await cursor.fetchall()]
                 found.extend(ids)
                 if len(ids) >= limit:
-                    exhausted = False
                     cutoff = ids[-1] if cutoff is None else min(cutoff, ids[-1])
-        if exhausted:
-            return sorted(found), max(found, default=floor), False
-        assert cutoff is not None
-        return sorted(i for i in found if i <= cutoff), cutoff, True
-
-    async def own_max_above(self, instance: str, floor: int) -> int | None:
-        best: int | None = None
-        async with self.db.connection() as conn:
-            for table in self._tables:
-                cur = await conn.execute(
-                    table.own_max_above_query(), {"inst": instance, "floor": table.stored(floor)}
-                )
-                row = await cur.fetchone()
+            own_max: int | None = None
+            for cursor in owns:
+                row = await cursor.fetchone()
                 if row is not None and row[0] is not None:
                     value = self._sign * int(row[0])
-                    best = value if best is None else max(best, value)
-        return best
+                    own_max = value if own_max is None else max(own_max, value)
+        if cutoff is None:
+            return sorted(found), max(found, default=floor), False, own_max
+        return sorted(i for i in found if i <= cutoff), cutoff, True, own_max
 
     # -- allocation ------------------------------------------------------------------------
 

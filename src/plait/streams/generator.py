@@ -8,13 +8,12 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
+from plait.core.positions import PositionTracker, SequenceWentBackwardsError
 from plait.errors import ConfigError, NotAWriterError, SequenceBehindError
 from plait.storage.database import Database, Transaction
 from plait.storage.stream_store import StreamRow, StreamStore
@@ -173,15 +172,8 @@ class MultiWriterIdGenerator:
     async def get_next_mult_txn(self, txn: Transaction, n: int) -> list[int]:
         self._check_writer()
         _check_count(n)
-        ticket = self._tracker.begin_fetch()
-        try:
-            ids = await self._store.allocate_in(txn, n)
-        except BaseException:
-            self._tracker.end_fetch(ticket, [])
-            raise
-        self._end_fetch(ticket, ids)
-        txn.call_after(lambda: self._finish(ids))
-        txn.call_on_exception(lambda: self._finish(ids))
+        ids = await self._take_ids(lambda: self._store.allocate_in(txn, n))
+        self._complete_after(txn, ids)
         return [self._sign * i for i in ids]
 
     async def insert(
@@ -196,20 +188,14 @@ class MultiWriterIdGenerator:
         """
         self._check_writer()
         text = self._with_ids(query)
-        ticket = self._tracker.begin_fetch()
-        try:
+
+        async def run() -> list[int]:
             async with self._db.connection() as conn:
                 cursor = await conn.execute(text, params)
-                rows = await cursor.fetchall() if cursor.description else None
-            ids = self._returned_ids(rows)
-        except BaseException:
-            # Whatever the statement took is committed or rolled back by now.
-            self._tracker.end_fetch(ticket, [])
-            raise
-        before = self._tracker.local_position
-        self._end_fetch(ticket, ids, completed=True)  # autocommit: already committed
-        if self._position_writer is not None and self._tracker.local_position != before:
-            self._position_writer.poke()
+                return self._returned_ids(await cursor.fetchall() if cursor.description else None)
+
+        # Autocommit: when the statement returns, its IDs are committed already.
+        ids = await self._take_ids(run, completed=True)
         return [self._sign * i for i in ids]
 
     async def insert_txn(
@@ -222,17 +208,42 @@ class MultiWriterIdGenerator:
         commits or rolls back."""
         self._check_writer()
         text = self._with_ids(query)
+
+        async def run() -> list[int]:
+            cursor = await txn.execute(text, params)
+            return self._returned_ids(await cursor.fetchall() if cursor.description else None)
+
+        ids = await self._take_ids(run)
+        self._complete_after(txn, ids)
+        return [self._sign * i for i in ids]
+
+    async def _take_ids(
+        self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
+    ) -> list[int]:
+        """Run `fetch` (which takes IDs from the sequence) under a fetch ticket, so the
+        position cannot pass those IDs before plait knows them."""
         ticket = self._tracker.begin_fetch()
         try:
-            cursor = await txn.execute(text, params)
-            ids = self._returned_ids(await cursor.fetchall() if cursor.description else None)
+            ids = await fetch()
         except BaseException:
+            # Whatever it took was never handed out, or is already committed or rolled
+            # back: nothing of it is left pending.
             self._tracker.end_fetch(ticket, [])
             raise
-        self._end_fetch(ticket, ids)
+        before = self._tracker.local_position
+        try:
+            self._tracker.end_fetch(ticket, ids, completed=completed)
+        except SequenceWentBackwardsError as err:
+            raise SequenceBehindError(
+                f"{err}. Stop all writers and restart them so the sequence is checked"
+            ) from None
+        if self._position_writer is not None and self._tracker.local_position != before:
+            self._position_writer.poke()
+        return ids
+
+    def _complete_after(self, txn: Transaction, ids: list[int]) -> None:
         txn.call_after(lambda: self._finish(ids))
         txn.call_on_exception(lambda: self._finish(ids))
-        return [self._sign * i for i in ids]
 
     def _with_ids(self, query: str) -> str:
         if not isinstance(query, str) or "{id}" not in query:
@@ -256,14 +267,6 @@ class MultiWriterIdGenerator:
                 "(RETURNING <id column>)"
             )
         return sorted(self._sign * v for v in values)
-
-    def _end_fetch(self, ticket: FetchTicket, ids: list[int], *, completed: bool = False) -> None:
-        try:
-            self._tracker.end_fetch(ticket, ids, completed=completed)
-        except SequenceWentBackwardsError as err:
-            raise SequenceBehindError(
-                f"{err}. Stop all writers and restart them so the sequence is checked"
-            ) from None
 
     @asynccontextmanager
     async def _one(self) -> AsyncIterator[int]:
@@ -420,15 +423,15 @@ async def _load_tracker(
         floor = max(1, table_max or 1)
         return PositionTracker(instance, writers=writers, floor=floor)
     floor = min(positions.values())
-    # Our own latest row and the first page of rows above the floor, in parallel.
-    own_query = (
-        store.own_max_above(instance, positions.get(instance, floor))
+    # The rows above the floor, and our own latest row, in one round trip.
+    own = (
+        (instance, positions.get(instance, floor))
         if writers is not None and instance in writers
-        else _none()
+        else None
     )
-    own, (ids, cutoff, more) = await asyncio.gather(own_query, store.ids_above(floor, STARTUP_PAGE))
-    if own is not None:
-        positions[instance] = max(positions.get(instance, own), own)
+    ids, cutoff, more, own_max = await store.ids_above(floor, STARTUP_PAGE, own=own)
+    if own_max is not None:
+        positions[instance] = max(positions.get(instance, own_max), own_max)
     tracker = PositionTracker(
         instance, writers=writers, floor=floor, positions=positions, seat=False
     )
@@ -437,10 +440,6 @@ async def _load_tracker(
         # Past the first gap, more rows cannot move persisted-up-to: stop reading.
         if not more or tracker.persisted_upto < cutoff:
             break
-        ids, cutoff, more = await store.ids_above(cutoff, STARTUP_PAGE)
+        ids, cutoff, more, _ = await store.ids_above(cutoff, STARTUP_PAGE)
     tracker.seat_writers()
     return tracker
-
-
-async def _none() -> None:
-    return None
