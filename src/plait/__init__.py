@@ -6,6 +6,8 @@ safe positions and vector-clock tokens that readers follow without skipping or
 repeating a row.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from plait.core.positions import PositionTracker
 from plait.core.tokens import StreamToken
 from plait.errors import (
@@ -23,6 +25,11 @@ from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.stream_store import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.spec import StreamSpec, TableSpec
+
+try:
+    __version__ = version("plait")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConfigError",
