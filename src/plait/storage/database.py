@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg import AsyncConnection, AsyncCursor
+from psycopg import AsyncConnection, AsyncCursor, pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
@@ -110,6 +110,11 @@ class Database:
         embedded: EmbeddedPostgres | None,
     ) -> None:
         self._pool = pool
+        # One connection kept out of the pool and lent to whoever needs a connection
+        # while it is free: a pool checkout costs about as much client CPU as a small
+        # statement does, and most of plait's work is one statement at a time.
+        self._hot: AsyncConnection[TupleRow] | None = None
+        self._hot_busy = False
         self._dsn = dsn
         self._embedded = embedded
         self._instance_ids: dict[str, int] = {}
@@ -161,8 +166,30 @@ class Database:
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[AsyncConnection[TupleRow]]:
         """A pooled connection in autocommit mode."""
-        async with self._pool.connection() as conn:
-            yield conn
+        if self._hot_busy or self._closed:
+            async with self._pool.connection() as conn:
+                yield conn
+            return
+        self._hot_busy = True
+        try:
+            if self._hot is None or self._hot.closed:
+                self._hot = await self._pool.getconn()
+            hot = self._hot
+            clean = False
+            try:
+                yield hot
+                clean = hot.info.transaction_status == pq.TransactionStatus.IDLE
+            finally:
+                if self._closed:
+                    self._hot = None
+                    await hot.close()  # the database closed while we were using it
+                elif not clean:
+                    # An error, a cancellation or an open transaction: hand it back to
+                    # the pool, which rolls it back or replaces it, and take another.
+                    self._hot = None
+                    await self._pool.putconn(hot)
+        finally:
+            self._hot_busy = False
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
@@ -171,7 +198,7 @@ class Database:
         COMMIT and ROLLBACK run to completion even if the calling task is cancelled
         meanwhile: callbacks must know how the transaction ended.
         """
-        async with self._pool.connection() as conn:
+        async with self.connection() as conn:
             txn = Transaction(conn)
             try:
                 yield txn
@@ -299,6 +326,9 @@ class Database:
             except Exception:
                 logger.exception("error while closing %r", closer)
         self._closers.clear()
+        hot, self._hot = self._hot, None
+        if hot is not None and not self._hot_busy:
+            await self._pool.putconn(hot)
         await self._pool.close()
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.release)

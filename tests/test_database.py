@@ -1,0 +1,63 @@
+"""Database: the connection lent between pool checkouts never leaks state between users."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from psycopg import pq
+
+from plait import Database
+
+IDLE = pq.TransactionStatus.IDLE
+
+
+async def backend_pid(db: Database) -> int:
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_the_same_connection_serves_one_statement_after_another(db: Database) -> None:
+    assert await backend_pid(db) == await backend_pid(db)
+
+
+async def test_nested_and_concurrent_users_get_their_own_connections(db: Database) -> None:
+    async with db.connection() as outer, db.connection() as inner:
+        assert outer is not inner
+    pids = await asyncio.gather(*(backend_pid(db) for _ in range(5)))
+    assert len(pids) == 5
+
+
+async def test_a_transaction_left_open_does_not_reach_the_next_user(db: Database) -> None:
+    async with db.connection() as conn:
+        await conn.execute("BEGIN")
+        await conn.execute("CREATE TEMP TABLE leftover (x int)")
+    async with db.connection() as conn:
+        assert conn.info.transaction_status == IDLE
+        row = await (await conn.execute("SELECT to_regclass('leftover')")).fetchone()
+        assert row == (None,)  # the open transaction was rolled back, not committed
+
+
+async def test_an_error_recycles_the_connection(db: Database) -> None:
+    async def fail_inside_a_transaction() -> None:
+        async with db.connection() as conn:
+            await conn.execute("BEGIN")
+            await conn.execute("CREATE TEMP TABLE aborted (x int)")
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        await fail_inside_a_transaction()
+    async with db.connection() as conn:
+        assert conn.info.transaction_status == IDLE
+        row = await (await conn.execute("SELECT to_regclass('aborted')")).fetchone()
+        assert row == (None,)
+
+
+async def test_close_while_a_connection_is_lent(dsn: str) -> None:
+    db = await Database.connect(dsn)
+    async with db.connection() as conn:
+        await db.close()
+        assert not conn.closed  # the borrower finishes its work...
+    assert conn.closed  # ...and the connection is closed when it comes back
