@@ -1,0 +1,138 @@
+"""Failures on the way: the database errors, the sequence goes backwards, a table has no
+index. plait reports them and never leaves a position stuck or moved backwards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import psycopg
+import pytest
+
+from plait import Database, SequenceBehindError
+from stream_helpers import create_generator, create_table, stored_positions
+
+
+async def test_allocation_errors_reach_every_waiter_and_leave_nothing_in_flight(
+    db: Database,
+) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    async with gen.get_next_mult(3):
+        pass
+    async with db.connection() as conn:
+        await conn.execute("ALTER SEQUENCE events_seq RENAME TO events_seq_away")
+
+    async def one() -> int:
+        async with gen.get_next() as stream_id:
+            return stream_id
+
+    # The first caller fetches directly, the others queue and share the next round trip.
+    results = await asyncio.gather(*(one() for _ in range(10)), return_exceptions=True)
+    assert all(isinstance(r, psycopg.errors.UndefinedTable) for r in results), results
+    assert gen._tracker.fetches_in_flight() == 0
+    assert gen._tracker.unfinished() == []
+    async with db.connection() as conn:
+        await conn.execute("ALTER SEQUENCE events_seq_away RENAME TO events_seq")
+    assert await asyncio.gather(*(one() for _ in range(3))) == [5, 6, 7]
+    assert gen.get_current_token() == 7
+
+
+async def test_a_waiter_cancelled_while_queued_gives_its_ids_back(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    gate = asyncio.Event()
+    real_fetch = gen._allocator._fetch
+
+    async def slow_fetch(n: int) -> list[int]:
+        await gate.wait()
+        return await real_fetch(n)
+
+    gen._allocator._fetch = slow_fetch
+    first = asyncio.create_task(gen._allocator.allocate(1))  # fetches directly, held
+    await asyncio.sleep(0.05)
+    queued = [asyncio.create_task(gen._allocator.allocate(1)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    queued[1].cancel()  # gone before its batch comes back
+    gate.set()
+    assert await first == [2]
+    got = await asyncio.gather(*queued, return_exceptions=True)
+    assert got[0] == [3]
+    assert isinstance(got[1], asyncio.CancelledError)
+    assert got[2] == [5]
+    gen._finish([2])
+    gen._finish([3])
+    gen._finish([5])
+    # ID 4 went to the cancelled waiter: it was given back, so nothing is stuck at 3.
+    assert gen._tracker.unfinished() == []
+    assert gen.get_current_token() == 5
+
+
+async def test_sequence_moved_backwards_refuses_to_hand_out_ids(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    async with gen.get_next_mult(5):
+        pass
+    assert gen.get_current_token() == 6
+    async with db.connection() as conn:
+        await conn.execute("SELECT setval('events_seq', 2)")  # someone reset it
+    with pytest.raises(SequenceBehindError, match="reset or moved backwards"):
+        async with gen.get_next():
+            pass
+    with pytest.raises(SequenceBehindError):
+        await gen.insert("INSERT INTO events VALUES ({id}, 'w') RETURNING stream_id")
+    assert gen.get_current_token() == 6  # nothing moved backwards
+    assert gen._tracker.fetches_in_flight() == 0
+    assert gen._tracker.unfinished() == []
+
+
+async def test_tables_without_the_writer_index_still_work(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL)"
+        )
+        await conn.execute(
+            "INSERT INTO events SELECT g, CASE WHEN g % 2 = 0 THEN 'a' ELSE 'b' END"
+            " FROM generate_series(1, 20) g"
+        )
+        await conn.execute("CREATE SEQUENCE events_seq")
+        await conn.execute("SELECT setval('events_seq', 20)")
+        await conn.execute(
+            "INSERT INTO stream_positions VALUES ('events', 'a', 10), ('events', 'b', 9)"
+        )
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        reader = await create_generator(db, ["a", "b"], "reader")
+    assert any(
+        "has no index on (instance_name, stream_id)" in r.getMessage() for r in caplog.records
+    )
+    assert reader.get_current_token() == 20  # rows 10..20 found above the floor of 9
+    rows, upto, limited = await reader.get_updates_since("a", 10, 20, limit=3)
+    # A full page may have cut its last ID short, so it ends just below it.
+    assert [r.stream_id for r in rows] == [12, 14]
+    assert (upto, limited) == (15, True)
+    rows, upto, limited = await reader.get_updates_since("a", upto, 20, limit=10)
+    assert [r.stream_id for r in rows] == [16, 18, 20]
+    assert (upto, limited) == (20, False)
+
+
+async def test_position_writer_retries_until_the_database_answers(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w", position_flush_interval=0.05)
+    async with db.connection() as conn:
+        await conn.execute("ALTER TABLE stream_positions RENAME TO stream_positions_away")
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        async with gen.get_next_mult(4):
+            pass
+        await asyncio.sleep(0.3)
+    assert any("could not update stream_positions" in r.getMessage() for r in caplog.records)
+    async with db.connection() as conn:
+        await conn.execute("ALTER TABLE stream_positions_away RENAME TO stream_positions")
+    for _ in range(100):
+        if (await stored_positions(db)).get("w") == 5:
+            break
+        await asyncio.sleep(0.05)
+    assert await stored_positions(db) == {"w": 5}
