@@ -136,3 +136,28 @@ async def test_position_writer_retries_until_the_database_answers(
             break
         await asyncio.sleep(0.05)
     assert await stored_positions(db) == {"w": 5}
+
+
+async def test_connection_killed_before_commit(db: Database) -> None:
+    """The COMMIT fails with the connection: plait waits until the server has finished
+    the transaction (its xid is known), completes the ID, and replaces the connection."""
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+
+    async def write_then_lose_the_connection() -> None:
+        async with db.transaction() as txn:
+            stream_id = await gen.get_next_txn(txn)
+            await txn.execute(
+                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'w')", (stream_id,)
+            )
+            row = await (await txn.execute("SELECT pg_backend_pid()")).fetchone()
+            assert row is not None
+            async with db.connection() as other:
+                await other.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+
+    with pytest.raises(psycopg.OperationalError):
+        await write_then_lose_the_connection()
+    assert gen.get_current_token() == 2  # the ID completed...
+    assert await gen.get_updates_since("w", 0, 2) == ([], 2, False)  # ...with no row
+    assert await gen.insert("INSERT INTO events VALUES ({id}, 'w') RETURNING stream_id") == [3]
+    assert gen.get_current_token() == 3
