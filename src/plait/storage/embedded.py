@@ -47,10 +47,9 @@ _handles: dict[Path, int] = {}
 class EmbeddedPostgres:
     """A handle on a running embedded server; `release()` when done with it."""
 
-    def __init__(self, data_dir: Path, port: int, started_here: bool) -> None:
+    def __init__(self, data_dir: Path, port: int) -> None:
         self.data_dir = data_dir
         self.port = port
-        self.started_here = started_here
         self._released = False
 
     @property
@@ -67,16 +66,14 @@ class EmbeddedPostgres:
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         with _Lock(data_dir):
             port = _running_port(data_dir)
-            started = False
             if port is None:
                 _init_if_new(data_dir)
                 port = _start(data_dir)
-                started = True
             else:
                 logger.info("reusing embedded PostgreSQL on 127.0.0.1:%d (%s)", port, data_dir)
             _register(data_dir, os.getpid())
             _handles[data_dir] = _handles.get(data_dir, 0) + 1
-        return cls(data_dir, port, started)
+        return cls(data_dir, port)
 
     def release(self) -> bool:
         """Forget this process; stop the server if no other live process uses it.

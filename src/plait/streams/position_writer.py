@@ -44,11 +44,6 @@ class PositionWriter:
         self._name = name
         self.upserts = 0
 
-    @property
-    def written(self) -> int:
-        """The last position this writer stored."""
-        return self._written
-
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"plait-positions-{self._name}")
 
