@@ -192,14 +192,11 @@ class PositionTracker:
                 f"the sequence returned {stale[0]}, but IDs up to {ticket.floor - 1} were "
                 "already seen: it has been reset or moved backwards"
             )
+        if completed:
+            self._record_finished(got)
+            return
         if got:
             self._max_seen = max(self._max_seen, max(got))
-        if completed:
-            self._finished_above.extend(got)
-            heapq.heapify(self._finished_above)
-            self._recompute_local()
-            self._settle(got)
-            return
         for stream_id in got:
             if stream_id in self._unfinished:
                 raise PositionError(f"ID {stream_id} returned twice by the sequence")
@@ -213,12 +210,7 @@ class PositionTracker:
         for stream_id in done:
             if not self._unfinished.remove(stream_id):
                 raise PositionError(f"ID {stream_id} completed but was not unfinished")
-        self._finished_above.extend(done)
-        heapq.heapify(self._finished_above)
-        self._recompute_local()
-        if done:
-            self._max_seen = max(self._max_seen, max(done))
-        self._settle(done)
+        self._record_finished(done)
 
     def advance(self, writer: str, position: int) -> None:
         """Another writer reports it is at `position` (never moves anything back)."""
@@ -236,10 +228,6 @@ class PositionTracker:
         self._settle()
 
     # -- queries --------------------------------------------------------------------
-
-    @property
-    def instance(self) -> str:
-        return self._instance
 
     @property
     def is_writer(self) -> bool:
@@ -284,6 +272,21 @@ class PositionTracker:
         return len(self._in_flight)
 
     # -- internals ------------------------------------------------------------------
+
+    def _record_finished(self, done: list[int]) -> None:
+        """Local IDs that finished: move the local position and persisted-up-to."""
+        finished = self._finished_above
+        if len(done) * 8 < len(finished):
+            # A few IDs joining many held back by a slow one: push, don't re-heapify.
+            for stream_id in done:
+                heapq.heappush(finished, stream_id)
+        else:
+            finished.extend(done)
+            heapq.heapify(finished)
+        self._recompute_local()
+        if done:
+            self._max_seen = max(self._max_seen, max(done))
+        self._settle(done)
 
     def _note_completed(self, stream_id: int) -> None:
         self._max_seen = max(self._max_seen, stream_id)
