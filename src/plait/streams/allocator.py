@@ -56,22 +56,13 @@ class IdAllocator:
         Callers arriving meanwhile queue up and are served together once this returns.
         """
         self._busy = True
-        ticket = self._tracker.begin_fetch()
         try:
             self.round_trips += 1
-            ids = await self._fetch(n)
-        except BaseException:
-            self._tracker.end_fetch(ticket, [])
-            raise
+            return await take_ids(self._tracker, lambda: self._fetch(n))
         finally:
             self._busy = False
             if self._queue and self._pump is None:
                 self._pump = asyncio.create_task(self._run(), name="plait-id-allocator")
-        try:
-            self._tracker.end_fetch(ticket, ids)
-        except SequenceWentBackwardsError as err:
-            raise _refusal(err) from None
-        return ids
 
     async def _run(self) -> None:
         try:
@@ -124,6 +115,27 @@ class IdAllocator:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
+
+
+async def take_ids(
+    tracker: PositionTracker, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
+) -> list[int]:
+    """Run `fetch`, which takes IDs from the sequence, under a fetch ticket, so the
+    position cannot pass those IDs before the tracker knows them. With `completed`, the
+    IDs are finished when `fetch` returns (a statement that committed)."""
+    ticket = tracker.begin_fetch()
+    try:
+        ids = await fetch()
+    except BaseException:
+        # Whatever it took was never handed out, or is already committed or rolled
+        # back: nothing of it is left pending.
+        tracker.end_fetch(ticket, [])
+        raise
+    try:
+        tracker.end_fetch(ticket, ids, completed=completed)
+    except SequenceWentBackwardsError as err:
+        raise _refusal(err) from None
+    return ids
 
 
 def _refusal(err: SequenceWentBackwardsError) -> SequenceBehindError:

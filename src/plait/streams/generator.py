@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-from plait.core.positions import PositionTracker, SequenceWentBackwardsError
-from plait.errors import ConfigError, NotAWriterError, SequenceBehindError
+from plait.core.positions import PositionTracker
+from plait.errors import ConfigError, NotAWriterError
 from plait.storage.database import Database, Transaction
 from plait.storage.stream_store import StreamRow, StreamStore
-from plait.streams.allocator import IdAllocator
+from plait.streams.allocator import IdAllocator, take_ids
 from plait.streams.position_writer import PositionWriter
 from plait.streams.spec import StreamSpec
 
@@ -220,26 +220,15 @@ class MultiWriterIdGenerator:
     async def _take_ids(
         self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
     ) -> list[int]:
-        """Run `fetch` (which takes IDs from the sequence) under a fetch ticket, so the
-        position cannot pass those IDs before plait knows them."""
-        ticket = self._tracker.begin_fetch()
-        try:
-            ids = await fetch()
-        except BaseException:
-            # Whatever it took was never handed out, or is already committed or rolled
-            # back: nothing of it is left pending.
-            self._tracker.end_fetch(ticket, [])
-            raise
         before = self._tracker.local_position
-        try:
-            self._tracker.end_fetch(ticket, ids, completed=completed)
-        except SequenceWentBackwardsError as err:
-            raise SequenceBehindError(
-                f"{err}. Stop all writers and restart them so the sequence is checked"
-            ) from None
+        ids = await take_ids(self._tracker, fetch, completed=completed)
+        self._poke_if_moved(before)
+        return ids
+
+    def _poke_if_moved(self, before: int) -> None:
+        """Our position moved: have the position writer store it soon."""
         if self._position_writer is not None and self._tracker.local_position != before:
             self._position_writer.poke()
-        return ids
 
     def _complete_after(self, txn: Transaction, ids: list[int]) -> None:
         txn.call_after(lambda: self._finish(ids))
@@ -287,8 +276,7 @@ class MultiWriterIdGenerator:
     def _finish(self, ids: list[int]) -> None:
         before = self._tracker.local_position
         self._tracker.complete(ids)
-        if self._position_writer is not None and self._tracker.local_position != before:
-            self._position_writer.poke()
+        self._poke_if_moved(before)
 
     def _check_writer(self) -> None:
         if self._closed:
@@ -350,9 +338,9 @@ class MultiWriterIdGenerator:
         """Learn the other writers' positions from `stream_positions`."""
         if not self._keeps_rows:
             return
+        # Only configured writers' rows come back; our own is ignored by the tracker.
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
-            if writer != self._instance or not self._tracker.is_writer:
-                self._tracker.advance(writer, position)
+            self._tracker.advance(writer, position)
 
     async def flush_position(self) -> None:
         """Store this writer's current position now (it is otherwise stored in the
