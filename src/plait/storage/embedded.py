@@ -67,6 +67,9 @@ class EmbeddedPostgres:
         with _Lock(data_dir):
             port = _running_port(data_dir)
             if port is None:
+                data_dir.mkdir(mode=0o700, exist_ok=True)
+                if _as_root():
+                    _prepare_for_server_user(data_dir)
                 _init_if_new(data_dir)
                 port = _start(data_dir)
             else:
@@ -170,9 +173,6 @@ def _init_if_new(data_dir: Path) -> None:
     if (data_dir / "PG_VERSION").exists():
         return
     logger.info("initialising embedded PostgreSQL data directory %s", data_dir)
-    data_dir.mkdir(mode=0o700, exist_ok=True)
-    if _as_root():
-        _prepare_for_server_user(data_dir)
     _run(
         [
             "initdb",
@@ -202,8 +202,6 @@ def _free_port() -> int:
 
 
 def _start(data_dir: Path) -> int:
-    if _as_root():
-        _prepare_for_server_user(data_dir)
     for _attempt in range(5):
         port = _free_port()
         logger.info("starting embedded PostgreSQL on 127.0.0.1:%d (%s)", port, data_dir)

@@ -214,10 +214,7 @@ class StreamStore:
     async def ensure_sequence(self) -> bool:
         """Create the sequence if missing, then take ID 1 so the first real ID is 2."""
         async with self.db.connection() as conn, conn.transaction():
-            await conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                (f"plait:sequence:{self.spec.sequence}",),
-            )
+            await self._lock_sequence(conn)
             cur = await conn.execute("SELECT to_regclass(%s)", (self._seq_regclass,))
             row = await cur.fetchone()
             if row is not None and row[0] is not None:
@@ -226,6 +223,14 @@ class StreamStore:
             await conn.execute(sql.SQL("CREATE SEQUENCE {}").format(self._seq))
             await conn.execute("SELECT nextval(%s::regclass)", (self._seq_regclass,))
             return True
+
+    async def _lock_sequence(self, conn: AsyncConnection[TupleRow]) -> None:
+        """Serialise creating and repairing this sequence across processes (until the
+        transaction ends)."""
+        await conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            (f"plait:sequence:{self.spec.sequence}",),
+        )
 
     async def record_spec(self) -> None:
         """Record the spec so database-only readers (Spark) find the stream by name."""
@@ -285,10 +290,7 @@ class StreamStore:
                 table_max,
             )
             async with self.db.connection() as conn, conn.transaction():
-                await conn.execute(
-                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                    (f"plait:sequence:{self.spec.sequence}",),
-                )
+                await self._lock_sequence(conn)
                 await conn.execute(
                     sql.SQL(
                         "SELECT setval(%s::regclass, %s) WHERE (SELECT last_value FROM {}) < %s"
