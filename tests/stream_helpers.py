@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from psycopg import sql
 
-from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
+from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec, Transaction
 
 # Scenario tests pass this so no background refresh changes positions mid-assertion.
 QUIET = 3600.0
@@ -126,3 +129,21 @@ async def stored_positions(db: Database, stream: str = "events") -> dict[str, in
             (stream,),
         )
         return {name: int(value) for name, value in await cur.fetchall()}
+
+
+@asynccontextmanager
+async def write_in_txn(
+    db: Database, gen: MultiWriterIdGenerator, outcome: list[str] | None = None
+) -> AsyncIterator[Transaction]:
+    """A transaction holding one row written with an ID from `get_next_txn`; `outcome`
+    gets "committed" or "rolled back" from the transaction's callbacks."""
+    async with db.transaction() as txn:
+        if outcome is not None:
+            txn.call_after(lambda: outcome.append("committed"))
+            txn.call_on_exception(lambda: outcome.append("rolled back"))
+        stream_id = await gen.get_next_txn(txn)
+        await txn.execute(
+            "INSERT INTO events (stream_id, instance_name) VALUES (%s, %s)",
+            (stream_id, gen.instance_name),
+        )
+        yield txn

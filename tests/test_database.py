@@ -26,8 +26,17 @@ async def test_the_same_connection_serves_one_statement_after_another(db: Databa
 async def test_nested_and_concurrent_users_get_their_own_connections(db: Database) -> None:
     async with db.connection() as outer, db.connection() as inner:
         assert outer is not inner
-    pids = await asyncio.gather(*(backend_pid(db) for _ in range(5)))
-    assert len(pids) == 5
+    everyone_holds_one = asyncio.Barrier(5)
+
+    async def hold() -> int:
+        async with db.connection() as conn:
+            row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+            await everyone_holds_one.wait()  # all five connections are out at once
+        assert row is not None
+        return int(row[0])
+
+    pids = await asyncio.gather(*(hold() for _ in range(5)))
+    assert len(set(pids)) == 5
 
 
 async def test_a_transaction_left_open_does_not_reach_the_next_user(db: Database) -> None:

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from plait import Database, SequenceBehindError
-from stream_helpers import create_generator, create_table, stored_positions
+from stream_helpers import create_generator, create_table, stored_positions, write_in_txn
 
 
 async def test_allocation_errors_reach_every_waiter_and_leave_nothing_in_flight(
@@ -145,11 +145,7 @@ async def test_connection_killed_before_commit(db: Database) -> None:
     gen = await create_generator(db, ["w"], "w")
 
     async def write_then_lose_the_connection() -> None:
-        async with db.transaction() as txn:
-            stream_id = await gen.get_next_txn(txn)
-            await txn.execute(
-                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'w')", (stream_id,)
-            )
+        async with write_in_txn(db, gen) as txn:
             row = await (await txn.execute("SELECT pg_backend_pid()")).fetchone()
             assert row is not None
             async with db.connection() as other:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import psycopg
 import pytest
 
 from plait import (
@@ -15,7 +16,13 @@ from plait import (
     StreamToken,
     TableSpec,
 )
-from stream_helpers import create_generator, create_table, insert_rows, stored_positions
+from stream_helpers import (
+    create_generator,
+    create_table,
+    insert_rows,
+    stored_positions,
+    write_in_txn,
+)
 
 
 async def test_non_writer_cannot_allocate(db: Database) -> None:
@@ -280,14 +287,7 @@ async def test_cancelled_during_commit_runs_the_right_callbacks(db: Database) ->
     committed = asyncio.Event()
 
     async def write() -> None:
-        async with db.transaction() as txn:
-            txn.call_after(lambda: outcome.append("committed"))
-            txn.call_on_exception(lambda: outcome.append("rolled back"))
-            stream_id = await gen.get_next_txn(txn)
-            await txn.execute(
-                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
-                (stream_id,),
-            )
+        async with write_in_txn(db, gen, outcome):
             # The test task runs again only once this one awaits, which is at COMMIT.
             committed.set()
 
@@ -303,36 +303,21 @@ async def test_cancelled_during_commit_runs_the_right_callbacks(db: Database) ->
 
 
 async def test_psycopg_rollback_is_honoured(db: Database) -> None:
-    import psycopg
-
     await create_table(db)
     gen = await create_generator(db, ["master"], "master")
-    async with db.transaction() as txn:
-        stream_id = await gen.get_next_txn(txn)
-        await txn.execute(
-            "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')", (stream_id,)
-        )
+    async with write_in_txn(db, gen):
         raise psycopg.Rollback
     assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
     assert gen.get_current_token() == 2
 
 
 async def test_commit_after_a_caught_error_is_not_reported_as_committed(db: Database) -> None:
-    import psycopg
-
     await create_table(db)
     gen = await create_generator(db, ["master"], "master")
     outcome: list[str] = []
 
     async def write() -> None:
-        async with db.transaction() as txn:
-            txn.call_after(lambda: outcome.append("committed"))
-            txn.call_on_exception(lambda: outcome.append("rolled back"))
-            stream_id = await gen.get_next_txn(txn)
-            await txn.execute(
-                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
-                (stream_id,),
-            )
+        async with write_in_txn(db, gen, outcome) as txn:
             with contextlib.suppress(psycopg.errors.DivisionByZero):
                 await txn.execute("SELECT 1/0")
 
