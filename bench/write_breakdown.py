@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from common import add_common_args, bench_schema, emit, log, median, rnd, run, server, server_info
-from write_path import BATCH, Tally, run_group
+from common import add_common_args, emit, median, rnd, run
+from write_path import BATCH, Tally, run_groups
 
 VARIANTS = (
     "bare",
@@ -71,17 +70,13 @@ def report(writers: int, n: int, reps: int, phase_s: float, tallies: dict[str, T
 
 
 async def main(args: argparse.Namespace) -> None:
-    reps = args.reps or (3 if args.quick else 5)
-    phase_s = args.phase or (0.2 if args.quick else 1.0)
-    warmup_s = 0.1 if args.quick else 0.3
+    timing = (
+        args.reps or (3 if args.quick else 5),
+        args.phase or (0.2 if args.quick else 1.0),
+        0.1 if args.quick else 0.3,
+    )
     shapes = [BATCH] if args.batch else [1]
-    started = time.perf_counter()
-    async with server(args.dsn) as server_dsn:
-        log(f"server: {await server_info(server_dsn)}")
-        for writers in args.writers:
-            async with bench_schema(server_dsn, f"breakdown{writers}") as dsn:
-                await run_group(dsn, writers, shapes, VARIANTS, reps, phase_s, warmup_s, report)
-    log(f"done in {time.perf_counter() - started:.0f} s")
+    await run_groups(args, "breakdown", shapes, VARIANTS, timing, report)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -533,19 +533,32 @@ def report(writers: int, n: int, reps: int, phase_s: float, tallies: dict[str, T
         )
 
 
-async def main(args: argparse.Namespace) -> None:
-    reps = args.reps or (3 if args.quick else 5)
-    phase_s = args.phase or (0.25 if args.quick else 1.2)
-    warmup_s = 0.1 if args.quick else 0.5
-    shapes = [1, BATCH]
+async def run_groups(
+    args: argparse.Namespace,
+    name: str,
+    shapes: list[int],
+    variants: tuple[str, ...],
+    timing: tuple[int, float, float],
+    report_fn: Reporter,
+) -> None:
+    """One group of variants per writer count, each in a fresh schema."""
+    reps, phase_s, warmup_s = timing
     started = time.perf_counter()
     async with server(args.dsn) as server_dsn:
-        info = await server_info(server_dsn)
-        log(f"server: {info}")
+        log(f"server: {await server_info(server_dsn)}")
         for writers in args.writers:
-            async with bench_schema(server_dsn, f"write{writers}") as dsn:
-                await run_group(dsn, writers, shapes, VARIANTS, reps, phase_s, warmup_s, report)
+            async with bench_schema(server_dsn, f"{name}{writers}") as dsn:
+                await run_group(dsn, writers, shapes, variants, reps, phase_s, warmup_s, report_fn)
     log(f"done in {time.perf_counter() - started:.0f} s")
+
+
+async def main(args: argparse.Namespace) -> None:
+    timing = (
+        args.reps or (3 if args.quick else 5),
+        args.phase or (0.25 if args.quick else 1.2),
+        0.1 if args.quick else 0.5,
+    )
+    await run_groups(args, "write", [1, BATCH], VARIANTS, timing, report)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
