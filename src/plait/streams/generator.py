@@ -295,7 +295,8 @@ class MultiWriterIdGenerator:
         return self._sign * self._tracker.persisted_upto
 
     def get_persisted_upto_position(self) -> int:
-        return self._sign * self._tracker.persisted_upto
+        """The same as `get_current_token` (the names of the reference API)."""
+        return self.get_current_token()
 
     def get_current_token_for_writer(self, instance_name: str) -> int:
         """A safe position for one writer (for this instance: idle-advanced)."""
