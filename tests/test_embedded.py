@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -13,7 +14,7 @@ import psycopg
 import pytest
 
 from plait import Database
-from plait.storage.embedded import EmbeddedPostgres
+from plait.storage.embedded import SERVER_USER, EmbeddedPostgres
 
 
 def running(data_dir: Path) -> bool:
@@ -69,3 +70,22 @@ async def test_embedded_server_lifecycle(base: Path) -> None:
     finally:
         for db in (first, second):
             await db.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="root on Linux only")
+def test_as_root_the_server_runs_as_its_own_user_with_its_own_groups_only(base: Path) -> None:
+    # Keeping root's gid once made the wheel's binaries unreachable under /root (0701).
+    import pwd
+
+    entry = pwd.getpwnam(SERVER_USER)
+    handle = EmbeddedPostgres.acquire(base / "pg")
+    try:
+        pid = int((base / "pg" / "postmaster.pid").read_text().split()[0])
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        )
+        assert {int(v) for v in status["Uid"].split()} == {entry.pw_uid}
+        assert {int(v) for v in status["Gid"].split()} == {entry.pw_gid}
+        assert status["Groups"].split() == []
+    finally:
+        assert handle.release()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 import psycopg
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = 140000
 T = TypeVar("T")
+_IDLE = pq.TransactionStatus.IDLE
 
 
 class Transaction:
@@ -100,6 +102,61 @@ class Transaction:
                 logger.exception("transaction callback %r failed", callback)
 
 
+class _Lease:
+    """`Database.connection()`: the hot connection while it is free, else a pooled one.
+
+    The hot connection is kept out of the pool because a pool checkout costs as much
+    client CPU as a small statement. A class rather than a generator-based context
+    manager for the same reason: it runs on every write. Any error, cancellation or
+    transaction left open hands the hot connection back to the pool, which rolls it back
+    or replaces it.
+    """
+
+    __slots__ = ("_db", "_hot", "_pooled")
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._hot: AsyncConnection[TupleRow] | None = None
+        self._pooled: AbstractAsyncContextManager[AsyncConnection[TupleRow]] | None = None
+
+    async def __aenter__(self) -> AsyncConnection[TupleRow]:
+        db = self._db
+        if db._hot_busy or db._closed:
+            self._pooled = db._pool.connection()
+            return await self._pooled.__aenter__()
+        db._hot_busy = True
+        try:
+            hot = db._hot
+            if hot is None or hot.closed:
+                hot = db._hot = await db._pool.getconn()
+        except BaseException:
+            db._hot_busy = False
+            raise
+        self._hot = hot
+        return hot
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._pooled is not None:
+            await self._pooled.__aexit__(exc_type, exc, tb)
+            return
+        db, hot = self._db, self._hot
+        assert hot is not None
+        try:
+            if db._closed:
+                db._hot = None
+                await hot.close()  # the database closed while we were using it
+            elif exc_type is not None or hot.pgconn.transaction_status != _IDLE:
+                db._hot = None
+                await db._pool.putconn(hot)
+        finally:
+            db._hot_busy = False
+
+
 class Database:
     """A psycopg 3 async pool on PostgreSQL 14+, or on the embedded server."""
 
@@ -163,33 +220,9 @@ class Database:
     def embedded(self) -> EmbeddedPostgres | None:
         return self._embedded
 
-    @asynccontextmanager
-    async def connection(self) -> AsyncIterator[AsyncConnection[TupleRow]]:
+    def connection(self) -> AbstractAsyncContextManager[AsyncConnection[TupleRow]]:
         """A pooled connection in autocommit mode."""
-        if self._hot_busy or self._closed:
-            async with self._pool.connection() as conn:
-                yield conn
-            return
-        self._hot_busy = True
-        try:
-            if self._hot is None or self._hot.closed:
-                self._hot = await self._pool.getconn()
-            hot = self._hot
-            clean = False
-            try:
-                yield hot
-                clean = hot.info.transaction_status == pq.TransactionStatus.IDLE
-            finally:
-                if self._closed:
-                    self._hot = None
-                    await hot.close()  # the database closed while we were using it
-                elif not clean:
-                    # An error, a cancellation or an open transaction: hand it back to
-                    # the pool, which rolls it back or replaces it, and take another.
-                    self._hot = None
-                    await self._pool.putconn(hot)
-        finally:
-            self._hot_busy = False
+        return _Lease(self)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:

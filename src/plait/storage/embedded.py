@@ -129,8 +129,18 @@ def _as_root() -> bool:
     return platform.system() != "Windows" and os.geteuid() == 0
 
 
+def _server_gid() -> int:
+    import pwd  # Unix only, like running as root
+
+    return pwd.getpwnam(SERVER_USER).pw_gid
+
+
 def _run(args: list[str], *, timeout: float = 120) -> str:
     command = [_bin(args[0]), *args[1:]]
+    # As root: drop to the server user's uid *and* groups. With root's gid kept, a
+    # directory such as /root (mode 0701) is checked against its group bits, which
+    # deny, and the binaries inside it cannot be reached.
+    as_root = _as_root()
     try:
         done = subprocess.run(
             command,
@@ -139,7 +149,9 @@ def _run(args: list[str], *, timeout: float = 120) -> str:
             text=True,
             timeout=timeout,
             stdin=subprocess.DEVNULL,
-            user=SERVER_USER if _as_root() else None,
+            user=SERVER_USER if as_root else None,
+            group=_server_gid() if as_root else None,
+            extra_groups=[] if as_root else None,
         )
     except subprocess.CalledProcessError as err:
         raise EmbeddedServerError(

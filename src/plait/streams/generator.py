@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # IDs read per query while looking for rows above the loaded positions at start-up.
 STARTUP_PAGE = 10_000
 DEFAULT_BATCH = 100
+# Statements given to `insert` are rewritten once and kept (applications use a handful).
+SQL_CACHE_SIZE = 256
 
 
 class MultiWriterIdGenerator:
@@ -51,6 +53,7 @@ class MultiWriterIdGenerator:
         self._store = store
         self._tracker = tracker
         self._sign = spec.sign
+        self._insert_sql: dict[str, str] = {}
         self._allocator = IdAllocator(tracker, store.allocate, self._finish)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
@@ -174,7 +177,7 @@ class MultiWriterIdGenerator:
         _check_count(n)
         ids = await self._take_ids(lambda: self._store.allocate_in(txn, n))
         self._complete_after(txn, ids)
-        return [self._sign * i for i in ids]
+        return self._signed(ids)
 
     async def insert(
         self, query: str, params: Sequence[Any] | Mapping[str, Any] | None = None
@@ -196,7 +199,7 @@ class MultiWriterIdGenerator:
 
         # Autocommit: when the statement returns, its IDs are committed already.
         ids = await self._take_ids(run, completed=True)
-        return [self._sign * i for i in ids]
+        return self._signed(ids)
 
     async def insert_txn(
         self,
@@ -215,7 +218,7 @@ class MultiWriterIdGenerator:
 
         ids = await self._take_ids(run)
         self._complete_after(txn, ids)
-        return [self._sign * i for i in ids]
+        return self._signed(ids)
 
     async def _take_ids(
         self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
@@ -234,28 +237,44 @@ class MultiWriterIdGenerator:
         txn.call_after(lambda: self._finish(ids))
         txn.call_on_exception(lambda: self._finish(ids))
 
+    def _signed(self, ids: list[int]) -> list[int]:
+        """Internal IDs as the caller sees them (negative on a backwards stream), in a
+        list of the caller's own: completions still hold the internal one."""
+        return ids.copy() if self._sign == 1 else [-i for i in ids]
+
     def _with_ids(self, query: str) -> str:
+        cached = self._insert_sql.get(query) if isinstance(query, str) else None
+        if cached is not None:
+            return cached
         if not isinstance(query, str) or "{id}" not in query:
             raise ConfigError(
                 "the statement must say where stream IDs go: write {id} in place of each "
                 "new row's ID, e.g. INSERT INTO t (stream_id, ...) VALUES ({id}, ...) "
                 "RETURNING stream_id"
             )
-        return query.replace("{id}", self._store.next_id_sql())
+        if len(self._insert_sql) >= SQL_CACHE_SIZE:
+            self._insert_sql.clear()  # statements built on the fly: keep memory bounded
+        text = self._insert_sql[query] = query.replace("{id}", self._store.next_id_sql())
+        return text
 
     def _returned_ids(self, rows: list[tuple[Any, ...]] | None) -> list[int]:
+        """The IDs a statement returned, in the internal domain, sorted."""
         if rows is None:
             raise ConfigError(
                 "the statement returned nothing: end it with RETURNING <id column> so "
                 "plait learns which stream IDs it took"
             )
         values = [row[0] for row in rows]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        # `type(v) is int` also refuses bool, a subclass of int.
+        if not all(type(v) is int for v in values):
             raise ConfigError(
                 "the statement must return the new stream IDs as its first column "
                 "(RETURNING <id column>)"
             )
-        return sorted(self._sign * v for v in values)
+        if self._sign != 1:
+            values = [-v for v in values]
+        values.sort()
+        return values
 
     @asynccontextmanager
     async def _one(self) -> AsyncIterator[int]:
