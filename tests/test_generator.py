@@ -347,6 +347,49 @@ async def test_transaction_round_trips(db: Database) -> None:
     assert row == (10,)
 
 
+@pytest.mark.parametrize(
+    ("query", "params"),
+    [
+        ("INSERT INTO events (stream_id, instance_name) VALUES (1, NULL)", None),
+        ("INSERT INTO events (stream_id, instance_name) VALUES (%s, %s)", (1, None)),
+    ],
+    ids=["simple-query", "pipeline"],
+)
+async def test_a_failing_first_statement_rolls_back(
+    db: Database, query: str, params: tuple[object, ...] | None
+) -> None:
+    """The first statement carries BEGIN (in one simple query without parameters, in a
+    pipeline with them); when it fails, the transaction still ends and says so."""
+    await create_table(db)
+    outcome: list[str] = []
+
+    async def write() -> None:
+        async with db.transaction() as txn:
+            txn.call_after(lambda: outcome.append("committed"))
+            txn.call_on_exception(lambda: outcome.append("rolled back"))
+            await txn.execute(query, params)
+
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        await write()
+    assert outcome == ["rolled back"]
+    async with db.connection() as conn:
+        assert conn.info.transaction_status == conn.info.transaction_status.IDLE
+
+
+async def test_get_next_txn_as_the_first_statement(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with db.transaction() as txn:
+        first = await gen.get_next_txn(txn)  # its statement is the one carrying BEGIN
+        await txn.execute(
+            "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')", (first,)
+        )
+        assert txn.xid is not None
+    rows, upto, limited = await gen.get_updates_since("master", 0, first)
+    assert [r.stream_id for r in rows] == [first]
+    assert (upto, limited) == (first, False)
+
+
 async def test_positions_of_unconfigured_writers_are_ignored(db: Database) -> None:
     await create_table(db)
     reader = await create_generator(db, ["a", "b"], "reader")

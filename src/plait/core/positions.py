@@ -118,6 +118,8 @@ class PositionTracker:
         self._writers = None if writers is None else frozenset(writers)
         self._is_writer = writers is None or instance in writers
         self._positions: dict[str, int] = dict(positions or {})
+        # The lowest position of the other writers, kept because every write needs it.
+        self._others_min: int | None = None
         self._persisted = floor
         # Completed IDs above persisted-up-to, to skip forward over gapless runs.
         self._known_completed: list[int] = []
@@ -136,6 +138,7 @@ class PositionTracker:
         # is a safe position for it (`_settle` applies that while it stays idle).
         self._local = self._persisted
         self._seated = False
+        self._note_others()
         self._settle()
         if seat:
             self.seat_writers()
@@ -154,6 +157,7 @@ class PositionTracker:
         if self._writers is not None:
             for writer in sorted(self._writers):
                 self._positions.setdefault(writer, self._persisted)
+        self._note_others()
         self._settle()
 
     # -- events ---------------------------------------------------------------------
@@ -218,6 +222,7 @@ class PositionTracker:
             return  # our own position only moves by our own completions
         if position > self._positions.get(writer, position - 1):
             self._positions[writer] = position
+            self._note_others()
         self._note_completed(position)
         self._settle()
 
@@ -276,6 +281,17 @@ class PositionTracker:
     def _record_finished(self, done: list[int]) -> None:
         """Local IDs that finished: move the local position and persisted-up-to."""
         finished = self._finished_above
+        if done and not finished and not self._unfinished._size and not self._in_flight._size:
+            # Nothing pending: the position moves to the largest of them (the common case
+            # of one write at a time; the same result as the general path below).
+            top = max(done)
+            if top > self._positions.get(self._instance, top - 1):
+                self._positions[self._instance] = top
+            self._local = max(self._local, self._positions.get(self._instance, self._local))
+            if top > self._max_seen:
+                self._max_seen = top
+            self._settle(done)
+            return
         if len(done) * 8 < len(finished):
             # A few IDs joining many held back by a slow one: push, don't re-heapify.
             for stream_id in done:
@@ -287,6 +303,11 @@ class PositionTracker:
         if done:
             self._max_seen = max(self._max_seen, max(done))
         self._settle(done)
+
+    def _note_others(self) -> None:
+        """Re-derive the other writers' lowest position (after one of them changed)."""
+        others = [p for w, p in self._positions.items() if w != self._instance]
+        self._others_min = min(others) if others else None
 
     def _note_completed(self, stream_id: int) -> None:
         self._max_seen = max(self._max_seen, stream_id)
@@ -318,19 +339,19 @@ class PositionTracker:
         `completed` are newly completed IDs (their `max_seen` already noted); only those
         above the new persisted-up-to need a place in the heap.
         """
-        if self._is_writer and self.is_idle:
+        if self._is_writer and not self._unfinished._size and not self._in_flight._size:
             self._local = max(self._local, self._max_seen)
-        others = [p for w, p in self._positions.items() if w != self._instance]
-        if self._is_writer:
-            others.append(self._local)
+        low = self._others_min
+        if self._is_writer and (low is None or self._local < low):
+            low = self._local
         # Until seated, a configured writer without a known position may still have
         # anything above persisted-up-to unfinished: it holds persisted-up-to back.
         if not self._seated and any(
             w not in self._positions and w != self._instance for w in self._writers or ()
         ):
-            others.append(self._persisted)
-        if others:
-            self._persisted = max(self._persisted, min(others))
+            low = self._persisted
+        if low is not None and low > self._persisted:
+            self._persisted = low
         heap = self._known_completed
         for stream_id in completed:
             if stream_id > self._persisted:

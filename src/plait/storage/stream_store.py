@@ -424,9 +424,11 @@ class StreamStore:
 
     async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
         """`n` new IDs in the caller's transaction; also learns the transaction's xid."""
+        # Literal values, no parameters: a transaction's first statement then carries its
+        # BEGIN in the same simple query. The name is validated, `n` an int.
         cur = await txn.execute(
-            "SELECT nextval(%s::regclass), pg_current_xact_id()::text FROM generate_series(1, %s)",
-            (self._seq_regclass, n),
+            f"SELECT nextval('{self._seq_regclass}'), pg_current_xact_id()::text"
+            f" FROM generate_series(1, {int(n)})"
         )
         rows = await cur.fetchall()
         if rows:
