@@ -125,10 +125,8 @@ STEP_TIMES: dict[str, float] = {}
 STEPS = (
     "check_tables",
     "ensure_sequence",
-    "record_spec",
-    "table_max",
+    "survey",
     "check_sequence",
-    "load_positions",
     "ids_above",
     "upsert_position",
 )

@@ -400,3 +400,20 @@ async def test_positions_of_unconfigured_writers_are_ignored(db: Database) -> No
     reader.advance("a", 9)
     reader.advance("b", 9)
     assert reader.get_current_token() == 9
+
+
+async def test_start_up_settings_stay_inside_its_own_transaction(db: Database) -> None:
+    """Start-up turns JIT off for its reads only; the pooled connection keeps the
+    server's setting for whatever runs on it next."""
+    await create_table(db)
+    async with db.connection() as conn:
+        before = await (await conn.execute("SHOW jit")).fetchone()
+    await create_generator(db, ["master"], "master")
+    async with db.connection() as conn:
+        assert conn.info.transaction_status == conn.info.transaction_status.IDLE
+        assert await (await conn.execute("SHOW jit")).fetchone() == before
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute("SELECT stream_name FROM plait_streams WHERE stream_name = 'events'")
+        ).fetchone()
+    assert row == ("events",)  # the spec recorded in the same transaction was committed

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.rows import TupleRow, dict_row
 
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
@@ -23,6 +23,8 @@ from plait.streams.spec import StreamSpec, TableSpec
 
 logger = logging.getLogger(__name__)
 
+# IDs read per table and query while looking for rows above the loaded positions.
+STARTUP_PAGE = 10_000
 _INTEGER_TYPES = {"bigint", "integer", "smallint"}
 _TEXT_TYPES = {"text", "character varying", "character", "name"}
 
@@ -44,6 +46,33 @@ def _ident(name: str) -> sql.Identifier:
 def _regclass(name: str) -> str:
     # Names are validated by StreamSpec (no quotes), so this quoting is exact.
     return ".".join(f'"{part}"' for part in name.split("."))
+
+
+_FLOOR = sql.SQL("%(floor)s")
+
+
+@dataclass(frozen=True, slots=True)
+class Survey:
+    """What start-up reads in one round trip (internal domain).
+
+    `positions` are the configured writers' rows in `stream_positions`; `ids`, `cutoff`,
+    `more` and `own_max` are `ids_above` for the lowest of them (empty without positions).
+    """
+
+    table_max: int | None
+    head: int
+    top_position: tuple[str, int] | None
+    positions: dict[str, int]
+    ids: list[int]
+    cutoff: int
+    more: bool
+    own_max: int | None
+
+
+def _head(row: tuple[Any, ...]) -> int:
+    """The largest ID handed out, from a sequence's (last_value, is_called)."""
+    last, called = row
+    return int(last) if called else int(last) - 1
 
 
 class _Table:
@@ -88,24 +117,46 @@ class _Table:
             " WHERE w.name IS NOT NULL"
         ).format(agg=self.extreme, id=self.id, t=self.table, inst=self.inst)
 
-    def ids_above_query(self) -> sql.Composed:
-        """IDs above %(floor)s, lowest first, at most %(n)s, with their writer."""
+    def ids_above_query(self, floor: sql.Composable = _FLOOR) -> sql.Composed:
+        """IDs above `floor` (stored form), lowest first, at most %(n)s, with their writer."""
         if not self.indexed:
             return sql.SQL(
-                "SELECT {id}, {inst} FROM {t} WHERE {id} {above} %(floor)s"
+                "SELECT {id}, {inst} FROM {t} WHERE {id} {above} {floor}"
                 " ORDER BY {id} {order} LIMIT %(n)s"
-            ).format(id=self.id, inst=self.inst, t=self.table, above=self.above, order=self.order)
+            ).format(
+                id=self.id,
+                inst=self.inst,
+                t=self.table,
+                above=self.above,
+                order=self.order,
+                floor=floor,
+            )
         return self._writers_cte() + sql.SQL(
             "SELECT x.id, w.name FROM w CROSS JOIN LATERAL"
-            " (SELECT {id} AS id FROM {t} WHERE {inst} = w.name AND {id} {above} %(floor)s"
+            " (SELECT {id} AS id FROM {t} WHERE {inst} = w.name AND {id} {above} {floor}"
             "  ORDER BY {id} {order} LIMIT %(n)s) x"
             " WHERE w.name IS NOT NULL ORDER BY x.id {order} LIMIT %(n)s"
-        ).format(id=self.id, inst=self.inst, t=self.table, above=self.above, order=self.order)
+        ).format(
+            id=self.id,
+            inst=self.inst,
+            t=self.table,
+            above=self.above,
+            order=self.order,
+            floor=floor,
+        )
 
-    def own_max_above_query(self) -> sql.Composed:
+    def own_max_above_query(self, floor: sql.Composable) -> sql.Composed:
+        """The largest ID of writer %(inst)s above `floor` (stored form)."""
         return sql.SQL(
-            "SELECT {agg}({id}) FROM {t} WHERE {inst} = %(inst)s AND {id} {above} %(floor)s"
-        ).format(agg=self.extreme, id=self.id, t=self.table, inst=self.inst, above=self.above)
+            "SELECT {agg}({id}) FROM {t} WHERE {inst} = %(inst)s AND {id} {above} {floor}"
+        ).format(
+            agg=self.extreme,
+            id=self.id,
+            t=self.table,
+            inst=self.inst,
+            above=self.above,
+            floor=floor,
+        )
 
     def range_query(self, by_writer: bool) -> sql.Composed:
         writer = (
@@ -145,29 +196,58 @@ class StreamStore:
 
     # -- start-up checks ------------------------------------------------------------------
 
-    async def check_tables(self) -> None:
-        """Every table and column exists with a usable type; warn about a missing index."""
-        async with self.db.connection() as conn:
-            for table in self._tables:
-                await self._check_table(conn, table)
+    async def check_tables(self) -> bool:
+        """Every table and column exists with a usable type; warn about a missing index.
 
-    async def _check_table(self, conn: AsyncConnection[TupleRow], table: _Table) -> None:
+        One round trip for all tables. Returns whether the sequence exists already.
+        """
+        async with self.db.connection() as conn:
+            async with conn.pipeline():
+                sequence = await conn.execute(
+                    "SELECT to_regclass(%s) IS NOT NULL", (self._seq_regclass,)
+                )
+                found = [
+                    (
+                        table,
+                        await conn.execute("SELECT to_regclass(%s)::oid", (_regclass(table.name),)),
+                        await conn.execute(
+                            "SELECT attname, attnum, format_type(atttypid, NULL) FROM pg_attribute"
+                            " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+                            (_regclass(table.name),),
+                        ),
+                        await conn.execute(
+                            "SELECT indkey[0], indkey[1] FROM pg_index WHERE indrelid ="
+                            " to_regclass(%s) AND indisvalid AND indpred IS NULL",
+                            (_regclass(table.name),),
+                        ),
+                    )
+                    for table in self._tables
+                ]
+            exists = await sequence.fetchone()
+            for table, oid, columns, indexes in found:
+                row = await oid.fetchone()
+                self._check_table(
+                    table,
+                    None if row is None else row[0],
+                    {name: (num, kind) for name, num, kind in await columns.fetchall()},
+                    {(first, second) for first, second in await indexes.fetchall()},
+                )
+        return bool(exists and exists[0])
+
+    def _check_table(
+        self,
+        table: _Table,
+        oid: int | None,
+        columns: dict[str, tuple[int, str]],
+        indexes: set[tuple[int, int]],
+    ) -> None:
         spec = table.spec
-        cur = await conn.execute("SELECT to_regclass(%s)::oid", (_regclass(spec.name),))
-        row = await cur.fetchone()
-        if row is None or row[0] is None:
+        if oid is None:
             raise SchemaError(
                 f"stream {self.spec.name!r}: table {spec.name!r} does not exist. Create it "
                 f"with a BIGINT {spec.id_column!r} column and a TEXT {spec.instance_column!r} "
                 "column, or fix the table name in the StreamSpec"
             )
-        oid = row[0]
-        cur = await conn.execute(
-            "SELECT attname, attnum, format_type(atttypid, NULL) FROM pg_attribute"
-            " WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
-            (oid,),
-        )
-        columns = {name: (num, kind) for name, num, kind in await cur.fetchall()}
         for column, allowed, wanted in (
             (spec.id_column, _INTEGER_TYPES, "BIGINT"),
             (spec.instance_column, _TEXT_TYPES, "TEXT"),
@@ -191,13 +271,7 @@ class StreamStore:
                 spec.id_column,
                 columns[spec.id_column][1],
             )
-        cur = await conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indrelid = %s AND indisvalid"
-            " AND indpred IS NULL AND indkey[0] = %s AND indkey[1] = %s)",
-            (oid, columns[spec.instance_column][0], columns[spec.id_column][0]),
-        )
-        row = await cur.fetchone()
-        table.indexed = bool(row and row[0])
+        table.indexed = (columns[spec.instance_column][0], columns[spec.id_column][0]) in indexes
         if not table.indexed:
             logger.warning(
                 "stream %s: table %s has no index on (%s, %s), so start-up and per-writer "
@@ -232,27 +306,26 @@ class StreamStore:
             (f"plait:sequence:{self.spec.sequence}",),
         )
 
-    async def record_spec(self) -> None:
+    def _record_spec_statement(self) -> tuple[str, tuple[Any, ...]]:
         """Record the spec so database-only readers (Spark) find the stream by name."""
         spec = self.spec.to_json()
-        async with self.db.connection() as conn:
-            await conn.execute(
-                "INSERT INTO plait_streams (stream_name, sequence_name, backwards, writers, tables)"
-                " VALUES (%s, %s, %s, %s::jsonb, %s::jsonb)"
-                " ON CONFLICT (stream_name) DO UPDATE SET sequence_name = EXCLUDED.sequence_name,"
-                " backwards = EXCLUDED.backwards, writers = EXCLUDED.writers,"
-                " tables = EXCLUDED.tables, updated_at = now()"
-                " WHERE (plait_streams.sequence_name, plait_streams.backwards,"
-                " plait_streams.writers, plait_streams.tables) IS DISTINCT FROM"
-                " (EXCLUDED.sequence_name, EXCLUDED.backwards, EXCLUDED.writers, EXCLUDED.tables)",
-                (
-                    self.spec.name,
-                    self.spec.sequence,
-                    self.spec.backwards,
-                    json.dumps(spec["writers"]),
-                    json.dumps(spec["tables"]),
-                ),
-            )
+        return (
+            "INSERT INTO plait_streams (stream_name, sequence_name, backwards, writers, tables)"
+            " VALUES (%s, %s, %s, %s::jsonb, %s::jsonb)"
+            " ON CONFLICT (stream_name) DO UPDATE SET sequence_name = EXCLUDED.sequence_name,"
+            " backwards = EXCLUDED.backwards, writers = EXCLUDED.writers,"
+            " tables = EXCLUDED.tables, updated_at = now()"
+            " WHERE (plait_streams.sequence_name, plait_streams.backwards,"
+            " plait_streams.writers, plait_streams.tables) IS DISTINCT FROM"
+            " (EXCLUDED.sequence_name, EXCLUDED.backwards, EXCLUDED.writers, EXCLUDED.tables)",
+            (
+                self.spec.name,
+                self.spec.sequence,
+                self.spec.backwards,
+                json.dumps(spec["writers"]),
+                json.dumps(spec["tables"]),
+            ),
+        )
 
     async def sequence_head(self) -> int:
         """The largest ID the sequence has handed out."""
@@ -262,23 +335,96 @@ class StreamStore:
             )
             row = await cur.fetchone()
         assert row is not None
-        last, called = row
-        return int(last) if called else int(last) - 1
+        return _head(row)
 
-    async def table_max(self) -> int | None:
-        """The largest stored ID over all tables (internal domain), None if all are empty."""
-        best: int | None = None
+    async def survey(self, own: str | None) -> Survey:
+        """Everything start-up reads, in one pipelined round trip (R-ID-9, R-ST-4).
+
+        In one transaction: records the spec, reads the tables' largest IDs, the sequence
+        head, the highest position row, deletes the rows of writers no longer configured,
+        reads the rest, and reads the IDs above the lowest of them (and `own`'s largest ID
+        above its own row): the server computes that floor, so no second round trip
+        waits for it.
+        """
+        writers = list(self.spec.writers)
+        # The lowest configured position, stored form (backwards: the largest value).
+        floor = sql.SQL(
+            "(SELECT {agg}(stream_id) FROM stream_positions"
+            " WHERE stream_name = %(stream)s AND instance_name = ANY(%(writers)s))"
+        ).format(agg=sql.SQL("MAX" if self.spec.backwards else "MIN"))
+        own_floor = sql.SQL(
+            "COALESCE((SELECT stream_id FROM stream_positions"
+            " WHERE stream_name = %(stream)s AND instance_name = %(inst)s), {floor})"
+        ).format(floor=floor)
+        names = {"stream": self.spec.name, "writers": writers, "inst": own, "n": STARTUP_PAGE}
         async with self.db.connection() as conn:
-            for table in self._tables:
-                row = await (await conn.execute(table.max_query())).fetchone()
+            async with conn.pipeline():
+                # BEGIN and COMMIT as plain statements: psycopg's transaction() would
+                # sync the pipeline, a round trip each. The floor is unknown when these
+                # are planned, so the estimates are large enough to trigger JIT
+                # compilation: milliseconds for microseconds of work.
+                await conn.execute("BEGIN")
+                await conn.execute("SET LOCAL jit = off")
+                await conn.execute(*self._record_spec_statement())
+                maxima = [await conn.execute(t.max_query()) for t in self._tables]
+                head = await conn.execute(
+                    sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
+                )
+                top = None
+                if not self.spec.any_writer:
+                    top = await conn.execute(
+                        "SELECT instance_name, stream_id FROM stream_positions"
+                        " WHERE stream_name = %s ORDER BY stream_id "
+                        + ("ASC" if self.spec.backwards else "DESC")
+                        + " LIMIT 1",
+                        (self.spec.name,),
+                    )
+                positions = pages = None
+                owns = []
+                if writers:
+                    positions = await self._load_positions_in(conn, drop_others=True)
+                    pages = [
+                        await conn.execute(t.ids_above_query(floor), names) for t in self._tables
+                    ]
+                    if own is not None:
+                        owns = [
+                            await conn.execute(t.own_max_above_query(own_floor), names)
+                            for t in self._tables
+                        ]
+                # A failure above ends the pipeline with the transaction aborted; the
+                # connection then goes back to the pool, which rolls it back.
+                await conn.execute("COMMIT")
+            table_max: int | None = None
+            for cursor in maxima:
+                row = await cursor.fetchone()
                 if row is not None and row[0] is not None:
                     value = self._sign * int(row[0])
-                    best = value if best is None else max(best, value)
-        return best
+                    table_max = value if table_max is None else max(table_max, value)
+            head_row = await head.fetchone()
+            assert head_row is not None
+            top_row = await top.fetchone() if top is not None else None
+            loaded = await self._positions_from(positions) if positions is not None else {}
+            lowest = min(loaded.values(), default=0)
+            ids, cutoff, more = (
+                await self._ids_from(pages, lowest, STARTUP_PAGE)
+                if pages is not None and loaded
+                else ([], lowest, False)
+            )
+            own_max = await self._own_max_from(owns) if loaded else None
+        return Survey(
+            table_max=table_max,
+            head=_head(head_row),
+            top_position=None if top_row is None else (top_row[0], self._sign * int(top_row[1])),
+            positions=loaded,
+            ids=ids,
+            cutoff=cutoff,
+            more=more,
+            own_max=own_max,
+        )
 
-    async def check_sequence(self, table_max: int | None) -> None:
+    async def check_sequence(self, survey: Survey) -> None:
         """R-ST-4: move a lagging sequence up; refuse when positions are ahead of it."""
-        head = await self.sequence_head()
+        head, table_max = survey.head, survey.table_max
         if table_max is not None and table_max > head:
             logger.warning(
                 "stream %s: sequence %s is at %d but its tables hold ID %d; moving the "
@@ -298,22 +444,14 @@ class StreamStore:
                     (self._seq_regclass, table_max, table_max),
                 )
             head = await self.sequence_head()
-        if self.spec.any_writer:
-            return
-        async with self.db.connection() as conn:
-            cur = await conn.execute(
-                "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s"
-                " ORDER BY stream_id " + ("ASC" if self.spec.backwards else "DESC") + " LIMIT 1",
-                (self.spec.name,),
-            )
-            row = await cur.fetchone()
-        if row is not None and self._sign * int(row[1]) > head:
+        top = survey.top_position
+        if top is not None and top[1] > head:
             raise SequenceBehindError(
-                f"stream {self.spec.name!r}: stream_positions records writer {row[0]!r} at "
-                f"{row[1]}, but sequence {self.spec.sequence!r} has only handed out up to "
-                f"{self._sign * head}. The sequence was reset or restored from an older backup, "
-                "and allocating now would reuse IDs. To recover: stop every writer of the "
-                "stream, run DELETE FROM stream_positions WHERE stream_name = "
+                f"stream {self.spec.name!r}: stream_positions records writer {top[0]!r} at "
+                f"{self._sign * top[1]}, but sequence {self.spec.sequence!r} has only handed "
+                f"out up to {self._sign * head}. The sequence was reset or restored from an "
+                "older backup, and allocating now would reuse IDs. To recover: stop every "
+                "writer of the stream, run DELETE FROM stream_positions WHERE stream_name = "
                 f"'{self.spec.name}'; and start the writers again"
             )
 
@@ -323,18 +461,25 @@ class StreamStore:
         """Writer positions from `stream_positions`; with `drop_others`, rows of writers
         no longer configured are deleted first (a writer added back starts afresh)."""
         async with self.db.connection() as conn:
-            if drop_others:
-                await conn.execute(
-                    "DELETE FROM stream_positions WHERE stream_name = %s"
-                    " AND NOT (instance_name = ANY(%s))",
-                    (self.spec.name, list(self.spec.writers)),
-                )
-            cur = await conn.execute(
-                "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
-                (self.spec.name,),
+            return await self._positions_from(await self._load_positions_in(conn, drop_others))
+
+    async def _load_positions_in(
+        self, conn: AsyncConnection[TupleRow], drop_others: bool
+    ) -> AsyncCursor[TupleRow]:
+        if drop_others:
+            await conn.execute(
+                "DELETE FROM stream_positions WHERE stream_name = %s"
+                " AND NOT (instance_name = ANY(%s))",
+                (self.spec.name, list(self.spec.writers)),
             )
-            rows = await cur.fetchall()
+        return await conn.execute(
+            "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
+            (self.spec.name,),
+        )
+
+    async def _positions_from(self, cursor: AsyncCursor[TupleRow]) -> dict[str, int]:
         writers = set(self.spec.writers)
+        rows = await cursor.fetchall()
         return {name: self._sign * int(value) for name, value in rows if name in writers}
 
     async def upsert_position(self, instance: str, position: int, *, durable: bool) -> None:
@@ -362,15 +507,12 @@ class StreamStore:
 
     # -- rows seen at start-up ---------------------------------------------------------------
 
-    async def ids_above(
-        self, floor: int, limit: int, *, own: tuple[str, int] | None = None
-    ) -> tuple[list[int], int, bool, int | None]:
+    async def ids_above(self, floor: int, limit: int) -> tuple[list[int], int, bool]:
         """Committed IDs above `floor`, lowest first, complete up to a cutoff.
 
-        Returns (ids, cutoff, more, own_max): every committed ID in (floor, cutoff] is in
-        `ids`, and `more` says whether there may be IDs above the cutoff. With
-        `own=(instance, above)`, `own_max` is that instance's largest ID above `above`.
-        Every query goes out in one pipeline: one round trip for all tables.
+        Returns (ids, cutoff, more): every committed ID in (floor, cutoff] is in `ids`,
+        and `more` says whether there may be IDs above the cutoff. One round trip for all
+        tables (a pipeline).
         """
         async with self.db.connection() as conn:
             async with conn.pipeline():
@@ -378,32 +520,30 @@ class StreamStore:
                     await conn.execute(t.ids_above_query(), {"floor": t.stored(floor), "n": limit})
                     for t in self._tables
                 ]
-                owns = (
-                    [
-                        await conn.execute(
-                            t.own_max_above_query(), {"inst": own[0], "floor": t.stored(own[1])}
-                        )
-                        for t in self._tables
-                    ]
-                    if own is not None
-                    else []
-                )
-            found: list[int] = []
-            cutoff: int | None = None
-            for cursor in pages:
-                ids = [self._sign * int(r[0]) for r in await cursor.fetchall()]
-                found.extend(ids)
-                if len(ids) >= limit:
-                    cutoff = ids[-1] if cutoff is None else min(cutoff, ids[-1])
-            own_max: int | None = None
-            for cursor in owns:
-                row = await cursor.fetchone()
-                if row is not None and row[0] is not None:
-                    value = self._sign * int(row[0])
-                    own_max = value if own_max is None else max(own_max, value)
+            return await self._ids_from(pages, floor, limit)
+
+    async def _ids_from(
+        self, pages: list[AsyncCursor[TupleRow]], floor: int, limit: int
+    ) -> tuple[list[int], int, bool]:
+        found: list[int] = []
+        cutoff: int | None = None
+        for cursor in pages:
+            ids = [self._sign * int(r[0]) for r in await cursor.fetchall()]
+            found.extend(ids)
+            if len(ids) >= limit:
+                cutoff = ids[-1] if cutoff is None else min(cutoff, ids[-1])
         if cutoff is None:
-            return sorted(found), max(found, default=floor), False, own_max
-        return sorted(i for i in found if i <= cutoff), cutoff, True, own_max
+            return sorted(found), max(found, default=floor), False
+        return sorted(i for i in found if i <= cutoff), cutoff, True
+
+    async def _own_max_from(self, owns: list[AsyncCursor[TupleRow]]) -> int | None:
+        own_max: int | None = None
+        for cursor in owns:
+            row = await cursor.fetchone()
+            if row is not None and row[0] is not None:
+                value = self._sign * int(row[0])
+                own_max = value if own_max is None else max(own_max, value)
+        return own_max
 
     # -- allocation ------------------------------------------------------------------------
 

@@ -16,15 +16,13 @@ from typing import Any
 from plait.core.positions import PositionTracker
 from plait.errors import ConfigError, NotAWriterError
 from plait.storage.database import Database, Transaction
-from plait.storage.stream_store import StreamRow, StreamStore
+from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import IdAllocator, take_ids
 from plait.streams.position_writer import PositionWriter
 from plait.streams.spec import StreamSpec
 
 logger = logging.getLogger(__name__)
 
-# IDs read per query while looking for rows above the loaded positions at start-up.
-STARTUP_PAGE = 10_000
 DEFAULT_BATCH = 100
 # Statements given to `insert` are rewritten once and kept (applications use a handful).
 SQL_CACHE_SIZE = 256
@@ -99,13 +97,13 @@ class MultiWriterIdGenerator:
             instance_name,
             spec.sequence,
         )
-        await store.check_tables()
-        await store.ensure_sequence()
-        await store.record_spec()
-        table_max = await store.table_max()
-        await store.check_sequence(table_max)
-        logger.info("stream %s: loading positions", spec.name)
-        tracker = await _load_tracker(store, spec, instance_name, table_max)
+        if not await store.check_tables():
+            await store.ensure_sequence()
+        # Own latest row: only a configured writer of a stream with position rows.
+        own = instance_name if spec.writers and instance_name in spec.writers else None
+        survey = await store.survey(own)
+        await store.check_sequence(survey)
+        tracker = await _load_tracker(store, spec, instance_name, survey)
         gen = cls(
             db,
             spec,
@@ -422,32 +420,26 @@ def _check_count(n: int) -> None:
 
 
 async def _load_tracker(
-    store: StreamStore, spec: StreamSpec, instance: str, table_max: int | None
+    store: StreamStore, spec: StreamSpec, instance: str, survey: Survey
 ) -> PositionTracker:
     """Positions from `stream_positions` plus rows above them, without scanning (R-ID-9)."""
-    positions = await store.load_positions(drop_others=True) if spec.writers else {}
+    positions = dict(survey.positions)
     writers = spec.writers or None
     if not positions:
-        floor = max(1, table_max or 1)
+        floor = max(1, survey.table_max or 1)
         return PositionTracker(instance, writers=writers, floor=floor)
     floor = min(positions.values())
-    # The rows above the floor, and our own latest row, in one round trip.
-    own = (
-        (instance, positions.get(instance, floor))
-        if writers is not None and instance in writers
-        else None
-    )
-    ids, cutoff, more, own_max = await store.ids_above(floor, STARTUP_PAGE, own=own)
-    if own_max is not None:
-        positions[instance] = max(positions.get(instance, own_max), own_max)
+    if survey.own_max is not None:
+        positions[instance] = max(positions.get(instance, survey.own_max), survey.own_max)
     tracker = PositionTracker(
         instance, writers=writers, floor=floor, positions=positions, seat=False
     )
+    ids, cutoff, more = survey.ids, survey.cutoff, survey.more
     while True:
         tracker.observe_completed(ids)
         # Past the first gap, more rows cannot move persisted-up-to: stop reading.
         if not more or tracker.persisted_upto < cutoff:
             break
-        ids, cutoff, more, _ = await store.ids_above(cutoff, STARTUP_PAGE)
+        ids, cutoff, more = await store.ids_above(cutoff, STARTUP_PAGE)
     tracker.seat_writers()
     return tracker
