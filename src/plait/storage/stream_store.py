@@ -502,8 +502,8 @@ class StreamStore:
             " DO UPDATE SET stream_id = EXCLUDED.stream_id WHERE stream_positions.stream_id "
             + ("> EXCLUDED.stream_id" if self.spec.backwards else "< EXCLUDED.stream_id")
         )
-        async with self.db.connection() as conn:
-            await conn.execute(query, (self.spec.name, instance, self._sign * position))
+        async with self.db.cursor() as cur:
+            await cur.execute(query, (self.spec.name, instance, self._sign * position))
 
     # -- rows seen at start-up ---------------------------------------------------------------
 
@@ -555,8 +555,8 @@ class StreamStore:
 
     async def allocate(self, n: int) -> list[int]:
         """`n` new IDs from the sequence in one round trip, sorted."""
-        async with self.db.connection() as conn:
-            cur = await conn.execute(
+        async with self.db.cursor() as cur:
+            await cur.execute(
                 "SELECT nextval(%s::regclass) FROM generate_series(1, %s)",
                 (self._seq_regclass, n),
             )

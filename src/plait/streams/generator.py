@@ -191,8 +191,8 @@ class MultiWriterIdGenerator:
         text = self._with_ids(query)
 
         async def run() -> list[int]:
-            async with self._db.connection() as conn:
-                cursor = await conn.execute(text, params)
+            async with self._db.cursor() as cursor:
+                await cursor.execute(text, params)
                 return self._returned_ids(await cursor.fetchall() if cursor.description else None)
 
         # Autocommit: when the statement returns, its IDs are committed already.
