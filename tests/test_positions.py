@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,6 +28,7 @@ from plait.core.positions import (
     PositionError,
     PositionTracker,
     SequenceWentBackwardsError,
+    _AscendingIds,
 )
 
 UNKNOWN = "never-announced"
@@ -725,3 +726,38 @@ def test_a_starting_writer_does_not_claim_the_sequence_head() -> None:
     x.complete([h])
     reader3.advance("x", x.position_of("x"))
     assert reader3.persisted_upto == h + 1
+
+
+_ID_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 60)),
+        st.tuples(st.just("add_all"), st.lists(st.integers(0, 60), max_size=8).map(sorted)),
+        st.tuples(st.just("skip"), st.integers(0, 60)),
+    ),
+    max_size=60,
+)
+
+
+@given(_ID_OPS)
+def test_ascending_ids_skip_like_a_set(ops: list[tuple[str, object]]) -> None:
+    """The gap-skipping store agrees with the obvious model: from p, step to p + 1
+    while p + 1 is known; everything at or below the result is forgotten."""
+    store = _AscendingIds()
+    model: set[int] = set()
+    for op, arg in ops:
+        if op == "add":
+            assert isinstance(arg, int)
+            store.add(arg)
+            model.add(arg)
+        elif op == "add_all":
+            assert isinstance(arg, list)
+            store.add_all(arg)
+            model.update(arg)
+        else:
+            assert isinstance(arg, int)
+            expected = arg
+            while expected + 1 in model:
+                expected += 1
+            assert store.skip(arg) == expected
+            model = {i for i in model if i > expected}
+        assert len(store) >= len(model)  # duplicates may be kept until skipped over
