@@ -417,3 +417,25 @@ async def test_start_up_settings_stay_inside_its_own_transaction(db: Database) -
             await conn.execute("SELECT stream_name FROM plait_streams WHERE stream_name = 'events'")
         ).fetchone()
     assert row == ("events",)  # the spec recorded in the same transaction was committed
+
+
+async def test_writers_starting_together_create_the_sequence_once(dsn: str, db: Database) -> None:
+    """Each writer has its own connections (as separate processes do); the first creates
+    the sequence and the others, who all saw it missing a moment before, use it."""
+    await create_table(db)
+    writers = [f"w{i}" for i in range(6)]
+    databases = [await Database.connect(dsn, min_size=1, max_size=2) for _ in writers]
+    try:
+        gens = await asyncio.gather(
+            *(create_generator(d, writers, w) for d, w in zip(databases, writers, strict=True))
+        )
+        ids: list[int] = []
+        for gen in gens:
+            async with gen.get_next() as stream_id:
+                ids.append(stream_id)
+        assert ids == list(range(2, 8))  # created once, and ID 1 taken once, at creation
+        for gen in gens:
+            await gen.close()
+    finally:
+        for d in databases:
+            await d.close()

@@ -286,24 +286,39 @@ class StreamStore:
             )
 
     async def ensure_sequence(self) -> bool:
-        """Create the sequence if missing, then take ID 1 so the first real ID is 2."""
-        async with self.db.connection() as conn, conn.transaction():
-            await self._lock_sequence(conn)
-            cur = await conn.execute("SELECT to_regclass(%s)", (self._seq_regclass,))
-            row = await cur.fetchone()
-            if row is not None and row[0] is not None:
-                return False
-            logger.info("creating sequence %s for stream %s", self.spec.sequence, self.spec.name)
-            await conn.execute(sql.SQL("CREATE SEQUENCE {}").format(self._seq))
-            await conn.execute("SELECT nextval(%s::regclass)", (self._seq_regclass,))
-            return True
+        """Create the sequence if missing, then take ID 1 so the first real ID is 2.
+
+        Writers starting together all find it missing; a session-level lock lets one
+        create it. The check runs in a transaction begun *after* the lock was granted:
+        a backend that looked the name up before keeps that (negative) answer cached
+        until its next transaction starts, and would try to create it again.
+        """
+        key = self._lock_key()
+        async with self.db.connection() as conn:
+            await conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (key,))
+            try:
+                async with conn.transaction():
+                    cur = await conn.execute("SELECT to_regclass(%s)", (self._seq_regclass,))
+                    row = await cur.fetchone()
+                    if row is not None and row[0] is not None:
+                        return False
+                    logger.info(
+                        "creating sequence %s for stream %s", self.spec.sequence, self.spec.name
+                    )
+                    await conn.execute(sql.SQL("CREATE SEQUENCE {}").format(self._seq))
+                    await conn.execute("SELECT nextval(%s::regclass)", (self._seq_regclass,))
+                    return True
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (key,))
+
+    def _lock_key(self) -> str:
+        return f"plait:sequence:{self.spec.sequence}"
 
     async def _lock_sequence(self, conn: AsyncConnection[TupleRow]) -> None:
         """Serialise creating and repairing this sequence across processes (until the
         transaction ends)."""
         await conn.execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            (f"plait:sequence:{self.spec.sequence}",),
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (self._lock_key(),)
         )
 
     def _record_spec_statement(self) -> tuple[str, tuple[Any, ...]]:
