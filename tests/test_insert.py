@@ -67,12 +67,14 @@ async def test_insert_misuse_is_explained_and_never_stalls(db: Database) -> None
         await gen.insert(ONE, ("w", "no returning"))
     with pytest.raises(ConfigError, match="first column"):
         await gen.insert(ONE + " RETURNING payload", ("w", "text first"))
+    with pytest.raises(ConfigError, match="first column"):
+        await gen.insert(ONE + " RETURNING stream_id > 0", ("w", "bool first"))
     with pytest.raises(psycopg.errors.UndefinedColumn):
         await gen.insert("INSERT INTO events (nope) VALUES ({id}) RETURNING 1")
-    # The misused statements that ran committed rows 2 and 3 (the last one failed while
-    # parsing, taking no ID); the position still moves past them.
-    assert await gen.insert(ONE + " RETURNING stream_id", ("w", "ok")) == [4]
-    assert gen.get_current_token() == 4
-    rows, _, _ = await gen.get_updates_since("w", 0, 4)
-    assert [r.stream_id for r in rows] == [2, 3, 4]
+    # The misused statements that ran committed rows 2, 3 and 4 (the last one failed
+    # while parsing, taking no ID); the position still moves past them.
+    assert await gen.insert(ONE + " RETURNING stream_id", ("w", "ok")) == [5]
+    assert gen.get_current_token() == 5
+    rows, _, _ = await gen.get_updates_since("w", 0, 5)
+    assert [r.stream_id for r in rows] == [2, 3, 4, 5]
     assert gen._tracker.fetches_in_flight() == 0

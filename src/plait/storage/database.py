@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor, pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg.rows import TupleRow
+from psycopg.rows import TupleRow, scalar_row
 from psycopg_pool import AsyncConnectionPool
 
 from plait.errors import DatabaseUnavailableError
@@ -166,22 +166,22 @@ class _Lease:
 class _CursorLease:
     """`Database.cursor()`: on the hot connection, the same cursor every time (a new
     psycopg cursor per statement costs more client CPU than the rest of a small write);
-    on a pooled connection, a new one."""
+    on a pooled connection, a new one. Rows are scalars (the first column)."""
 
     __slots__ = ("_lease",)
 
     def __init__(self, db: Database) -> None:
         self._lease = _Lease(db)
 
-    async def __aenter__(self) -> AsyncCursor[TupleRow]:
+    async def __aenter__(self) -> AsyncCursor[Any]:
         lease = self._lease
         conn = await lease.__aenter__()
         if lease._hot is None:
-            return conn.cursor()
+            return conn.cursor(row_factory=scalar_row)
         db = lease._db
         cursor = db._hot_cursor
         if cursor is None or cursor.connection is not conn:
-            cursor = db._hot_cursor = conn.cursor()
+            cursor = db._hot_cursor = conn.cursor(row_factory=scalar_row)
         return cursor
 
     async def __aexit__(
@@ -208,7 +208,7 @@ class Database:
         # statement does, and most of plait's work is one statement at a time.
         self._hot: AsyncConnection[TupleRow] | None = None
         self._hot_busy = False
-        self._hot_cursor: AsyncCursor[TupleRow] | None = None
+        self._hot_cursor: AsyncCursor[Any] | None = None
         self._dsn = dsn
         self._embedded = embedded
         self._instance_ids: dict[str, int] = {}
@@ -261,9 +261,10 @@ class Database:
         """A pooled connection in autocommit mode."""
         return _Lease(self)
 
-    def cursor(self) -> AbstractAsyncContextManager[AsyncCursor[TupleRow]]:
+    def cursor(self) -> AbstractAsyncContextManager[AsyncCursor[Any]]:
         """A cursor on a pooled connection in autocommit mode, for plait's own hot
-        statements: read its results inside the block (the next user reuses it)."""
+        statements: its rows are the first column's values; read them inside the block
+        (the next user reuses the cursor)."""
         return _CursorLease(self)
 
     @asynccontextmanager

@@ -575,7 +575,9 @@ class StreamStore:
                 "SELECT nextval(%s::regclass) FROM generate_series(1, %s)",
                 (self._seq_regclass, n),
             )
-            return sorted(int(r[0]) for r in await cur.fetchall())
+            ids: list[int] = await cur.fetchall()
+        ids.sort()
+        return ids
 
     async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
         """`n` new IDs in the caller's transaction; also learns the transaction's xid."""

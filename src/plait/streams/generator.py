@@ -212,7 +212,9 @@ class MultiWriterIdGenerator:
 
         async def run() -> list[int]:
             cursor = await txn.execute(text, params)
-            return self._returned_ids(await cursor.fetchall() if cursor.description else None)
+            if cursor.description is None:
+                return self._returned_ids(None)
+            return self._returned_ids([row[0] for row in await cursor.fetchall()])
 
         ids = await self._take_ids(run)
         self._complete_after(txn, ids)
@@ -255,16 +257,16 @@ class MultiWriterIdGenerator:
         text = self._insert_sql[query] = query.replace("{id}", self._store.next_id_sql())
         return text
 
-    def _returned_ids(self, rows: list[tuple[Any, ...]] | None) -> list[int]:
-        """The IDs a statement returned, in the internal domain, sorted."""
-        if rows is None:
+    def _returned_ids(self, values: list[Any] | None) -> list[int]:
+        """The IDs a statement returned (its first column), internal domain, sorted."""
+        if values is None:
             raise ConfigError(
                 "the statement returned nothing: end it with RETURNING <id column> so "
                 "plait learns which stream IDs it took"
             )
-        values = [row[0] for row in rows]
-        # `type(v) is int` also refuses bool, a subclass of int.
-        if not all(type(v) is int for v in values):
+        # One column has one type, so the first value tells; `type(...) is int` also
+        # refuses bool, a subclass of int.
+        if values and (type(values[0]) is not int or None in values):
             raise ConfigError(
                 "the statement must return the new stream IDs as its first column "
                 "(RETURNING <id column>)"
