@@ -12,6 +12,11 @@ The baseline (`bare`) is an autocommit `INSERT ... VALUES (nextval('events_seq')
 on a plain psycopg 3 async connection: one statement, its own transaction (batches: one
 multi-row INSERT with nextval per row). `bare_txn` is the same statement wrapped in
 psycopg's `conn.transaction()` (BEGIN, INSERT, COMMIT: three round trips).
+Two more baselines do what `get_next` and `get_next_txn` do, without plait: take the
+IDs first (`SELECT nextval(...) FROM generate_series(1, n)`), then INSERT them:
+`bare_id_first` takes them in autocommit, then BEGIN / INSERT / COMMIT (like
+`get_next`); `bare_id_first_txn` takes them inside the transaction (like
+`get_next_txn`). Each plait style is also reported against its equivalent.
 
 Each writer is its own spawned process with its own asyncio loop, plait `Database`
 (default pool) and generator; with 4 processes they are the 4 writers of one stream.
@@ -62,12 +67,27 @@ from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
 TARGET = 0.90
 BATCH = 100
 PAYLOAD = "payload-0123456789abcdef"
-VARIANTS = ("plait_insert", "plait_get_next", "plait_get_next_txn", "bare", "bare_txn")
+VARIANTS = (
+    "plait_insert",
+    "plait_get_next",
+    "plait_get_next_txn",
+    "bare",
+    "bare_txn",
+    "bare_id_first",
+    "bare_id_first_txn",
+)
 STYLE_OF = {
     "plait_insert": "insert",
     "plait_get_next": "get_next",
     "plait_get_next_txn": "get_next_txn",
 }
+# The bare pattern that does what each plait style does (the ID before or in the INSERT).
+EQUIVALENT = {
+    "plait_insert": "bare",
+    "plait_get_next": "bare_id_first",
+    "plait_get_next_txn": "bare_id_first_txn",
+}
+NEXTVALS = "SELECT nextval('events_seq') FROM generate_series(1, %s)"
 TABLE_DDL = (
     "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
     " payload TEXT); CREATE INDEX ON events (instance_name, stream_id)"
@@ -207,6 +227,18 @@ class Worker:
         async with self.bare.transaction():
             await self.bare.execute(self.sql[f"bare_{n}"], self.bare_params(n))
 
+    async def bare_id_first(self, n: int) -> None:
+        cur = await self.bare.execute(NEXTVALS, (n,))
+        ids = sorted(int(r[0]) for r in await cur.fetchall())
+        async with self.bare.transaction():
+            await self.bare.execute(self.sql[f"insert_{n}"], self.plait_params(ids))
+
+    async def bare_id_first_txn(self, n: int) -> None:
+        async with self.bare.transaction():
+            cur = await self.bare.execute(NEXTVALS, (n,))
+            ids = sorted(int(r[0]) for r in await cur.fetchall())
+            await self.bare.execute(self.sql[f"insert_{n}"], self.plait_params(ids))
+
     async def bare_txn_pipelined(self, n: int) -> None:
         """BEGIN sent with the INSERT in one pipeline, then COMMIT: what plait's
         `db.transaction()` sends since it pipelines BEGIN (2 round trips)."""
@@ -255,6 +287,8 @@ class Worker:
             "plait_get_next_txn_no_upserts": self.plait_get_next_txn,
             "bare": self.bare_auto,
             "bare_txn": self.bare_txn,
+            "bare_id_first": self.bare_id_first,
+            "bare_id_first_txn": self.bare_id_first_txn,
             "bare_txn_pipelined": self.bare_txn_pipelined,
             "emul_nextval_txn": self.emul_nextval_txn,
             "emul_nextval_pipelined_txn": self.emul_nextval_pipelined_txn,
@@ -495,6 +529,9 @@ def report(writers: int, n: int, reps: int, phase_s: float, tallies: dict[str, T
     for variant, style in STYLE_OF.items():
         plait = tallies[variant]
         rate = median(plait.samples)
+        equivalent = tallies[EQUIVALENT[variant]]
+        equivalent_rate = median(equivalent.samples)
+        paired_equivalent = [p / b for p, b in zip(plait.samples, equivalent.samples, strict=True)]
         paired = [p / b for p, b in zip(plait.samples, bare.samples, strict=True)]
         ratio = rate / bare_rate
         emit(
@@ -511,6 +548,11 @@ def report(writers: int, n: int, reps: int, phase_s: float, tallies: dict[str, T
                 "bare_txn_rows_per_s": rnd(bare_txn_rate, 1),
                 "ratio_vs_bare_txn": rnd(rate / bare_txn_rate, 3),
                 "ratio_paired_median": rnd(median(paired), 3),
+                "equivalent_bare": EQUIVALENT[variant],
+                "equivalent_bare_rows_per_s": rnd(equivalent_rate, 1),
+                "ratio_vs_equivalent": rnd(rate / equivalent_rate, 3),
+                "ratio_vs_equivalent_paired_median": rnd(median(paired_equivalent), 3),
+                "equivalent_client_cpu_us_per_write": equivalent.cpu_us_per_write(),
                 "reps": reps,
                 "phase_s": phase_s,
                 "plait_samples": [rnd(s, 1) for s in plait.samples],
