@@ -24,6 +24,7 @@ from plait.streams.spec import StreamSpec
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 100
+MAX_UPSERT_DELAY = 0.1  # seconds
 # Statements given to `insert` are rewritten once and kept (applications use a handful).
 SQL_CACHE_SIZE = 256
 
@@ -62,6 +63,9 @@ class MultiWriterIdGenerator:
                 upsert=self._store_own_position if tracker.is_writer else None,
                 refresh=self.refresh_positions if follow_database else None,
                 interval=position_flush_interval,
+                # Writes within this window share one upsert. Database-only readers
+                # poll about once per interval, so a tenth of it costs them nothing.
+                delay=min(MAX_UPSERT_DELAY, position_flush_interval / 10),
                 written=tracker.local_position,
                 name=f"{spec.name}/{instance_name}",
             )

@@ -1,7 +1,7 @@
 """Keeps a writer's row in `stream_positions` current, off the write path (R-ID-8).
 
 After a write completes the writer is poked; one background task upserts the newest
-position a few milliseconds later, so at most one upsert is in flight and the writes of
+position a little later (`delay`), so at most one upsert is in flight and the writes of
 that window (a burst, or a steady stream) cost one upsert between them.
 Every `interval` it also refreshes the other writers' positions from the database (so
 an idle writer learns how far the others got) and flushes its idle-advanced position
@@ -28,7 +28,7 @@ class PositionWriter:
         interval: float,
         written: int,
         name: str,
-        delay: float = 0.02,
+        delay: float,
     ) -> None:
         self._current = current
         self._upsert = upsert
