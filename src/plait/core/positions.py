@@ -31,7 +31,7 @@ is known to be complete.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right, insort
+from bisect import bisect_right
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -97,11 +97,13 @@ class _MinMultiset:
 
 
 class _AscendingIds:
-    """Completed IDs above persisted-up-to, kept sorted, for skipping over gapless runs.
+    """Completed IDs above persisted-up-to, sorted and distinct, for skipping over
+    gapless runs.
 
     IDs nearly always arrive in ascending order (a writer's own completions, positions
-    that only grow), so adding is an append and skipping a binary search plus a slice:
-    no per-ID work in Python on the write path, unlike a heap.
+    that only grow), so adding is an append, and skipping is binary search: in sorted
+    distinct integers, `ids[k] - k` stays the same along a gapless run and grows after
+    a gap. No per-ID work in Python on the write path, unlike a heap.
     """
 
     __slots__ = ("_ids", "_start")
@@ -112,32 +114,34 @@ class _AscendingIds:
 
     def add(self, value: int) -> None:
         ids = self._ids
-        if len(ids) == self._start or value >= ids[-1]:
+        if len(ids) == self._start or value > ids[-1]:
             ids.append(value)
-        else:
-            insort(ids, value, lo=self._start)
+            return
+        at = bisect_right(ids, value, lo=self._start)
+        if at == self._start or ids[at - 1] != value:
+            ids.insert(at, value)
 
     def add_all(self, values: list[int]) -> None:
         """Add `values`, sorted ascending."""
         if not values:
             return
         ids = self._ids
-        if len(ids) == self._start or values[0] >= ids[-1]:
+        if (len(ids) == self._start or values[0] > ids[-1]) and len(set(values)) == len(values):
             ids.extend(values)
         else:
             for value in values:
-                insort(ids, value, lo=self._start)
+                self.add(value)
 
     def skip(self, persisted: int) -> int:
         """The largest p >= `persisted` such that every ID in (persisted, p] is here;
         forgets the IDs at or below p."""
         ids = self._ids
         i = bisect_right(ids, persisted, lo=self._start)
-        n = len(ids)
-        while i < n and ids[i] <= persisted + 1:
-            persisted = ids[i]
-            i += 1
-        if i * 2 > n:
+        if i < len(ids) and ids[i] == persisted + 1:
+            run = ids[i] - i
+            i = bisect_right(_Offsets(ids), run, lo=i)
+            persisted = ids[i - 1]
+        if i * 2 > len(ids):
             del ids[:i]
             i = 0
         self._start = i
@@ -145,6 +149,22 @@ class _AscendingIds:
 
     def __len__(self) -> int:
         return len(self._ids) - self._start
+
+
+class _Offsets:
+    """`ids[k] - k` as a sequence for bisect: non-decreasing when `ids` is sorted and
+    distinct, and constant exactly along a gapless run."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, k: int) -> int:
+        return self._ids[k] - k
 
 
 class PositionTracker:
