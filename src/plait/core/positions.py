@@ -31,7 +31,7 @@ is known to be complete.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -94,6 +94,85 @@ class _MinMultiset:
 
     def sorted(self) -> list[int]:
         return sorted(v for v, n in self._counts.items() for _ in range(n))
+
+
+class _IdSet:
+    """The unfinished local IDs: a set with its minimum, built for batches.
+
+    IDs are handed out in ascending batches and mostly complete in the same order, so
+    adding is an append to a sorted list and completing the oldest batch moves a start
+    index: no per-ID work in Python for a 100-ID `get_next_mult`. IDs completed out of
+    order are dropped from the list lazily, when they reach its front.
+    """
+
+    __slots__ = ("_live", "_order", "_start")
+
+    def __init__(self) -> None:
+        self._live: set[int] = set()
+        self._order: list[int] = []  # sorted; may hold completed IDs (lazily dropped)
+        self._start = 0
+
+    @property
+    def _size(self) -> int:
+        return len(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, value: int) -> bool:
+        return value in self._live
+
+    def add_all(self, values: list[int]) -> int | None:
+        """Add sorted `values`; if one is already here (or repeated), add nothing and
+        return it."""
+        live = self._live
+        if not live.isdisjoint(values) or len(set(values)) != len(values):
+            seen: set[int] = set()
+            for value in values:
+                if value in live or value in seen:
+                    return value
+                seen.add(value)
+        live.update(values)
+        order = self._order
+        if len(order) == self._start or values[0] > order[-1]:
+            order.extend(values)
+        else:
+            for value in values:
+                insort(order, value, lo=self._start)
+        return None
+
+    def remove_all(self, values: list[int]) -> int | None:
+        """Remove sorted `values`; if one is not here (or repeated), remove nothing and
+        return it."""
+        live = self._live
+        if not live.issuperset(values) or len(set(values)) != len(values):
+            seen: set[int] = set()
+            for value in values:
+                if value not in live or value in seen:
+                    return value
+                seen.add(value)
+        live.difference_update(values)
+        start, order = self._start, self._order
+        if order[start : start + len(values)] == values:  # the oldest ones: the usual case
+            self._start = start + len(values)
+            self._compact()
+        return None
+
+    def min(self) -> int | None:
+        order, live, start = self._order, self._live, self._start
+        while start < len(order) and order[start] not in live:
+            start += 1
+        self._start = start
+        self._compact()
+        return order[self._start] if self._start < len(order) else None
+
+    def sorted(self) -> list[int]:
+        return sorted(self._live)
+
+    def _compact(self) -> None:
+        if self._start * 2 > len(self._order):
+            del self._order[: self._start]
+            self._start = 0
 
 
 class _AscendingIds:
@@ -197,7 +276,7 @@ class PositionTracker:
         self._known_completed = _AscendingIds()
         self._max_seen = max([floor, *self._positions.values()])
 
-        self._unfinished = _MinMultiset()
+        self._unfinished = _IdSet()
         # Local IDs completed while a smaller local ID was still unfinished.
         self._finished_above: list[int] = []
         self._in_flight = _MinMultiset()
@@ -271,20 +350,23 @@ class PositionTracker:
             self._record_finished(got)
             return
         if got:
-            self._max_seen = max(self._max_seen, max(got))
-        for stream_id in got:
-            if stream_id in self._unfinished:
-                raise PositionError(f"ID {stream_id} returned twice by the sequence")
-            self._unfinished.add(stream_id)
+            got.sort()
+            repeated = self._unfinished.add_all(got)
+            if repeated is not None:
+                self._recompute_local()
+                self._settle()
+                raise PositionError(f"ID {repeated} returned twice by the sequence")
+            self._max_seen = max(self._max_seen, got[-1])
         self._recompute_local()
         self._settle()
 
     def complete(self, ids: Iterable[int]) -> None:
         """Local IDs finished (committed or rolled back)."""
-        done = list(ids)
-        for stream_id in done:
-            if not self._unfinished.remove(stream_id):
-                raise PositionError(f"ID {stream_id} completed but was not unfinished")
+        done = sorted(ids)
+        if done:
+            stray = self._unfinished.remove_all(done)
+            if stray is not None:
+                raise PositionError(f"ID {stray} completed but was not unfinished")
         self._record_finished(done)
 
     def advance(self, writer: str, position: int) -> None:

@@ -292,7 +292,7 @@ class MultiWriterIdGenerator:
     async def _many(self, n: int) -> AsyncIterator[list[int]]:
         ids = await self._allocator.allocate(n)
         try:
-            yield [self._sign * i for i in ids]
+            yield self._signed(ids)
         finally:
             self._finish(ids)
 
