@@ -29,6 +29,7 @@ from plait.core.positions import (
     PositionTracker,
     SequenceWentBackwardsError,
     _AscendingIds,
+    _IdSet,
 )
 
 UNKNOWN = "never-announced"
@@ -761,3 +762,34 @@ def test_ascending_ids_skip_like_a_set(ops: list[tuple[str, object]]) -> None:
             assert store.skip(arg) == expected
             model = {i for i in model if i > expected}
         assert len(store) >= len(model)  # duplicates may be kept until skipped over
+
+
+_SET_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add_all", "remove_all", "min"]),
+        st.lists(st.integers(0, 40), max_size=6).map(sorted),
+    ),
+    max_size=60,
+)
+
+
+@given(_SET_OPS)
+def test_unfinished_id_set_is_a_set_with_its_minimum(ops: list[tuple[str, list[int]]]) -> None:
+    """Batches in and out, in any order; a bad batch (an ID present twice, or missing)
+    changes nothing and names the first offending ID."""
+    ids = _IdSet()
+    model: set[int] = set()
+    for op, values in ops:
+        if op == "add_all":
+            bad = [v for i, v in enumerate(values) if v in model or v in values[:i]]
+            assert ids.add_all(values) == (bad[0] if bad else None)
+            if not bad:
+                model.update(values)
+        elif op == "remove_all":
+            bad = [v for i, v in enumerate(values) if v not in model or v in values[:i]]
+            assert ids.remove_all(values) == (bad[0] if bad else None)
+            if not bad:
+                model.difference_update(values)
+        assert ids.min() == min(model, default=None)
+        assert len(ids) == len(model)
+        assert ids.sorted() == sorted(model)

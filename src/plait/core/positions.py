@@ -125,6 +125,8 @@ class _IdSet:
     def add_all(self, values: list[int]) -> int | None:
         """Add sorted `values`; if one is already here (or repeated), add nothing and
         return it."""
+        if not values:
+            return None
         live = self._live
         if not live.isdisjoint(values) or len(set(values)) != len(values):
             seen: set[int] = set()
@@ -144,6 +146,8 @@ class _IdSet:
     def remove_all(self, values: list[int]) -> int | None:
         """Remove sorted `values`; if one is not here (or repeated), remove nothing and
         return it."""
+        if not values:
+            return None
         live = self._live
         if not live.issuperset(values) or len(set(values)) != len(values):
             seen: set[int] = set()
