@@ -385,8 +385,10 @@ class PositionTracker:
 
     def observe_completed(self, ids: Iterable[int]) -> None:
         """IDs seen completed elsewhere (for example committed rows read from a table)."""
-        for stream_id in sorted(ids):
-            self._note_completed(stream_id)
+        seen = sorted(set(ids))
+        if seen:
+            self._max_seen = max(self._max_seen, seen[-1])
+            self._known_completed.add_all(seen[bisect_right(seen, self._persisted) :])
         self._settle()
 
     # -- queries --------------------------------------------------------------------

@@ -118,21 +118,13 @@ class _Table:
         ).format(agg=self.extreme, id=self.id, t=self.table, inst=self.inst)
 
     def ids_above_query(self, floor: sql.Composable = _FLOOR) -> sql.Composed:
-        """IDs above `floor` (stored form), lowest first, at most %(n)s, with their writer."""
+        """IDs above `floor` (stored form), lowest first, at most %(n)s."""
         if not self.indexed:
             return sql.SQL(
-                "SELECT {id}, {inst} FROM {t} WHERE {id} {above} {floor}"
-                " ORDER BY {id} {order} LIMIT %(n)s"
-            ).format(
-                id=self.id,
-                inst=self.inst,
-                t=self.table,
-                above=self.above,
-                order=self.order,
-                floor=floor,
-            )
+                "SELECT {id} FROM {t} WHERE {id} {above} {floor} ORDER BY {id} {order} LIMIT %(n)s"
+            ).format(id=self.id, t=self.table, above=self.above, order=self.order, floor=floor)
         return self._writers_cte() + sql.SQL(
-            "SELECT x.id, w.name FROM w CROSS JOIN LATERAL"
+            "SELECT x.id FROM w CROSS JOIN LATERAL"
             " (SELECT {id} AS id FROM {t} WHERE {inst} = w.name AND {id} {above} {floor}"
             "  ORDER BY {id} {order} LIMIT %(n)s) x"
             " WHERE w.name IS NOT NULL ORDER BY x.id {order} LIMIT %(n)s"
