@@ -558,6 +558,7 @@ def report(writers: int, n: int, reps: int, phase_s: float, tallies: dict[str, T
                 "plait_samples": [rnd(s, 1) for s in plait.samples],
                 "bare_samples": [rnd(s, 1) for s in bare.samples],
                 "bare_txn_samples": [rnd(s, 1) for s in bare_txn.samples],
+                "equivalent_samples": [rnd(s, 1) for s in equivalent.samples],
                 "plait_round_trips_per_write": plait.per_write(),
                 "bare_round_trips_per_write": bare.per_write(),
                 "bare_txn_round_trips_per_write": bare_txn.per_write(),
