@@ -117,6 +117,32 @@ async def test_tables_without_the_writer_index_still_work(
     assert (upto, limited) == (20, False)
 
 
+async def test_reads_across_writers_warn_once_when_no_index_leads_with_the_id(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    await create_table(db)  # only the (instance_name, stream_id) index
+    gen = await create_generator(db, ["w"], "w")
+    await gen.insert("INSERT INTO events VALUES ({id}, 'w') RETURNING stream_id")
+
+    def scan_warnings() -> int:
+        return sum("no index led by stream_id" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        await gen.get_updates_since("w", 0, 5)  # per writer: the index serves it
+        assert scan_warnings() == 0
+        for _ in range(2):
+            rows, _, _ = await gen.get_updates_since(None, 0, 5)
+            assert [r.stream_id for r in rows] == [2]
+        assert scan_warnings() == 1
+    async with db.connection() as conn:
+        await conn.execute("CREATE INDEX ON events (stream_id)")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        other = await create_generator(db, ["w"], "reader")
+        await other.get_updates_since(None, 0, 5)
+    assert scan_warnings() == 0
+
+
 async def test_position_writer_retries_until_the_database_answers(
     db: Database, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -91,7 +91,9 @@ class _Table:
         self.at_most = sql.SQL(">=" if backwards else "<=")
         self.order = sql.SQL("DESC" if backwards else "ASC")
         self.extreme = sql.SQL("MIN" if backwards else "MAX")
-        self.indexed = True
+        self.indexed = True  # an index on (instance, id): per-writer reads, start-up
+        self.id_indexed = True  # an index led by the id: reads across writers
+        self.warned_scan = False
 
     def stored(self, internal: int) -> int:
         return -internal if self.backwards else internal
@@ -264,6 +266,7 @@ class StreamStore:
                 columns[spec.id_column][1],
             )
         table.indexed = (columns[spec.instance_column][0], columns[spec.id_column][0]) in indexes
+        table.id_indexed = any(first == columns[spec.id_column][0] for first, _ in indexes)
         if not table.indexed:
             logger.warning(
                 "stream %s: table %s has no index on (%s, %s), so start-up and per-writer "
@@ -595,6 +598,8 @@ class StreamStore:
         complete: set[int] = set()
         async with self.db.connection() as conn:
             for table in self._tables:
+                if not by_writer and not table.id_indexed:
+                    self._warn_scan(table)
                 params: dict[str, Any] = {
                     "writer": writer,
                     "lo": table.stored(from_exclusive),
@@ -617,6 +622,22 @@ class StreamStore:
                     complete.add(whole)
                 pages.append(page)
         return merge_pages(pages, to_inclusive, limit, frozenset(complete))
+
+    def _warn_scan(self, table: _Table) -> None:
+        """Once per table: reads across writers scan a table without an id index."""
+        if table.warned_scan:
+            return
+        table.warned_scan = True
+        logger.warning(
+            "stream %s: reading all writers' rows by ID from table %s, which has no index "
+            "led by %s, so every such read scans the table; create one with: "
+            "CREATE INDEX CONCURRENTLY ON %s (%s)",
+            self.spec.name,
+            table.name,
+            table.spec.id_column,
+            table.name,
+            table.spec.id_column,
+        )
 
     async def _fetch_rows(
         self,
