@@ -9,9 +9,9 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Generic, TypeVar
 
 from plait.core.positions import PositionTracker
 from plait.errors import ConfigError, NotAWriterError
@@ -22,6 +22,7 @@ from plait.streams.position_writer import PositionWriter
 from plait.streams.spec import StreamSpec
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_BATCH = 100
 MAX_UPSERT_DELAY = 0.1  # seconds
@@ -162,13 +163,13 @@ class MultiWriterIdGenerator:
     def get_next(self) -> AbstractAsyncContextManager[int]:
         """`async with gen.get_next() as stream_id:` write rows, then the ID completes."""
         self._check_writer()
-        return self._one()
+        return _Reservation(self, 1, self._first_signed)
 
     def get_next_mult(self, n: int) -> AbstractAsyncContextManager[list[int]]:
         """Like `get_next`, for `n` IDs taken in one round trip."""
         self._check_writer()
         _check_count(n)
-        return self._many(n)
+        return _Reservation(self, n, self._signed)
 
     async def get_next_txn(self, txn: Transaction) -> int:
         """An ID inside the caller's transaction; it completes after commit or rollback."""
@@ -280,21 +281,8 @@ class MultiWriterIdGenerator:
         values.sort()
         return values
 
-    @asynccontextmanager
-    async def _one(self) -> AsyncIterator[int]:
-        ids = await self._allocator.allocate(1)
-        try:
-            yield self._sign * ids[0]
-        finally:
-            self._finish(ids)
-
-    @asynccontextmanager
-    async def _many(self, n: int) -> AsyncIterator[list[int]]:
-        ids = await self._allocator.allocate(n)
-        try:
-            yield self._signed(ids)
-        finally:
-            self._finish(ids)
+    def _first_signed(self, ids: list[int]) -> int:
+        return self._sign * ids[0]
 
     def _finish(self, ids: list[int]) -> None:
         before = self._tracker.local_position
@@ -418,6 +406,29 @@ class MultiWriterIdGenerator:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class _Reservation(Generic[T]):
+    """`get_next()` / `get_next_mult(n)`: IDs for the block, completed when it exits,
+    also on error or cancellation. A class rather than a generator-based context
+    manager: it runs on every write."""
+
+    __slots__ = ("_gen", "_ids", "_n", "_present")
+
+    def __init__(
+        self, gen: MultiWriterIdGenerator, n: int, present: Callable[[list[int]], T]
+    ) -> None:
+        self._gen = gen
+        self._n = n
+        self._present = present
+        self._ids: list[int] = []
+
+    async def __aenter__(self) -> T:
+        self._ids = await self._gen._allocator.allocate(self._n)
+        return self._present(self._ids)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._gen._finish(self._ids)
 
 
 def _check_count(n: int) -> None:
