@@ -1,0 +1,296 @@
+"""Replication commands: one line of UTF-8 text each, parsed and written here. No I/O.
+
+A line is a command name, and for most commands a space and arguments:
+
+    RDATA <stream> <instance> <token|batch> <row-json>
+    POSITION <stream> <instance> <prev> <new>
+    REPLICATE
+    NAME <name>
+    SERVER <name>
+    PING <ms>
+    ERROR <text>
+
+Applications add commands of their own by name (`CommandSet.register`). The transports
+(Redis, TCP) frame lines and hand them to `CommandSet.parse`, which returns a command or
+raises `CommandParseError` and nothing else, whatever the input: a malformed line costs
+one ERROR (TCP) or one log line (Redis), never a connection loop.
+
+Names (streams, instances) are non-empty and hold no whitespace. Tokens and positions
+are integers, negative on backwards streams. `RDATA` rows are compact JSON, which never
+holds a raw line break.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from plait.errors import PlaitError
+
+# Longest line accepted or written, in UTF-8 bytes (transports use it as their limit).
+MAX_LINE_BYTES = 1 << 20
+
+_NAME = re.compile(r"[^\s]+")
+_INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
+_COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+_BATCH = "batch"
+
+
+class CommandParseError(PlaitError, ValueError):
+    """A line is not a well-formed command (or names one nobody registered)."""
+
+
+class Command(Protocol):
+    """What every command is: a name, and arguments to and from text."""
+
+    NAME: ClassVar[str]
+
+    @classmethod
+    def from_args(cls, args: str) -> Command: ...
+
+    def to_args(self) -> str: ...
+
+
+def to_line(command: Command) -> str:
+    """The command as one line (no line terminator)."""
+    args = command.to_args()
+    line = f"{command.NAME} {args}" if args else command.NAME
+    if "\n" in line or "\r" in line:
+        raise ValueError(f"{command.NAME}: a line break inside a command")
+    if len(line.encode()) > MAX_LINE_BYTES:
+        raise ValueError(
+            f"{command.NAME}: {len(line.encode())} bytes is over the {MAX_LINE_BYTES}-byte "
+            "line limit; send smaller rows"
+        )
+    return line
+
+
+class CommandSet:
+    """The commands one process understands: the built-in ones plus its own."""
+
+    def __init__(self, extra: Iterable[type[Command]] = ()) -> None:
+        self._by_name: dict[str, type[Command]] = {}
+        for command in (*BUILTIN, *extra):
+            self.register(command)
+
+    def register(self, command: type[Command]) -> None:
+        name = command.NAME
+        if not _COMMAND_NAME.fullmatch(name):
+            raise ValueError(f"command name {name!r}: use capitals, digits and _")
+        if name in self._by_name and self._by_name[name] is not command:
+            raise ValueError(f"command name {name!r} is registered already")
+        self._by_name[name] = command
+
+    def parse(self, line: str | bytes) -> Command:
+        """One line (without its terminator) as a command, else `CommandParseError`."""
+        if isinstance(line, bytes):
+            if len(line) > MAX_LINE_BYTES:
+                raise CommandParseError(f"line of {len(line)} bytes is over the limit")
+            try:
+                line = line.decode()
+            except UnicodeDecodeError as err:
+                raise CommandParseError(f"line is not UTF-8: {err.reason}") from None
+        elif len(line) * 4 > MAX_LINE_BYTES and _utf8_length(line) > MAX_LINE_BYTES:
+            raise CommandParseError("line is over the length limit")
+        if "\n" in line or "\r" in line:
+            raise CommandParseError("a line break inside a line")
+        name, _, args = line.partition(" ")
+        command = self._by_name.get(name)
+        if command is None:
+            raise CommandParseError(f"unknown command {_shorten(name)!r}")
+        try:
+            return command.from_args(args)
+        except CommandParseError:
+            raise
+        except Exception as err:  # an application's parser: a bad line, whatever it raised
+            raise CommandParseError(f"{name}: {_shorten(str(err))}") from err
+
+
+# -- the built-in commands -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rdata:
+    """A row of `stream` written by `instance` at `token`; `token` None means "batch":
+    more rows with the same token follow, hold them until the one with the number."""
+
+    NAME: ClassVar[str] = "RDATA"
+    stream: str
+    instance: str
+    token: int | None
+    row: Any
+
+    @classmethod
+    def from_args(cls, args: str) -> Rdata:
+        stream, instance, token, row = _split(args, 4, "RDATA <stream> <instance> <token> <row>")
+        return cls(
+            _name(stream, "stream"),
+            _name(instance, "instance"),
+            None if token == _BATCH else _integer(token, "token"),
+            _json(row),
+        )
+
+    def to_args(self) -> str:
+        token = _BATCH if self.token is None else str(self.token)
+        return f"{_checked(self.stream)} {_checked(self.instance)} {token} {_dump(self.row)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """`instance` moved `stream` from `prev` to `new` with no rows in between."""
+
+    NAME: ClassVar[str] = "POSITION"
+    stream: str
+    instance: str
+    prev: int
+    new: int
+
+    @classmethod
+    def from_args(cls, args: str) -> Position:
+        stream, instance, prev, new = _split(args, 4, "POSITION <stream> <instance> <prev> <new>")
+        return cls(
+            _name(stream, "stream"),
+            _name(instance, "instance"),
+            _integer(prev, "prev"),
+            _integer(new, "new"),
+        )
+
+    def to_args(self) -> str:
+        return f"{_checked(self.stream)} {_checked(self.instance)} {self.prev} {self.new}"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Ask every peer for its current positions."""
+
+    NAME: ClassVar[str] = "REPLICATE"
+
+    @classmethod
+    def from_args(cls, args: str) -> Replicate:
+        if args:
+            raise CommandParseError("REPLICATE takes no arguments")
+        return cls()
+
+    def to_args(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    """A client tells the hub its instance name."""
+
+    NAME: ClassVar[str] = "NAME"
+    name: str
+
+    @classmethod
+    def from_args(cls, args: str) -> Name:
+        return cls(_name(args, "name"))
+
+    def to_args(self) -> str:
+        return _checked(self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """The hub tells a client its instance name."""
+
+    NAME: ClassVar[str] = "SERVER"
+    name: str
+
+    @classmethod
+    def from_args(cls, args: str) -> Server:
+        return cls(_name(args, "name"))
+
+    def to_args(self) -> str:
+        return _checked(self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Keep-alive, with the sender's clock in milliseconds."""
+
+    NAME: ClassVar[str] = "PING"
+    ms: int
+
+    @classmethod
+    def from_args(cls, args: str) -> Ping:
+        return cls(_integer(args, "ms"))
+
+    def to_args(self) -> str:
+        return str(self.ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Something the peer sent was wrong; free text."""
+
+    NAME: ClassVar[str] = "ERROR"
+    text: str
+
+    @classmethod
+    def from_args(cls, args: str) -> Error:
+        return cls(args)
+
+    def to_args(self) -> str:
+        # Error texts come from exceptions: fold line breaks rather than refuse them.
+        return self.text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
+BUILTIN: tuple[type[Command], ...] = (Rdata, Position, Replicate, Name, Server, Ping, Error)
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _split(args: str, count: int, usage: str) -> list[str]:
+    """`count` space-separated fields, the last one taking the rest of the line."""
+    parts = args.split(" ", count - 1)
+    if len(parts) != count or not all(parts):
+        raise CommandParseError(f"expected {usage}")
+    return parts
+
+
+def _name(text: str, what: str) -> str:
+    if not _NAME.fullmatch(text):
+        raise CommandParseError(f"bad {what} name {_shorten(text)!r}")
+    return text
+
+
+def _checked(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"name {name!r}: must be non-empty, without whitespace")
+    return name
+
+
+def _integer(text: str, what: str) -> int:
+    if not _INTEGER.fullmatch(text):
+        raise CommandParseError(f"bad {what} {_shorten(text)!r}: expected an integer")
+    return int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise CommandParseError(f"{name} is not JSON")
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except CommandParseError:
+        raise
+    except (ValueError, RecursionError) as err:
+        raise CommandParseError(f"bad row JSON: {_shorten(str(err))}") from None
+
+
+def _dump(row: Any) -> str:
+    return json.dumps(row, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _utf8_length(text: str) -> int:
+    return len(text.encode(errors="surrogatepass"))
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,211 @@
+"""Replication commands: round trips, exact wire text, and a parser that only ever
+raises its one error type (pure, no I/O)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plait.core.commands import (
+    MAX_LINE_BYTES,
+    Command,
+    CommandParseError,
+    CommandSet,
+    Error,
+    Name,
+    Ping,
+    Position,
+    Rdata,
+    Replicate,
+    Server,
+    to_line,
+)
+
+COMMANDS = CommandSet()
+
+names = st.text(
+    st.characters(blacklist_categories=("Cs",)).filter(lambda c: not c.isspace()),
+    min_size=1,
+    max_size=20,
+)
+integers = st.integers(-(2**63) + 1, 2**63 - 1)
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | integers
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(blacklist_categories=("Cs",))),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",))), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+commands = st.one_of(
+    st.builds(Rdata, names, names, st.none() | integers, json_values),
+    st.builds(Position, names, names, integers, integers),
+    st.just(Replicate()),
+    st.builds(Name, names),
+    st.builds(Server, names),
+    st.builds(Ping, integers),
+    st.builds(
+        Error,
+        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n")),
+    ),
+)
+
+
+@given(commands)
+def test_every_command_survives_the_wire(command: Command) -> None:
+    line = to_line(command)
+    assert "\n" not in line
+    assert "\r" not in line
+    assert COMMANDS.parse(line) == command
+    assert COMMANDS.parse(line.encode()) == command
+
+
+@settings(max_examples=500)
+@given(st.text(max_size=300))
+def test_any_text_parses_or_raises_the_parse_error(text: str) -> None:
+    with contextlib.suppress(CommandParseError):  # any other exception fails the test
+        COMMANDS.parse(text)
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=300))
+def test_any_bytes_parse_or_raise_the_parse_error(data: bytes) -> None:
+    with contextlib.suppress(CommandParseError):  # any other exception fails the test
+        COMMANDS.parse(data)
+
+
+@settings(max_examples=300)
+@given(
+    st.sampled_from(["RDATA", "POSITION", "NAME", "SERVER", "PING", "ERROR", "REPLICATE"]),
+    st.text(max_size=200),
+)
+def test_known_names_with_any_arguments_parse_or_raise_the_parse_error(
+    name: str, args: str
+) -> None:
+    with contextlib.suppress(CommandParseError):  # any other exception fails the test
+        COMMANDS.parse(f"{name} {args}")
+
+
+def test_wire_text_is_exact() -> None:
+    assert to_line(Rdata("events", "w1", 7, [7, "w1", {"a": "b c"}])) == (
+        'RDATA events w1 7 [7,"w1",{"a":"b c"}]'
+    )
+    assert to_line(Rdata("backfill", "w1", None, {"x": 1})) == 'RDATA backfill w1 batch {"x":1}'
+    assert to_line(Position("events", "w1", -5, 12)) == "POSITION events w1 -5 12"
+    assert to_line(Replicate()) == "REPLICATE"
+    assert to_line(Ping(1700000000000)) == "PING 1700000000000"
+    assert to_line(Error("bad\nthing")) == "ERROR bad thing"
+    assert COMMANDS.parse("RDATA events w1 batch [1]") == Rdata("events", "w1", None, [1])
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "NOPE 1",
+        "rdata events w1 7 {}",
+        "RDATA events w1 7",
+        "RDATA events w1 seven {}",
+        "RDATA events w1 7 {not json}",
+        "RDATA events w1 7 NaN",
+        "RDATA events w1 7 " + "[" * 100_000,
+        "RDATA  events w1 7 {}",
+        "POSITION events w1 1",
+        "POSITION events w1 1 2 3",
+        "POSITION events w1 +1 2",
+        "POSITION events w1 01 2",
+        "POSITION events w1 1 ٣",
+        "POSITION events w1 1 99999999999999999999",
+        "PING",
+        "PING soon",
+        "NAME",
+        "NAME a b",
+        "REPLICATE now",
+        "ERROR a\nb",
+        "A" * (MAX_LINE_BYTES + 1),
+    ],
+)
+def test_malformed_lines_say_what_is_wrong(line: str) -> None:
+    with pytest.raises(CommandParseError):
+        COMMANDS.parse(line)
+
+
+def test_invalid_utf8_and_oversized_bytes_are_parse_errors() -> None:
+    with pytest.raises(CommandParseError, match="UTF-8"):
+        COMMANDS.parse(b"NAME \xff")
+    with pytest.raises(CommandParseError, match="limit"):
+        COMMANDS.parse(b"PING " + b"1" * MAX_LINE_BYTES)
+
+
+def test_commands_that_cannot_be_sent_are_refused_when_written() -> None:
+    with pytest.raises(ValueError, match="whitespace"):
+        to_line(Name("two words"))
+    with pytest.raises(ValueError, match="whitespace"):
+        to_line(Position("", "w1", 1, 2))
+    with pytest.raises(ValueError, match="line limit"):
+        to_line(Rdata("events", "w1", 1, "x" * MAX_LINE_BYTES))
+    with pytest.raises(ValueError, match="JSON compliant"):
+        to_line(Rdata("events", "w1", 1, float("nan")))
+
+
+@dataclass(frozen=True, slots=True)
+class UserSync:
+    """An application's command, as the reference application would declare it."""
+
+    NAME: ClassVar[str] = "USER_SYNC"
+    instance: str
+    user: str
+    active: bool
+
+    @classmethod
+    def from_args(cls, args: str) -> UserSync:
+        instance, user, state = args.split(" ")
+        return cls(instance, user, {"start": True, "end": False}[state])
+
+    def to_args(self) -> str:
+        return f"{self.instance} {self.user} {'start' if self.active else 'end'}"
+
+
+def test_application_commands_are_registered_by_name() -> None:
+    mine = CommandSet([UserSync])
+    command = UserSync("sync1", "@alice:example.org", True)
+    line = to_line(command)
+    assert line == "USER_SYNC sync1 @alice:example.org start"
+    assert mine.parse(line) == command
+    with pytest.raises(CommandParseError, match="unknown command"):
+        COMMANDS.parse(line)  # a process that did not register it
+    # Whatever the application's parser raises on a bad line becomes the parse error.
+    for bad in ("USER_SYNC sync1 @alice:example.org later", "USER_SYNC sync1"):
+        with pytest.raises(CommandParseError, match="USER_SYNC"):
+            mine.parse(bad)
+
+
+def test_registration_refuses_clashes_and_bad_names() -> None:
+    @dataclass(frozen=True)
+    class Clash:
+        NAME: ClassVar[str] = "PING"
+
+        @classmethod
+        def from_args(cls, args: str) -> Any:
+            return cls()
+
+        def to_args(self) -> str:
+            return ""
+
+    with pytest.raises(ValueError, match="registered already"):
+        CommandSet([Clash])
+
+    class Lower(Clash):
+        NAME: ClassVar[str] = "lower"
+
+    with pytest.raises(ValueError, match="capitals"):
+        CommandSet([Lower])
