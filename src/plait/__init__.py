@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from plait.core.positions import PositionTracker
 from plait.core.tokens import StreamToken
 from plait.errors import (
+    CommandParseError,
     ConfigError,
     DatabaseUnavailableError,
     EmbeddedServerError,
@@ -32,6 +33,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "CommandParseError",
     "ConfigError",
     "Database",
     "DatabaseUnavailableError",

@@ -38,3 +38,7 @@ class NotAWriterError(PlaitError):
 
 class TokenParseError(PlaitError, ValueError):
     """A stream token (text or JSON form) is malformed."""
+
+
+class CommandParseError(PlaitError, ValueError):
+    """A replication command line is malformed (or names a command nobody registered)."""

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from plait.errors import PlaitError
+from plait.errors import CommandParseError
 
 # Longest line accepted or written, in UTF-8 bytes (transports use it as their limit).
 MAX_LINE_BYTES = 1 << 20
@@ -37,10 +37,6 @@ _NAME = re.compile(r"[^\s]+")
 _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
 _COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 _BATCH = "batch"
-
-
-class CommandParseError(PlaitError, ValueError):
-    """A line is not a well-formed command (or names one nobody registered)."""
 
 
 class Command(Protocol):
