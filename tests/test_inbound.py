@@ -1,0 +1,158 @@
+"""The inbound half of replication against a model: a writer's commands reach a reader
+that connects late, drops off and comes back; every row arrives exactly once, in order
+(pure, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.core.commands import Command, Position, Rdata
+from plait.core.inbound import Deliver, Inbound, Plan
+
+STREAM = "events"
+WRITER = "w"
+
+
+@dataclass
+class Script:
+    """What one writer did: its rows (token, row) and the commands it sent in order,
+    with the writer's position when each command was sent."""
+
+    rows: list[tuple[int, str]]
+    sent: list[tuple[Command, int]]
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> Script:
+    rows: list[tuple[int, str]] = []
+    sent: list[tuple[Command, int]] = []
+    position = announced = 1
+    for _ in range(draw(st.integers(0, 12))):
+        token = position + draw(st.integers(1, 3))
+        count = draw(st.integers(1, 3))
+        for i in range(count):
+            row = f"{token}.{i}"
+            rows.append((token, row))
+            last = i == count - 1
+            sent.append((Rdata(STREAM, WRITER, token if last else None, row), position))
+        position = token
+        if draw(st.booleans()):  # idle: others took IDs meanwhile
+            position += draw(st.integers(0, 3))
+        if draw(st.booleans()):
+            sent.append((Position(STREAM, WRITER, announced, position), position))
+            announced = position
+    sent.append((Position(STREAM, WRITER, announced, position), position))
+    return Script(rows, sent)
+
+
+def read(rows: list[tuple[int, str]], low: int, high: int) -> list[tuple[int, str]]:
+    """What a catch-up read of (low, high] returns (the database side)."""
+    return [(t, r) for t, r in rows if low < t <= high]
+
+
+@given(scripts(), st.data())
+def test_every_row_arrives_exactly_once_in_order(script: Script, data: st.DataObject) -> None:
+    # The reader starts somewhere in the writer's past (its position loaded at start-up),
+    # and is connected to the writer's commands only during some stretches.
+    tokens = [1] + [t for t, _ in script.rows]
+    start = data.draw(st.sampled_from(tokens), label="start")
+    online = data.draw(
+        st.lists(st.booleans(), min_size=len(script.sent), max_size=len(script.sent)),
+        label="online",
+    )
+    online[-1] = True  # it is connected at the end, to see the final POSITION
+    inbound = Inbound(own_name="reader")
+    current = start
+    got: list[tuple[int, str]] = []
+
+    def apply(result: Deliver | Plan | None) -> None:
+        nonlocal current
+        if isinstance(result, Deliver):
+            got.extend((result.token, row) for row in result.rows)
+            current = result.token
+        elif isinstance(result, Plan):
+            if result.catch_up_from is not None and result.advance_to is not None:
+                got.extend(read(script.rows, result.catch_up_from, result.advance_to))
+            if result.advance_to is not None:
+                current = result.advance_to
+            inbound.caught_up(result.stream, result.instance)
+
+    was_online = awaiting_answer = after_batch_row = False
+    for (command, writer_position), up in zip(script.sent, online, strict=True):
+        if not up:
+            if was_online:
+                inbound.lost()
+            was_online = awaiting_answer = False
+        else:
+            if not was_online:
+                # (Re)connected: it sends REPLICATE; the writer answers with its position
+                # between two of its sends, never inside a batch.
+                was_online = awaiting_answer = True
+            if awaiting_answer and not after_batch_row:
+                answer = Position(STREAM, WRITER, writer_position, writer_position)
+                apply(inbound.position(answer, current))
+                awaiting_answer = False
+            if isinstance(command, Rdata):
+                apply(inbound.rdata(command, current))
+            else:
+                assert isinstance(command, Position)
+                apply(inbound.position(command, current))
+        after_batch_row = isinstance(command, Rdata) and command.token is None
+
+    assert got == [(t, r) for t, r in script.rows if t > start]
+    assert current == script.sent[-1][1]
+
+
+def test_rdata_before_the_writers_position_on_this_connection_is_ignored() -> None:
+    inbound = Inbound(own_name="reader")
+    assert inbound.rdata(Rdata(STREAM, "a", 5, "x"), current=1) is None
+    plan = inbound.position(Position(STREAM, "a", 3, 7), current=1)
+    assert plan == Plan(STREAM, "a", catch_up_from=1, advance_to=7)
+    inbound.caught_up(STREAM, "a")
+    # Caught up with a, not with b: b's rows wait for b's POSITION.
+    assert inbound.rdata(Rdata(STREAM, "b", 8, "y"), current=1) is None
+    assert inbound.rdata(Rdata(STREAM, "a", 8, "z"), current=7) == Deliver(STREAM, "a", 8, ["z"])
+    assert inbound.all_connected({(STREAM, "a")})
+    assert not inbound.all_connected({(STREAM, "a"), (STREAM, "b")})
+
+
+def test_positions_within_reach_advance_without_reading() -> None:
+    inbound = Inbound(own_name="reader")
+    assert inbound.position(Position(STREAM, "a", 3, 9), current=5) == Plan(STREAM, "a", None, 9)
+    assert inbound.position(Position(STREAM, "a", 3, 9), current=3) == Plan(STREAM, "a", None, 9)
+    # Behind us: nothing to read, nothing to move (never backwards).
+    assert inbound.position(Position(STREAM, "a", 3, 9), current=12) == Plan(
+        STREAM, "a", None, None
+    )
+
+
+def test_batches_are_held_per_writer_and_dropped_when_stale() -> None:
+    inbound = Inbound(own_name="reader")
+    for writer in ("a", "b"):
+        inbound.position(Position(STREAM, writer, 1, 1), current=1)
+        inbound.caught_up(STREAM, writer)
+    assert inbound.rdata(Rdata(STREAM, "a", None, 1), current=1) is None
+    assert inbound.rdata(Rdata(STREAM, "b", None, 2), current=1) is None
+    assert inbound.rdata(Rdata(STREAM, "a", 4, 3), current=1) == Deliver(STREAM, "a", 4, [1, 3])
+    # b's batch ends at a token already seen (a catch-up read it): all of it is dropped.
+    assert inbound.rdata(Rdata(STREAM, "b", 5, 4), current=5) is None
+    assert inbound.rdata(Rdata(STREAM, "b", 6, 5), current=5) == Deliver(STREAM, "b", 6, [5])
+
+
+def test_own_echoes_and_a_lost_connection() -> None:
+    inbound = Inbound(own_name="me")
+    assert inbound.position(Position(STREAM, "me", 1, 5), current=1) is None
+    inbound.caught_up(STREAM, "me")
+    assert inbound.rdata(Rdata(STREAM, "me", 6, "echo"), current=5) is None
+    inbound.position(Position(STREAM, "a", 1, 1), current=1)
+    inbound.caught_up(STREAM, "a")
+    inbound.rdata(Rdata(STREAM, "a", None, "held"), current=1)
+    inbound.lost()
+    assert not inbound.is_connected(STREAM, "a")
+    inbound.caught_up(STREAM, "a")
+    held_before: Any = inbound.rdata(Rdata(STREAM, "a", 3, "new"), current=1)
+    assert held_before == Deliver(STREAM, "a", 3, ["new"])  # the old batch did not survive
