@@ -1,5 +1,5 @@
-"""The inbound half of replication against a model: a writer's commands reach a reader
-that connects late, drops off and comes back; every row arrives exactly once, in order
+"""Both halves of replication against a model: a writer's commands reach a reader that
+connects late, drops off and comes back; every row arrives exactly once, in order
 (pure, no I/O)."""
 
 from __future__ import annotations
@@ -7,11 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plait.core.commands import Command, Position, Rdata
+from plait.core.commands import Command, CommandSet, Position, Rdata, to_line
 from plait.core.inbound import Deliver, Inbound, Plan
+from plait.core.outbound import Outbound
+
+COMMANDS = CommandSet()
 
 STREAM = "events"
 WRITER = "w"
@@ -156,3 +160,74 @@ def test_own_echoes_and_a_lost_connection() -> None:
     inbound.caught_up(STREAM, "a")
     held_before: Any = inbound.rdata(Rdata(STREAM, "a", 3, "new"), current=1)
     assert held_before == Deliver(STREAM, "a", 3, ["new"])  # the old batch did not survive
+
+
+# -- the writer's side, and both sides together ----------------------------------------
+
+
+def test_a_page_becomes_rdata_with_batches_then_a_position() -> None:
+    out = Outbound(STREAM, "w", sent_upto=3)
+    commands = out.page([(4, "a"), (4, "b"), (6, "c")], upto=9)
+    assert [to_line(c) for c in commands] == [
+        'RDATA events w batch "a"',
+        'RDATA events w 4 "b"',
+        'RDATA events w 6 "c"',
+        "POSITION events w 6 9",
+    ]
+    assert out.page([], upto=12) == [Position(STREAM, "w", 9, 12)]  # idle: just POSITION
+    assert out.page([], upto=12) == []
+    assert out.replicate() == Position(STREAM, "w", 12, 12)
+    with pytest.raises(ValueError, match="within"):
+        out.page([(12, "old")], upto=15)
+
+
+@given(st.data())
+def test_writer_pages_reach_a_late_reader_exactly_once(data: st.DataObject) -> None:
+    """The writer sends its rows page by page; a reader that starts at some point of
+    the writer's past and connects at some page boundary ends with every row after its
+    start, once and in order."""
+    rows: list[tuple[int, str]] = []
+    bounds: list[int] = []  # page ends: whole tokens only, as get_updates_since cuts
+    token = 1
+    for _ in range(data.draw(st.integers(0, 15), label="groups")):
+        token += data.draw(st.integers(1, 3))
+        rows += [(token, f"{token}.{i}") for i in range(data.draw(st.integers(1, 3)))]
+        if data.draw(st.booleans()):
+            token += data.draw(st.integers(0, 2))  # idle advance
+            bounds.append(token)
+    bounds.append(token + 1)
+    out = Outbound(STREAM, "w", sent_upto=1)
+    start = data.draw(st.sampled_from([1, *[t for t, _ in rows]]), label="start")
+    join = data.draw(st.integers(0, len(bounds) - 1), label="join")
+    reader = Inbound(own_name="reader")
+    current = start
+    got: list[tuple[int, str]] = []
+    for i, upto in enumerate(bounds):
+        if i == join:  # REPLICATE, answered between two pages
+            plan = reader.position(out.replicate(), current)
+            assert plan is not None
+            if plan.catch_up_from is not None and plan.advance_to is not None:
+                got += read(rows, plan.catch_up_from, plan.advance_to)
+            current = plan.advance_to if plan.advance_to is not None else current
+            reader.caught_up(STREAM, "w")
+        commands = out.page(read(rows, out.sent_upto, upto), upto)
+        if i < join:
+            continue  # sent before the reader subscribed: it never sees them
+        for command in commands:
+            parsed = COMMANDS.parse(to_line(command))  # through the wire text
+            if isinstance(parsed, Rdata):
+                delivered = reader.rdata(parsed, current)
+                if delivered is not None:
+                    got += [(delivered.token, r) for r in delivered.rows]
+                    current = delivered.token
+            else:
+                assert isinstance(parsed, Position)
+                plan = reader.position(parsed, current)
+                assert plan is not None
+                if plan.catch_up_from is not None and plan.advance_to is not None:
+                    got += read(rows, plan.catch_up_from, plan.advance_to)
+                if plan.advance_to is not None:
+                    current = plan.advance_to
+                reader.caught_up(STREAM, "w")
+    assert got == [(t, r) for t, r in rows if t > start]
+    assert current == bounds[-1]
