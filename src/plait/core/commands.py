@@ -26,7 +26,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Self
 
 from plait.errors import CommandParseError
 
@@ -175,14 +175,14 @@ class Replicate:
 
 
 @dataclass(frozen=True, slots=True)
-class Name:
-    """A client tells the hub its instance name."""
+class _Named:
+    """A command whose one argument is an instance name."""
 
-    NAME: ClassVar[str] = "NAME"
+    NAME: ClassVar[str]
     name: str
 
     @classmethod
-    def from_args(cls, args: str) -> Name:
+    def from_args(cls, args: str) -> Self:
         return cls(_name(args, "name"))
 
     def to_args(self) -> str:
@@ -190,18 +190,17 @@ class Name:
 
 
 @dataclass(frozen=True, slots=True)
-class Server:
+class Name(_Named):
+    """A client tells the hub its instance name."""
+
+    NAME: ClassVar[str] = "NAME"
+
+
+@dataclass(frozen=True, slots=True)
+class Server(_Named):
     """The hub tells a client its instance name."""
 
     NAME: ClassVar[str] = "SERVER"
-    name: str
-
-    @classmethod
-    def from_args(cls, args: str) -> Server:
-        return cls(_name(args, "name"))
-
-    def to_args(self) -> str:
-        return _checked(self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right, insort
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -112,10 +112,6 @@ class _IdSet:
         self._order: list[int] = []  # sorted; may hold completed IDs (lazily dropped)
         self._start = 0
 
-    @property
-    def _size(self) -> int:
-        return len(self._live)
-
     def __len__(self) -> int:
         return len(self._live)
 
@@ -129,11 +125,7 @@ class _IdSet:
             return None
         live = self._live
         if not live.isdisjoint(values) or len(set(values)) != len(values):
-            seen: set[int] = set()
-            for value in values:
-                if value in live or value in seen:
-                    return value
-                seen.add(value)
+            return _first_offender(values, live.__contains__)
         live.update(values)
         order = self._order
         if len(order) == self._start or values[0] > order[-1]:
@@ -150,11 +142,7 @@ class _IdSet:
             return None
         live = self._live
         if not live.issuperset(values) or len(set(values)) != len(values):
-            seen: set[int] = set()
-            for value in values:
-                if value not in live or value in seen:
-                    return value
-                seen.add(value)
+            return _first_offender(values, lambda value: value not in live)
         live.difference_update(values)
         start, order = self._start, self._order
         if order[start : start + len(values)] == values:  # the oldest ones: the usual case
@@ -177,6 +165,16 @@ class _IdSet:
         if self._start * 2 > len(self._order):
             del self._order[: self._start]
             self._start = 0
+
+
+def _first_offender(values: list[int], bad: Callable[[int], bool]) -> int:
+    """The first of `values` that is `bad` or repeats an earlier one (there is one)."""
+    seen: set[int] = set()
+    for value in values:
+        if bad(value) or value in seen:
+            return value
+        seen.add(value)
+    raise AssertionError("no offender among values already found to have one")
 
 
 class _AscendingIds:
@@ -418,7 +416,8 @@ class PositionTracker:
 
     @property
     def is_idle(self) -> bool:
-        return not self._unfinished and not self._in_flight
+        # The sets' insides, not len(): this runs several times per write.
+        return not self._unfinished._live and not self._in_flight._size
 
     def position_of(self, writer: str) -> int:
         """A safe position for `writer`; unknown writers are at persisted-up-to."""
@@ -441,27 +440,20 @@ class PositionTracker:
         """Local IDs that finished: move the local position and persisted-up-to."""
         done.sort()  # callers pass them sorted nearly always: then this is one pass
         finished = self._finished_above
-        if done and not finished and not self._unfinished._size and not self._in_flight._size:
-            # Nothing pending: the position moves to the largest of them (the common case
-            # of one write at a time; the same result as the general path below).
-            top = done[-1]
-            if top > self._positions.get(self._instance, top - 1):
-                self._positions[self._instance] = top
-            self._local = max(self._local, self._positions.get(self._instance, self._local))
-            if top > self._max_seen:
-                self._max_seen = top
-            self._settle(done)
-            return
-        if len(done) * 8 < len(finished):
+        if self.is_idle:
+            # Nothing pending: `_recompute_local` takes the largest finished ID and
+            # clears the rest, so only the largest of these matters (the common case).
+            finished.extend(done[-1:])
+        elif len(done) * 8 < len(finished):
             # A few IDs joining many held back by a slow one: push, don't re-heapify.
             for stream_id in done:
                 heapq.heappush(finished, stream_id)
         else:
             finished.extend(done)
             heapq.heapify(finished)
-        self._recompute_local()
         if done:
             self._max_seen = max(self._max_seen, done[-1])
+        self._recompute_local()
         self._settle(done)
 
     def _note_others(self) -> None:
@@ -478,28 +470,27 @@ class PositionTracker:
         """Move the local position to the largest finished ID below anything pending."""
         if not self._is_writer:
             return
-        bounds = [b for b in (self._unfinished.min(), self._in_flight.min()) if b is not None]
-        bound = min(bounds) if bounds else None
         new = None
         finished = self._finished_above
-        if bound is None:
+        if self.is_idle:
             # Nothing pending: every finished ID is covered (the common, fast case).
             new = max(finished, default=None)
             finished.clear()
         else:
+            bound = min(b for b in (self._unfinished.min(), self._in_flight.min()) if b is not None)
             while finished and finished[0] < bound:
                 new = heapq.heappop(finished)
         if new is not None and new > self._positions.get(self._instance, new - 1):
             self._positions[self._instance] = new
         self._local = max(self._local, self._positions.get(self._instance, self._local))
 
-    def _settle(self, completed: Sequence[int] = ()) -> None:
+    def _settle(self, completed: list[int] | None = None) -> None:
         """Re-derive the local reported position and persisted-up-to.
 
         `completed` are newly completed IDs, ascending (their `max_seen` already noted);
         only those above the new persisted-up-to need to be kept.
         """
-        if self._is_writer and not self._unfinished._size and not self._in_flight._size:
+        if self._is_writer and self.is_idle:
             self._local = max(self._local, self._max_seen)
         low = self._others_min
         if self._is_writer and (low is None or self._local < low):
@@ -514,5 +505,5 @@ class PositionTracker:
             self._persisted = low
         persisted = self._persisted
         if completed:
-            self._known_completed.add_all(list(completed[bisect_right(completed, persisted) :]))
+            self._known_completed.add_all(completed[bisect_right(completed, persisted) :])
         self._persisted = self._known_completed.skip(persisted)
