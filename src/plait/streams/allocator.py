@@ -9,12 +9,12 @@ cannot pass IDs that are on their way back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from plait.core.positions import PositionTracker, SequenceWentBackwardsError
 from plait.errors import SequenceBehindError
+from plait.streams.background import let_finish
 
 logger = logging.getLogger(__name__)
 
@@ -73,28 +73,18 @@ class IdAllocator:
             self._pump = None
 
     async def _serve(self, batch: list[tuple[int, asyncio.Future[list[int]]]]) -> None:
-        ticket = self._tracker.begin_fetch()
+        self.round_trips += 1
+        total = sum(n for n, _ in batch)
         try:
-            self.round_trips += 1
-            ids = await self._fetch(sum(n for n, _ in batch))
+            ids = await take_ids(self._tracker, lambda: self._fetch(total))
         except asyncio.CancelledError:
-            self._tracker.end_fetch(ticket, [])
             for _, future in batch:
                 future.cancel()
             raise
-        except Exception as err:
-            self._tracker.end_fetch(ticket, [])
+        except Exception as err:  # also the refusal when the sequence went backwards
             for _, future in batch:
                 if not future.done():
                     future.set_exception(err)
-            return
-        try:
-            self._tracker.end_fetch(ticket, ids)
-        except SequenceWentBackwardsError as err:
-            failure = _refusal(err)
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(failure)
             return
         start = 0
         for n, future in batch:
@@ -107,14 +97,8 @@ class IdAllocator:
 
     async def close(self) -> None:
         """Let a fetch in progress finish (its callers still get their IDs)."""
-        pump = self._pump
-        if pump is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(pump), timeout=10)
-            except TimeoutError:
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pump
+        if self._pump is not None:
+            await let_finish(self._pump)
 
 
 async def take_ids(

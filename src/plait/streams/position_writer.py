@@ -11,9 +11,10 @@ if that moved: readers that only see the database never stall on an idle writer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
+from plait.streams.background import let_finish
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,7 @@ class PositionWriter:
         self._stopping = True
         self._wake.set()
         if task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=10)
-            except TimeoutError:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await let_finish(task)
         if final_flush:
             try:
                 async with asyncio.timeout(5):
