@@ -55,33 +55,34 @@ class Transaction:
     ) -> AsyncCursor[TupleRow]:
         if self._begun:
             return await self._conn.execute(query, params)
-        self._begun = True  # from here on, ending it sends ROLLBACK or COMMIT
         if params is None and isinstance(query, str):
             # Without parameters both go in one simple query: one round trip, without
             # the client CPU that pipeline mode costs.
+            self._begun = True
             cursor = await self._conn.execute("BEGIN; " + query)
             cursor.nextset()
             return cursor
         async with self._conn.pipeline():
-            await self._conn.execute("BEGIN")
+            await self._begin()
             return await self._conn.execute(query, params)
 
     async def executemany(
         self, query: Any, params_seq: Iterable[Sequence[Any] | Mapping[str, Any]]
     ) -> None:
         async with self._conn.pipeline():
-            if not self._begun:
-                await self._conn.execute("BEGIN")
-                self._begun = True
+            await self._begin()  # queued in the pipeline with the statements
             async with self._conn.cursor() as cursor:
                 await cursor.executemany(query, params_seq)
 
     async def connection(self) -> AsyncConnection[TupleRow]:
         """The connection, inside the transaction (for cursors, COPY, nested blocks)."""
-        if not self._begun:
-            await self._conn.execute("BEGIN")
-            self._begun = True
+        await self._begin()
         return self._conn
+
+    async def _begin(self) -> None:
+        if not self._begun:
+            self._begun = True  # from here on, ending it sends ROLLBACK or COMMIT
+            await self._conn.execute("BEGIN")
 
     def call_after(self, callback: Callable[[], None]) -> None:
         self._after_commit.append(callback)

@@ -186,6 +186,7 @@ class StreamStore:
         self._sign = spec.sign
         self._seq = _ident(spec.sequence)
         self._seq_regclass = _regclass(spec.sequence)
+        self._head_query = sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
         self._tables = [_Table(t, spec.backwards) for t in spec.tables]
 
     # -- start-up checks ------------------------------------------------------------------
@@ -340,10 +341,7 @@ class StreamStore:
     async def sequence_head(self) -> int:
         """The largest ID the sequence has handed out."""
         async with self.db.connection() as conn:
-            cur = await conn.execute(
-                sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
-            )
-            row = await cur.fetchone()
+            row = await (await conn.execute(self._head_query)).fetchone()
         assert row is not None
         return _head(row)
 
@@ -377,9 +375,7 @@ class StreamStore:
                 await conn.execute("SET LOCAL jit = off")
                 await conn.execute(*self._record_spec_statement())
                 maxima = [await conn.execute(t.max_query()) for t in self._tables]
-                head = await conn.execute(
-                    sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
-                )
+                head = await conn.execute(self._head_query)
                 top = None
                 if not self.spec.any_writer:
                     top = await conn.execute(
@@ -404,12 +400,7 @@ class StreamStore:
                 # A failure above ends the pipeline with the transaction aborted; the
                 # connection then goes back to the pool, which rolls it back.
                 await conn.execute("COMMIT")
-            table_max: int | None = None
-            for cursor in maxima:
-                row = await cursor.fetchone()
-                if row is not None and row[0] is not None:
-                    value = self._sign * int(row[0])
-                    table_max = value if table_max is None else max(table_max, value)
+            table_max = await self._largest(maxima)
             head_row = await head.fetchone()
             assert head_row is not None
             top_row = await top.fetchone() if top is not None else None
@@ -420,7 +411,7 @@ class StreamStore:
                 if pages is not None and loaded
                 else ([], lowest, False)
             )
-            own_max = await self._own_max_from(owns) if loaded else None
+            own_max = await self._largest(owns) if loaded else None
         return Survey(
             table_max=table_max,
             head=_head(head_row),
@@ -546,14 +537,12 @@ class StreamStore:
             return sorted(found), max(found, default=floor), False
         return sorted(i for i in found if i <= cutoff), cutoff, True
 
-    async def _own_max_from(self, owns: list[AsyncCursor[TupleRow]]) -> int | None:
-        own_max: int | None = None
-        for cursor in owns:
-            row = await cursor.fetchone()
-            if row is not None and row[0] is not None:
-                value = self._sign * int(row[0])
-                own_max = value if own_max is None else max(own_max, value)
-        return own_max
+    async def _largest(self, cursors: list[AsyncCursor[TupleRow]]) -> int | None:
+        """The largest of one-value answers (one per table), internal domain; None if
+        every answer is NULL."""
+        values = [(await cursor.fetchone() or (None,))[0] for cursor in cursors]
+        found = [self._sign * int(v) for v in values if v is not None]
+        return max(found) if found else None
 
     # -- allocation ------------------------------------------------------------------------
 
