@@ -5,7 +5,6 @@ connects late, drops off and comes back; every row arrives exactly once, in orde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 from hypothesis import given
@@ -158,8 +157,8 @@ def test_own_echoes_and_a_lost_connection() -> None:
     inbound.lost()
     assert not inbound.is_connected(STREAM, "a")
     inbound.caught_up(STREAM, "a")
-    held_before: Any = inbound.rdata(Rdata(STREAM, "a", 3, "new"), current=1)
-    assert held_before == Deliver(STREAM, "a", 3, ["new"])  # the old batch did not survive
+    delivered = inbound.rdata(Rdata(STREAM, "a", 3, "new"), current=1)
+    assert delivered == Deliver(STREAM, "a", 3, ["new"])  # the old batch did not survive
 
 
 # -- the writer's side, and both sides together ----------------------------------------
