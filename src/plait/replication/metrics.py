@@ -1,0 +1,112 @@
+"""Prometheus metrics of one instance (R-OP-2), in a registry of its own so that several
+instances in one process (tests, the demo) never clash.
+
+Counters are bumped where things happen; positions are read from the streams at scrape
+time by a collector, so the write path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSnapshot:
+    """What the collector reports of one stream at scrape time."""
+
+    stream: str
+    positions: dict[str, int]  # writer -> position
+    persisted_upto: int
+    queue_length: int
+
+
+class _StreamCollector(Collector):
+    def __init__(self, snapshots: Callable[[], Iterable[StreamSnapshot]]) -> None:
+        self._snapshots = snapshots
+
+    def collect(self) -> Iterator[Metric]:
+        position = GaugeMetricFamily(
+            "plait_stream_position",
+            "A writer's position as this instance sees it.",
+            labels=["stream", "writer"],
+        )
+        persisted = GaugeMetricFamily(
+            "plait_stream_persisted_upto",
+            "The stream's linear position (persisted-up-to).",
+            labels=["stream"],
+        )
+        gap = GaugeMetricFamily(
+            "plait_stream_position_gap",
+            "Largest minus smallest writer position: how far a slow writer holds readers back.",
+            labels=["stream"],
+        )
+        queue = GaugeMetricFamily(
+            "plait_inbound_queue_length",
+            "Replication commands waiting, per stream.",
+            labels=["stream"],
+        )
+        for snap in self._snapshots():
+            for writer, value in snap.positions.items():
+                position.add_metric([snap.stream, writer], value)
+            persisted.add_metric([snap.stream], snap.persisted_upto)
+            values = list(snap.positions.values())
+            gap.add_metric([snap.stream], max(values) - min(values) if values else 0)
+            queue.add_metric([snap.stream], snap.queue_length)
+        yield from (position, persisted, gap, queue)
+
+
+class ReplicationMetrics:
+    """The metrics of one instance."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.commands_in = Counter(
+            "plait_commands_received", "Replication commands received.", ["command"], registry=r
+        )
+        self.commands_out = Counter(
+            "plait_commands_sent", "Replication commands sent.", ["command"], registry=r
+        )
+        self.bad_lines = Counter(
+            "plait_bad_command_lines", "Malformed command lines received.", ["link"], registry=r
+        )
+        self.rdata_rows = Counter(
+            "plait_rdata_rows", "Rows received live (RDATA) and delivered.", ["stream"], registry=r
+        )
+        self.catch_up_rows = Counter(
+            "plait_catch_up_rows", "Rows read while catching up.", ["stream"], registry=r
+        )
+        self.catch_up_pages = Counter(
+            "plait_catch_up_pages", "Pages read while catching up.", ["stream"], registry=r
+        )
+        self.wait_timeouts = Counter(
+            "plait_wait_timeouts",
+            "wait_for_stream_position calls that timed out.",
+            ["stream"],
+            registry=r,
+        )
+        self.connection_up = Gauge(
+            "plait_connection_up",
+            "1 while a replication connection is up (every stream caught up), else 0.",
+            ["link"],
+            registry=r,
+        )
+        self.reconnects = Counter(
+            "plait_reconnects",
+            "Replication connection attempts after a failure.",
+            ["link"],
+            registry=r,
+        )
+
+    def watch_streams(self, snapshots: Callable[[], Iterable[StreamSnapshot]]) -> None:
+        """Report positions and queue lengths read from `snapshots` at scrape time."""
+        self.registry.register(_StreamCollector(snapshots))
+
+    def render(self) -> bytes:
+        """The text exposition format, for the `/metrics` endpoint."""
+        return generate_latest(self.registry)
