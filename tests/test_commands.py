@@ -16,6 +16,7 @@ from plait.core.commands import (
     Command,
     CommandParseError,
     CommandSet,
+    Depart,
     Error,
     Name,
     Ping,
@@ -52,6 +53,7 @@ commands = st.one_of(
     st.just(Replicate()),
     st.builds(Name, names),
     st.builds(Server, names),
+    st.builds(Depart, names),
     st.builds(Ping, integers),
     st.builds(
         Error,

@@ -161,6 +161,21 @@ def test_own_echoes_and_a_lost_connection() -> None:
     assert delivered == Deliver(STREAM, "a", 3, ["new"])  # the old batch did not survive
 
 
+def test_a_departed_writer_counts_again_only_after_its_next_position() -> None:
+    inbound = Inbound(own_name="me")
+    for writer in ("a", "b"):
+        inbound.caught_up(STREAM, writer)
+        inbound.caught_up("other", writer)
+    inbound.rdata(Rdata(STREAM, "a", None, "held"), current=1)
+    inbound.departed("a")
+    assert not inbound.is_connected(STREAM, "a")
+    assert not inbound.is_connected("other", "a")
+    assert inbound.is_connected(STREAM, "b")
+    assert inbound.rdata(Rdata(STREAM, "a", 3, "x"), current=1) is None
+    inbound.caught_up(STREAM, "a")
+    assert inbound.rdata(Rdata(STREAM, "a", 4, "y"), current=1) == Deliver(STREAM, "a", 4, ["y"])
+
+
 # -- the writer's side, and both sides together ----------------------------------------
 
 

@@ -42,3 +42,8 @@ class TokenParseError(PlaitError, ValueError):
 
 class CommandParseError(PlaitError, ValueError):
     """A replication command line is malformed (or names a command nobody registered)."""
+
+
+class RemoteCallError(PlaitError):
+    """A call to another instance's internal HTTP API failed (refused, timed out after
+    its retries, or answered with an error)."""

@@ -9,6 +9,7 @@ A line is a command name, and for most commands a space and arguments:
     SERVER <name>
     PING <ms>
     ERROR <text>
+    DEPART <instance>
 
 Applications add commands of their own by name (`CommandSet.register`). The transports
 (Redis, TCP) frame lines and hand them to `CommandSet.parse`, which returns a command or
@@ -204,6 +205,14 @@ class Server(_Named):
 
 
 @dataclass(frozen=True, slots=True)
+class Depart(_Named):
+    """An instance is shutting down cleanly: peers drop what they keep per instance at
+    once (R-RP-8) instead of waiting for it to time out."""
+
+    NAME: ClassVar[str] = "DEPART"
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     """Keep-alive, with the sender's clock in milliseconds."""
 
@@ -234,7 +243,16 @@ class Error:
         return self.text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
 
 
-BUILTIN: tuple[type[Command], ...] = (Rdata, Position, Replicate, Name, Server, Ping, Error)
+BUILTIN: tuple[type[Command], ...] = (
+    Rdata,
+    Position,
+    Replicate,
+    Name,
+    Server,
+    Depart,
+    Ping,
+    Error,
+)
 
 
 # -- helpers -----------------------------------------------------------------------------

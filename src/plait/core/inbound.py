@@ -89,6 +89,13 @@ class Inbound:
         """The shell did what a `Plan` asked: that writer's RDATA counts from now on."""
         self._connected.add((stream, instance))
 
+    def departed(self, instance: str) -> None:
+        """That instance left: should it come back, its RDATA counts only after its next
+        POSITION on this connection."""
+        for key in [k for k in self._connected | self._held.keys() if k[1] == instance]:
+            self._connected.discard(key)
+            self._held.pop(key, None)
+
     def lost(self) -> None:
         """The connection dropped: everything starts over on the next one."""
         self._connected.clear()

@@ -29,6 +29,11 @@ class Link(Protocol):
         on a full send queue the transport sends ERROR and closes the connection."""
         ...
 
+    def close(self) -> None:
+        """Drop the connection, e.g. because catching up on it failed. Never blocks; the
+        transport calls `Session.closed()` and reconnects after its backoff delay."""
+        ...
+
 
 class Session(Protocol):
     """What the handler keeps for one connection; the transport feeds it."""

@@ -70,6 +70,7 @@ class MultiWriterIdGenerator:
                 written=tracker.local_position,
                 name=f"{spec.name}/{instance_name}",
             )
+        self._moved_listeners: list[Callable[[], None]] = []
         self._closed = False
 
     @classmethod
@@ -234,9 +235,18 @@ class MultiWriterIdGenerator:
         return ids
 
     def _poke_if_moved(self, before: int) -> None:
-        """Our position moved: have the position writer store it soon."""
-        if self._position_writer is not None and self._tracker.local_position != before:
-            self._position_writer.poke()
+        """Our position moved: have the position writer store it soon, and tell the
+        listeners (replication sends the new rows)."""
+        if self._tracker.local_position != before:
+            if self._position_writer is not None:
+                self._position_writer.poke()
+            for listener in self._moved_listeners:
+                listener()
+
+    def add_moved_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (synchronously, so keep it cheap) whenever this writer's own
+        position moves after a write completes."""
+        self._moved_listeners.append(listener)
 
     def _complete_after(self, txn: Transaction, ids: list[int]) -> None:
         txn.call_after(lambda: self._finish(ids))

@@ -1,0 +1,398 @@
+"""`Instance`: one plait process. It owns the database pool, the ID generators of its
+streams, the replication handler and transport, and the internal HTTP API (with the
+metrics endpoint), and starts and stops them in order.
+
+    instance = Instance(config)            # an InstanceConfig, a mapping, or from_yaml()
+    instance.on_rows("events", callback)   # register before start()
+    async with instance:                   # start() ... stop()
+        async with instance.generator("events").get_next() as stream_id: ...
+
+Registration (row types, listeners, commands, endpoints) happens before `start()`;
+after it the set of streams and callbacks is fixed, so nothing can miss rows that
+arrived before it was registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from plait.config import InstanceConfig, StreamConfig
+from plait.core.backoff import Backoff
+from plait.core.commands import Command, CommandSet
+from plait.errors import ConfigError
+from plait.replication.handler import (
+    CommandListener,
+    DepartureListener,
+    Listeners,
+    PositionListener,
+    ReplicationHandler,
+    ResetListener,
+    RowsListener,
+)
+from plait.replication.http_api import InternalApi, InternalClient
+from plait.replication.metrics import ReplicationMetrics
+from plait.replication.redis_transport import RedisTransport
+from plait.replication.rows import DictRows, JsonRows, RowCodec
+from plait.replication.streams import DatabaseStream, InMemoryStream, ReplicatedStream
+from plait.replication.tcp_transport import TcpClient, TcpHub
+from plait.replication.waiters import PositionWaiters
+from plait.storage.database import Database
+from plait.streams.generator import MultiWriterIdGenerator
+from plait.streams.memory import MemoryStream, ReadPage
+
+logger = logging.getLogger(__name__)
+
+EndpointHandler = Callable[[Any], Awaitable[Any]]
+DEFAULT_WAIT = 5.0  # seconds
+
+
+class Instance:
+    """One plait process; see the module docstring."""
+
+    def __init__(self, config: InstanceConfig | Mapping[str, Any], *, db: Database | None = None):
+        self.config = InstanceConfig.load(config)
+        self.name = self.config.instance_name
+        self._given_db = db
+        self._db: Database | None = db
+        self._codecs: dict[str, RowCodec[Any]] = {}
+        self._listeners = Listeners()
+        self._commands = CommandSet()
+        self._endpoints: dict[str, EndpointHandler] = {}
+        self._streams: dict[str, ReplicatedStream] = {}
+        self._generators: dict[str, MultiWriterIdGenerator] = {}
+        self.metrics = ReplicationMetrics()
+        self._waiters = PositionWaiters()
+        self._handler: ReplicationHandler | None = None
+        self._transport: RedisTransport | TcpHub | TcpClient | None = None
+        self._api: InternalApi | None = None
+        self._client: InternalClient | None = None
+        self._started = False
+        self._stopped = False
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, *, db: Database | None = None) -> Instance:
+        return cls(InstanceConfig.from_yaml(path), db=db)
+
+    # -- registration (before start) ---------------------------------------------------------
+
+    def row_type(self, stream: str, codec: RowCodec[Any]) -> None:
+        """How rows of `stream` reach `on_rows` (default: dicts of JSON-safe columns)."""
+        self._before_start("set a row type")
+        self._stream_config(stream)
+        self._codecs[stream] = codec
+
+    def on_rows(self, stream: str, listener: RowsListener) -> None:
+        """`listener(stream, writer, token, rows)` for rows other instances wrote, in
+        order, each row once; `token` (signed) covers every row of `writer` up to it."""
+        self._before_start("add a listener")
+        self._stream_config(stream)
+        self._listeners.rows.setdefault(stream, []).append(listener)
+
+    def on_position(self, stream: str, listener: PositionListener) -> None:
+        """`listener(stream, writer, token)` whenever another writer's position moves."""
+        self._before_start("add a listener")
+        self._stream_config(stream)
+        self._listeners.positions.setdefault(stream, []).append(listener)
+
+    def on_reset(self, stream: str, listener: ResetListener) -> None:
+        """`listener(stream, writer)` when an in-memory stream's writer restarted: drop
+        what you kept of it; its whole current state follows through `on_rows`."""
+        self._before_start("add a listener")
+        self._stream_config(stream)
+        self._listeners.resets.setdefault(stream, []).append(listener)
+
+    def on_departure(self, listener: DepartureListener) -> None:
+        """`listener(instance)` when another instance shuts down cleanly."""
+        self._before_start("add a listener")
+        self._listeners.departures.append(listener)
+
+    def register_command(self, command: type[Command], listener: CommandListener) -> None:
+        """An application command: peers' lines `NAME args` reach `listener(command)`,
+        in the order received on each connection. Your own commands come back to you
+        over Redis: tell them apart by an instance field of the command."""
+        self._before_start("register a command")
+        self._commands.register(command)
+        self._listeners.commands[command.NAME] = listener
+
+    def register_endpoint(self, name: str, handler: EndpointHandler) -> None:
+        """An internal HTTP endpoint other instances reach with `call(...)`."""
+        self._before_start("register an endpoint")
+        if name in self._endpoints:
+            raise ConfigError(f"endpoint {name!r} is registered already")
+        self._endpoints[name] = handler
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, load every stream, then start the HTTP API and replication."""
+        if self._started:
+            raise ConfigError(f"instance {self.name!r} was started already")
+        self._started = True
+        config = self.config
+        try:
+            if self._db is None:
+                self._db = await Database.connect(config.database)
+                await self._db.migrate()
+            for stream_config in config.streams:
+                self._streams[stream_config.name] = await self._open_stream(stream_config)
+            if config.http.enabled:
+                await self._start_http()
+            if config.replication.transport != "none":
+                await self._start_replication()
+        except BaseException:
+            await self.stop()
+            raise
+        logger.info("instance %s: started with streams %s", self.name, list(self._streams))
+
+    async def stop(self) -> None:
+        """Send what is left and announce departure, then close everything, in order."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._handler is not None:
+            await self._handler.stop()
+        if self._transport is not None:
+            await self._transport.stop()
+        if self._api is not None:
+            await self._api.stop()
+        if self._client is not None:
+            await self._client.close()
+        for gen in self._generators.values():
+            await gen.close()
+        if self._db is not None and self._given_db is None:
+            await self._db.close()
+
+    async def __aenter__(self) -> Instance:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- use --------------------------------------------------------------------------------------
+
+    @property
+    def db(self) -> Database:
+        if self._db is None:
+            raise ConfigError(f"instance {self.name!r} is not started")
+        return self._db
+
+    @property
+    def http_url(self) -> str | None:
+        """The internal HTTP API's base URL, once started."""
+        return None if self._api is None else self._api.url
+
+    def generator(self, stream: str) -> MultiWriterIdGenerator:
+        gen = self._generators.get(stream)
+        if gen is None:
+            kind = self._stream_config(stream).kind
+            raise ConfigError(
+                f"stream {stream!r} has no ID generator here ({kind} stream, or the "
+                "instance is not started)"
+            )
+        return gen
+
+    def memory(self, stream: str) -> MemoryStream:
+        """The in-memory stream this instance writes (`write(key, row)`)."""
+        replicated = self._streams.get(stream)
+        if not isinstance(replicated, InMemoryStream) or replicated.memory is None:
+            raise ConfigError(
+                f"instance {self.name!r} does not write an in-memory stream {stream!r} "
+                "(check the stream's kind and writers, and that the instance is started)"
+            )
+        return replicated.memory
+
+    def send_command(self, command: Command) -> None:
+        """Send an application command to every peer."""
+        if self._handler is not None:
+            self._handler.send(command)
+
+    async def wait_for_stream_position(
+        self, instance: str, stream: str, position: int, timeout: float = DEFAULT_WAIT  # noqa: ASYNC109 (R-RP-6)
+    ) -> bool:
+        """Whether this process has seen `instance` reach `position` on `stream` within
+        `timeout` seconds (R-RP-6): True at once for ourselves or a position seen
+        already; False, logged, on timeout. Released only after the rows' listeners ran
+        and the stream advanced."""
+        replicated = self._streams.get(stream)
+        if replicated is None:
+            raise ConfigError(f"unknown stream {stream!r}; streams here: {list(self._streams)}")
+        if instance == self.name:
+            return True
+        internal = replicated.sign * position
+        if replicated.seen(instance) >= internal:
+            return True
+        future = self._waiters.add(stream, instance, internal)
+        try:
+            await asyncio.wait_for(future, timeout)
+            return True
+        except TimeoutError:
+            self._waiters.discard(stream, instance, future)
+            self.metrics.wait_timeouts.labels(stream).inc()
+            logger.warning(
+                "instance %s: timed out after %.1f s waiting for %s to reach %d on %s (seen %d)",
+                self.name,
+                timeout,
+                instance,
+                position,
+                stream,
+                replicated.sign * replicated.seen(instance),
+            )
+            return False
+
+    async def call(
+        self, instance: str, endpoint: str, args: Any = None, *, txn_id: str | None = None
+    ) -> Any:
+        """Call another instance's endpoint: it sees our writes before it runs, and we
+        see its writes before this returns (R-RP-6). Retries reuse `txn_id`."""
+        if self._client is None:
+            raise ConfigError(f"instance {self.name!r} has no HTTP client (not started?)")
+        return await self._client.call(instance, endpoint, args, txn_id=txn_id)
+
+    def own_positions(self) -> dict[str, int]:
+        """Signed positions of what this instance wrote, per stream it writes: what a
+        peer must have seen to see our writes."""
+        positions: dict[str, int] = {}
+        for name, replicated in self._streams.items():
+            if isinstance(replicated, DatabaseStream):
+                gen = replicated.generator
+                if gen.is_writer:
+                    positions[name] = gen.get_minimal_local_current_token()
+            elif replicated.own_position() is not None:
+                positions[name] = replicated.own_position() or 0
+        return positions
+
+    async def await_positions(self, instance: str, positions: Mapping[str, int]) -> None:
+        """Wait (each up to the default timeout) until `instance`'s positions are seen."""
+        for stream, position in positions.items():
+            if stream in self._streams and isinstance(position, int):
+                await self.wait_for_stream_position(instance, stream, position)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _before_start(self, what: str) -> None:
+        if self._started:
+            raise ConfigError(f"instance {self.name!r}: {what} before start(), not after")
+
+    def _stream_config(self, stream: str) -> StreamConfig:
+        for candidate in self.config.streams:
+            if candidate.name == stream:
+                return candidate
+        known = [s.name for s in self.config.streams]
+        raise ConfigError(f"unknown stream {stream!r}; configured streams: {known}")
+
+    async def _open_stream(self, config: StreamConfig) -> ReplicatedStream:
+        if config.kind == "memory":
+            return InMemoryStream(
+                config.name,
+                self.name,
+                frozenset(config.writers),
+                self._codecs.get(config.name, JsonRows()),
+                self._http_client,
+            )
+        replicated = self.config.replication.transport != "none"
+        gen = await MultiWriterIdGenerator.create(
+            self.db,
+            config.to_spec(),
+            self.name,
+            position_flush_interval=self.config.position_flush_interval,
+            # With replication, other writers' positions move only as their rows are
+            # delivered; following the database as well would skip rows.
+            follow_database=not replicated,
+        )
+        self._generators[config.name] = gen
+        return DatabaseStream(gen, self._codecs.get(config.name, DictRows()))
+
+    def _http_client(self) -> InternalClient:
+        if self._client is None:
+            raise ConfigError(f"instance {self.name!r}: the internal HTTP API is disabled")
+        return self._client
+
+    async def _catch_up_source(
+        self, stream: str, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> ReadPage:
+        replicated = self._streams.get(stream)
+        if not isinstance(replicated, InMemoryStream):
+            raise KeyError(stream)
+        return replicated.read_json(from_exclusive, to_inclusive, limit)
+
+    async def _start_http(self) -> None:
+        http = self.config.http
+        secret = None if http.secret is None else http.secret.get_secret_value()
+        self._api = InternalApi(
+            instance_name=self.name,
+            secret=secret,
+            catch_up=self._catch_up_source,
+            own_positions=self.own_positions,
+            await_positions=self.await_positions,
+            metrics=self.metrics,
+        )
+        for name, handler in self._endpoints.items():
+            self._api.register(name, handler)
+        await self._api.start(http.host, http.port)
+        self._client = InternalClient(
+            instance_name=self.name,
+            instance_map=self.config.instance_map,
+            secret=secret,
+            own_positions=self.own_positions,
+            await_positions=self.await_positions,
+        )
+
+    async def _start_replication(self) -> None:
+        config = self.config.replication
+        self._handler = ReplicationHandler(
+            self.name,
+            self._streams,
+            commands=self._commands,
+            listeners=self._listeners,
+            waiters=self._waiters,
+            metrics=self.metrics,
+            announce_interval=config.announce_interval,
+            catch_up_page=config.catch_up_page,
+        )
+        backoff = Backoff(initial=config.backoff_initial, cap=config.backoff_cap)
+        if config.transport == "redis":
+            self._transport = RedisTransport(
+                self._handler,
+                url=config.redis.url,
+                channel=self.config.channel,
+                ping_interval=config.redis.ping_interval,
+                backoff=backoff,
+                metrics=self.metrics,
+            )
+        else:
+            tcp = config.tcp
+            assert tcp is not None
+            if tcp.hub == self.name:
+                self._transport = TcpHub(
+                    self._handler,
+                    host=tcp.host,
+                    port=tcp.port,
+                    ping_interval=tcp.ping_interval,
+                    dead_after=tcp.dead_after,
+                    send_queue=tcp.send_queue,
+                    metrics=self.metrics,
+                )
+            else:
+                self._transport = TcpClient(
+                    self._handler,
+                    host=tcp.host,
+                    port=tcp.port,
+                    ping_interval=tcp.ping_interval,
+                    dead_after=tcp.dead_after,
+                    send_queue=tcp.send_queue,
+                    backoff=backoff,
+                    metrics=self.metrics,
+                )
+        await self._handler.start()
+        await self._transport.start()

@@ -1,0 +1,496 @@
+"""The replication command handler: one per instance, shared by every connection of
+both transports (R-RP-1). The decisions are the pure `Inbound`/`Outbound`; this file
+only queues, reads and delivers.
+
+Inbound (R-RP-2, R-RP-3): each connection has one serial queue per stream, so a slow
+catch-up on one stream holds up no other. A POSITION whose writer is out of reach is
+followed by a catch-up in pages before the writer advances. A connection counts as up
+once every writer caught up on it (or, for configured writers that never answered,
+once a grace period passed); the transport resets its reconnect backoff only then. A
+failure while catching up closes the connection, so the transport reconnects after a
+growing delay and the catch-up starts over: no row is skipped.
+
+Delivery order (R-CA-3): rows to `on_rows` listeners (caches invalidate there), then
+the stream advances, then `on_position` listeners, then `wait_for_stream_position`
+waiters. Nothing observes a position before the effects of its rows are in place.
+
+Outbound (R-RP-4, R-RP-5): after this instance's own position moves, its rows in
+(sent, position] are read and sent as RDATA plus a trailing POSITION; an announcer
+wakes the senders every `announce_interval` so an idle writer's position still moves
+for everyone. A new connection gets REPLICATE and our positions, never old rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.core.commands import (
+    Command,
+    CommandSet,
+    Depart,
+    Error,
+    Name,
+    Ping,
+    Position,
+    Rdata,
+    Replicate,
+    Server,
+    to_line,
+)
+from plait.core.inbound import Inbound
+from plait.core.outbound import Outbound
+from plait.errors import CommandParseError
+from plait.replication.link import Link
+from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
+from plait.replication.streams import ReplicatedStream
+from plait.replication.waiters import PositionWaiters
+
+logger = logging.getLogger(__name__)
+
+RowsListener = Callable[[str, str, int, list[Any]], Awaitable[None] | None]
+PositionListener = Callable[[str, str, int], Awaitable[None] | None]
+ResetListener = Callable[[str, str], Awaitable[None] | None]
+DepartureListener = Callable[[str], Awaitable[None] | None]
+CommandListener = Callable[[Any], Awaitable[None] | None]
+
+DEFAULT_CATCH_UP_PAGE = 100
+# The queue key of application commands (stream names are SQL names: never this).
+_APP_QUEUE = "\x00commands"
+_TRANSPORT_COMMANDS = (Name, Server, Ping)
+
+
+@dataclass
+class Listeners:
+    """The application's callbacks; each may be a plain function or a coroutine one."""
+
+    rows: dict[str, list[RowsListener]] = field(default_factory=dict)
+    positions: dict[str, list[PositionListener]] = field(default_factory=dict)
+    resets: dict[str, list[ResetListener]] = field(default_factory=dict)
+    departures: list[DepartureListener] = field(default_factory=list)
+    commands: dict[str, CommandListener] = field(default_factory=dict)
+
+
+async def _call(listener: Callable[..., Awaitable[None] | None], *args: Any) -> None:
+    """Run one listener; its failure is logged, never allowed to stop replication (the
+    rows were delivered to it once, as to every other listener)."""
+    try:
+        result = listener(*args)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        logger.exception("replication listener %r failed on %r", listener, args[:3])
+
+
+def _signed(command: Command, sign: int) -> Command:
+    """A command of the internal domain as it goes on the wire (or the reverse)."""
+    if sign == 1:
+        return command
+    if isinstance(command, Rdata):
+        token = None if command.token is None else sign * command.token
+        return dataclasses.replace(command, token=token)
+    if isinstance(command, Position):
+        return dataclasses.replace(command, prev=sign * command.prev, new=sign * command.new)
+    return command
+
+
+class ReplicationHandler:
+    """Feeds the streams of one instance from its connections and sends its own rows."""
+
+    def __init__(
+        self,
+        instance_name: str,
+        streams: Mapping[str, ReplicatedStream],
+        *,
+        commands: CommandSet,
+        listeners: Listeners,
+        waiters: PositionWaiters,
+        metrics: ReplicationMetrics,
+        announce_interval: float = 1.0,
+        catch_up_page: int = DEFAULT_CATCH_UP_PAGE,
+        up_grace: float | None = None,
+    ) -> None:
+        if announce_interval <= 0:
+            raise ValueError("announce_interval must be positive (seconds)")
+        if catch_up_page < 1:
+            raise ValueError("catch_up_page must be at least 1")
+        self._name = instance_name
+        self.streams = dict(streams)
+        self.commands = commands
+        self.listeners = listeners
+        self.waiters = waiters
+        self.metrics = metrics
+        self.announce_interval = announce_interval
+        self.catch_up_page = catch_up_page
+        # Configured writers that are not running never answer REPLICATE: past this,
+        # a connection is up once every writer that did answer caught up.
+        self.up_grace = 2 * announce_interval + 1.0 if up_grace is None else up_grace
+        self._sessions: list[_Session] = []
+        self._senders = [
+            _Sender(self, stream)
+            for stream in self.streams.values()
+            if stream.own_position() is not None
+        ]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._unknown_streams: set[str] = set()
+        metrics.watch_streams(self._snapshots)
+
+    @property
+    def instance_name(self) -> str:
+        return self._name
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start sending: one task per own stream, and the announcer."""
+        for sender in self._senders:
+            self._tasks.append(asyncio.create_task(sender.run(), name=f"plait-send-{sender}"))
+        self._tasks.append(asyncio.create_task(self._announce(), name="plait-announce"))
+
+    async def stop(self, *, depart: bool = True) -> None:
+        """Send what is left, announce our departure (R-RP-8), end every task."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for sender in self._senders:
+            try:
+                await sender.flush()
+            except Exception as err:
+                logger.warning("replication: final send of %s failed: %s", sender, err)
+        if depart:
+            self.broadcast([Depart(self._name)])
+        for session in list(self._sessions):
+            session.closed()
+
+    # -- connections --------------------------------------------------------------------
+
+    def open(self, link: Link, *, reply_errors: bool) -> _Session:
+        session = _Session(self, link, reply_errors)
+        self._sessions.append(session)
+        self._send(link, Replicate())
+        self.answer_replicate(link)
+        return session
+
+    def forget(self, session: _Session) -> None:
+        with contextlib.suppress(ValueError):
+            self._sessions.remove(session)
+
+    def expected_writers(self) -> set[tuple[str, str]]:
+        """(stream, writer) pairs that should announce themselves on a new connection."""
+        return {
+            (name, writer)
+            for name, stream in self.streams.items()
+            for writer in stream.writers or ()
+            if writer != self._name
+        }
+
+    def queue_length(self, stream: str) -> int:
+        return sum(s.queue_length(stream) for s in self._sessions)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def broadcast(self, commands: Iterable[Command]) -> None:
+        """Send commands on every open connection, in order."""
+        lines = []
+        for command in commands:
+            lines.append(to_line(command))
+            self.metrics.commands_out.labels(command.NAME).inc()
+        for session in self._sessions:
+            for line in lines:
+                session.link.send(line)
+
+    def send(self, command: Command) -> None:
+        """Send an application command to every peer."""
+        self.broadcast([command])
+
+    def _send(self, link: Link, command: Command) -> None:
+        self.metrics.commands_out.labels(command.NAME).inc()
+        link.send(to_line(command))
+
+    def answer_replicate(self, link: Link) -> None:
+        """Our position on every stream we write, with nothing in between (R-RP-4)."""
+        for sender in self._senders:
+            self._send(link, _signed(sender.outbound.replicate(), sender.stream.sign))
+
+    async def _announce(self) -> None:
+        while True:
+            await asyncio.sleep(self.announce_interval)
+            for sender in self._senders:
+                sender.wake_if_moved()
+
+    # -- delivering -------------------------------------------------------------------------
+
+    async def deliver(
+        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
+    ) -> None:
+        """Hand rows of `writer` up to `token` (internal) over, in the R-CA-3 order."""
+        name = stream.name
+        signed = stream.sign * token
+        if rows:
+            for listener in self.listeners.rows.get(name, ()):
+                await _call(listener, name, writer, signed, rows)
+        stream.advance(writer, token)
+        for position_listener in self.listeners.positions.get(name, ()):
+            await _call(position_listener, name, writer, signed)
+        self.waiters.release(name, writer, stream.seen(writer))
+
+    async def catch_up(
+        self, stream: ReplicatedStream, writer: str, from_exclusive: int, to_inclusive: int
+    ) -> None:
+        """Read and deliver `writer`'s rows in (from, to], a page at a time."""
+        name = stream.name
+        low = from_exclusive
+        logger.debug(
+            "replication: catching up %s/%s from %d to %d", name, writer, low, to_inclusive
+        )
+        while low < to_inclusive:
+            page = await stream.catch_up(writer, low, to_inclusive, self.catch_up_page)
+            if page.upto <= low and page.limited:
+                raise RuntimeError(f"catch-up of {name}/{writer} made no progress past {low}")
+            if page.reset:
+                logger.info("replication: %s of %s was reset (its writer restarted)", name, writer)
+                for listener in self.listeners.resets.get(name, ()):
+                    await _call(listener, name, writer)
+            self.metrics.catch_up_pages.labels(name).inc()
+            self.metrics.catch_up_rows.labels(name).inc(len(page.rows))
+            upto = max(page.upto, low) if page.limited else to_inclusive
+            await self.deliver(stream, writer, upto, [row for _, row in page.rows])
+            low = upto
+
+    async def departed(self, instance: str) -> None:
+        if instance == self._name:
+            return
+        logger.info("replication: %s departed", instance)
+        for listener in self.listeners.departures:
+            await _call(listener, instance)
+
+    def stream(self, name: str) -> ReplicatedStream | None:
+        stream = self.streams.get(name)
+        if stream is None and name not in self._unknown_streams:
+            self._unknown_streams.add(name)
+            logger.info("replication: ignoring commands for stream %r, not replicated here", name)
+        return stream
+
+    def _snapshots(self) -> list[StreamSnapshot]:
+        return [
+            StreamSnapshot(name, s.positions(), s.persisted_upto(), self.queue_length(name))
+            for name, s in self.streams.items()
+        ]
+
+
+class _Sender:
+    """Sends this instance's rows of one stream as they complete."""
+
+    def __init__(self, handler: ReplicationHandler, stream: ReplicatedStream) -> None:
+        self._handler = handler
+        self.stream = stream
+        position = stream.own_position()
+        assert position is not None
+        self.outbound = Outbound(stream.name, handler.instance_name, position)
+        self._wake = asyncio.Event()
+        stream.add_moved_listener(self._wake.set)
+
+    def __str__(self) -> str:
+        return self.stream.name
+
+    def wake_if_moved(self) -> None:
+        position = self.stream.own_position()
+        if position is not None and position > self.outbound.sent_upto:
+            self._wake.set()
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.flush()
+                failures = 0
+            except Exception as err:
+                # Peers catch up by themselves on our next POSITION; retry soon.
+                failures += 1
+                logger.warning("replication: sending rows of %s failed: %s", self, err)
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+                self._wake.set()
+
+    async def flush(self) -> None:
+        """Send every row up to our current position, then the position itself."""
+        stream, outbound = self.stream, self.outbound
+        while True:
+            target = stream.own_position()
+            if target is None or target <= outbound.sent_upto:
+                return
+            page = await stream.read_own(outbound.sent_upto, target)
+            # No await between building and sending: a REPLICATE answered meanwhile
+            # must not announce a position whose rows were not sent yet.
+            commands = outbound.page(page.rows, page.upto)
+            self._handler.broadcast(_signed(c, stream.sign) for c in commands)
+
+
+class _Session:
+    """One connection: its inbound state and its per-stream queues."""
+
+    def __init__(self, handler: ReplicationHandler, link: Link, reply_errors: bool) -> None:
+        self._handler = handler
+        self.link = link
+        self._reply_errors = reply_errors
+        self._inbound = Inbound(handler.instance_name)
+        self._queues: dict[str, asyncio.Queue[Command]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._announced: set[tuple[str, str]] = set()
+        self._busy: set[str] = set()
+        self._changed = asyncio.Event()
+        self._up = asyncio.Event()
+        self._closed = False
+        self._watcher = asyncio.create_task(self._watch_up(), name=f"plait-up-{link.label}")
+
+    def queue_length(self, stream: str) -> int:
+        queue = self._queues.get(stream)
+        return 0 if queue is None else queue.qsize()
+
+    # -- the transport's side ------------------------------------------------------------
+
+    def received(self, line: str | bytes) -> None:
+        if self._closed:
+            return
+        handler = self._handler
+        try:
+            command = handler.commands.parse(line)
+        except CommandParseError as err:
+            handler.metrics.bad_lines.labels(self.link.label).inc()
+            logger.warning("replication: bad line on %s: %s", self.link.label, err)
+            if self._reply_errors:
+                handler._send(self.link, Error(str(err)))
+            return
+        handler.metrics.commands_in.labels(command.NAME).inc()
+        try:
+            self._dispatch(command)
+        except Exception:
+            logger.exception("replication: handling %s on %s failed", command.NAME, self.link.label)
+
+    async def wait_up(self) -> None:
+        await self._up.wait()
+
+    def closed(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in (*self._workers.values(), self._watcher):
+            task.cancel()
+        self._inbound.lost()
+        self._handler.forget(self)
+        self._handler.metrics.connection_up.labels(self.link.label).set(0)
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def _dispatch(self, command: Command) -> None:
+        handler = self._handler
+        if isinstance(command, Rdata | Position):
+            if handler.stream(command.stream) is not None:
+                self._enqueue(command.stream, command)
+        elif isinstance(command, Replicate):
+            handler.answer_replicate(self.link)
+        elif isinstance(command, Depart):
+            self._inbound.departed(command.name)
+            self._enqueue(_APP_QUEUE, command)
+        elif isinstance(command, Error):
+            logger.warning("replication: %s says: %s", self.link.label, command.text)
+        elif isinstance(command, _TRANSPORT_COMMANDS):
+            pass  # the transport's business
+        elif command.NAME in handler.listeners.commands:
+            self._enqueue(_APP_QUEUE, command)
+        else:
+            logger.debug("replication: no listener for %s", command.NAME)
+
+    def _enqueue(self, key: str, command: Command) -> None:
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = asyncio.Queue()
+            self._workers[key] = asyncio.create_task(
+                self._work(key, queue), name=f"plait-in-{key}-{self.link.label}"
+            )
+        queue.put_nowait(command)
+
+    async def _work(self, key: str, queue: asyncio.Queue[Command]) -> None:
+        while True:
+            command = await queue.get()
+            try:
+                await self._handle(command)
+            except Exception as err:
+                # Catching up failed (database or peer unreachable): start over on a new
+                # connection after the transport's backoff; nothing was skipped.
+                logger.warning(
+                    "replication: %s on %s failed (%s: %s); reconnecting",
+                    command.NAME,
+                    self.link.label,
+                    type(err).__name__,
+                    err,
+                )
+                self.link.close()
+                return
+
+    async def _handle(self, command: Command) -> None:
+        handler = self._handler
+        if isinstance(command, Rdata):
+            await self._rdata(command)
+        elif isinstance(command, Position):
+            await self._position(command)
+        elif isinstance(command, Depart):
+            await handler.departed(command.name)
+        else:
+            await _call(handler.listeners.commands[command.NAME], command)
+
+    async def _rdata(self, command: Rdata) -> None:
+        stream = self._handler.streams[command.stream]
+        internal = _signed(command, stream.sign)
+        assert isinstance(internal, Rdata)
+        deliver = self._inbound.rdata(internal, stream.seen(command.instance))
+        if deliver is None:
+            return
+        rows = [stream.decode(row) for row in deliver.rows]
+        self._handler.metrics.rdata_rows.labels(stream.name).inc(len(rows))
+        await self._handler.deliver(stream, deliver.instance, deliver.token, rows)
+
+    async def _position(self, command: Position) -> None:
+        handler = self._handler
+        stream = handler.streams[command.stream]
+        internal = _signed(command, stream.sign)
+        assert isinstance(internal, Position)
+        plan = self._inbound.position(internal, stream.seen(command.instance))
+        if plan is None:
+            return
+        key = (command.stream, command.instance)
+        self._announced.add(key)
+        if plan.catch_up_from is not None and plan.advance_to is not None:
+            await handler.catch_up(stream, plan.instance, plan.catch_up_from, plan.advance_to)
+        elif plan.advance_to is not None:
+            await handler.deliver(stream, plan.instance, plan.advance_to, [])
+        self._inbound.caught_up(plan.stream, plan.instance)
+        self._changed.set()
+
+    async def _watch_up(self) -> None:
+        handler = self._handler
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + handler.up_grace
+        expected = handler.expected_writers()
+        while True:
+            if self._inbound.all_connected(expected) or (
+                loop.time() >= deadline and self._inbound.all_connected(self._announced)
+            ):
+                break
+            self._changed.clear()
+            timeout = max(0.0, deadline - loop.time()) if loop.time() < deadline else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+        self._up.set()
+        handler.metrics.connection_up.labels(self.link.label).set(1)
+        logger.info("replication: %s is up (every stream caught up)", self.link.label)

@@ -1,0 +1,435 @@
+"""The Redis pub/sub transport (R-RP-1): every instance of a deployment on one channel.
+
+Rules:
+- Each connection is two Redis connections: one subscribed to the channel, one that
+  publishes. `Handler.open` is called only once SUBSCRIBE is confirmed, so the answers
+  to the REPLICATE it sends at once cannot be missed.
+- `Link.send` never blocks: lines wait in the connection's own queue, which one task
+  publishes in order, a pipeline per round trip. Lines sent while no connection is open,
+  or for a connection that has ended, are dropped (peers catch up after reconnecting);
+  they never leak into the next connection.
+- Every message on the channel reaches the session, our own echoes included (the handler
+  drops those), except the transport's own PING. A PING goes out every `ping_interval`
+  and comes back through the subscription, so 3 x `ping_interval` of silence means a dead
+  path.
+- Any failure ends the connection: `Session.closed()`, both Redis connections closed, a
+  backoff delay, a new attempt, forever. The backoff starts over only once the session
+  says every stream caught up (`Session.wait_up`, R-RP-3), so a connection that fails
+  while catching up never reconnects in a tight loop.
+- Every task belongs to the transport; `stop()` ends them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from plait.core.backoff import Backoff
+from plait.core.commands import MAX_LINE_BYTES, Ping, to_line
+from plait.replication.link import CONNECTION_COMMANDS, Handler, Session, command_name
+from plait.replication.metrics import ReplicationMetrics
+
+logger = logging.getLogger(__name__)
+
+LABEL = "redis"
+
+# Silence (nothing received, not even our own PING) longer than this many ping
+# intervals means the path is dead.
+_SILENT_PINGS = 3
+# How long stop() waits for queued lines to be published.
+_FLUSH_PATIENCE = 1.0
+# How long closing the Redis connections may take (a dead peer must not hold stop() up).
+_CLOSE_PATIENCE = 1.0
+# Most lines in one pipeline, so that one round trip's buffer stays bounded.
+_BATCH_LINES = 10_000
+# The receiver lets the other tasks run after this many messages read back to back (a
+# read from a full buffer does not yield to the event loop).
+_YIELD_EVERY = 100
+# The longest name in CONNECTION_COMMANDS fits in this many bytes of a message.
+_NAME_BYTES = 16
+
+# Failures that are the network's or the server's, logged without a traceback. Anything
+# else is a bug somewhere and is logged with one; both end the connection alike.
+_EXPECTED_FAILURES = (RedisError, OSError, TimeoutError)
+
+
+class _Outbox:
+    """The `Link` of one connection: the queue its publisher drains. Closed with its
+    connection, after which it drops every line."""
+
+    def __init__(self) -> None:
+        self._lines: deque[str] = deque()
+        self._waiting = asyncio.Event()  # lines are queued
+        self._idle = asyncio.Event()  # nothing queued and nothing being published
+        self._idle.set()
+        self._dropped = asyncio.Event()  # close() was called: end the connection
+        self._closed = False
+
+    @property
+    def label(self) -> str:
+        return LABEL
+
+    def send(self, line: str) -> None:
+        if self._closed:
+            return
+        self._lines.append(line)
+        self._waiting.set()
+        self._idle.clear()
+
+    async def take(self) -> list[str]:
+        """The oldest queued lines (up to `_BATCH_LINES`, in order), once there are any."""
+        while not self._lines:
+            self._waiting.clear()
+            await self._waiting.wait()
+        count = min(len(self._lines), _BATCH_LINES)
+        return [self._lines.popleft() for _ in range(count)]
+
+    def published(self) -> None:
+        """The lines last taken are on the server."""
+        if not self._lines:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        """Returns once every line queued so far is published (or the outbox closed)."""
+        await self._idle.wait()
+
+    def close(self) -> None:
+        """Drop the connection (the handler calls this when catching up failed)."""
+        self._closed = True
+        self._lines.clear()
+        self._idle.set()
+        self._dropped.set()
+
+    async def until_closed(self) -> None:
+        """Raises once `close()` was called, ending the connection's task group."""
+        await self._dropped.wait()
+        raise ConnectionError("the handler closed the connection")
+
+
+class _Liveness:
+    """When the subscription last delivered anything."""
+
+    def __init__(self, now: float) -> None:
+        self.last_received = now
+
+
+class RedisTransport:
+    """Keeps one pub/sub connection to `channel` open for `handler`, reconnecting with
+    `backoff` forever, from `start()` until `stop()`."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        url: str,
+        channel: str,
+        ping_interval: float = 30.0,
+        connect_timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        metrics: ReplicationMetrics | None = None,
+    ) -> None:
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"redis transport: {_redacted_url(url)!r} is not a redis://, rediss:// or "
+                "unix:// URL"
+            )
+        if not channel:
+            raise ValueError("redis transport: the channel name is empty")
+        if ping_interval <= 0 or connect_timeout <= 0:
+            raise ValueError("redis transport: ping_interval and connect_timeout must be > 0")
+        self._handler = handler
+        self._url = url
+        self._channel = channel
+        self._ping_interval = ping_interval
+        self._connect_timeout = connect_timeout
+        self._backoff = Backoff() if backoff is None else backoff
+        metrics = ReplicationMetrics() if metrics is None else metrics
+        self._up_gauge = metrics.connection_up.labels(link=LABEL)
+        self._reconnects = metrics.reconnects.labels(link=LABEL)
+        self._task: asyncio.Task[None] | None = None
+        self._started = False
+        self._outbox: _Outbox | None = None  # the open connection's
+        self._open = asyncio.Event()  # set while a session is open
+        self._failures = 0  # failed attempts since the connection was last up
+
+    @property
+    def label(self) -> str:
+        return LABEL
+
+    async def start(self) -> None:
+        """Start connecting in the background; returns at once."""
+        if self._started:
+            raise RuntimeError("redis transport: start() may be called only once")
+        self._started = True
+        self._up_gauge.set(0)
+        self._task = asyncio.create_task(self._run(), name=f"redis transport {self._channel}")
+
+    async def stop(self) -> None:
+        """Publish what is queued (for at most about a second), then end every task and
+        close both connections. Nothing of the transport runs after this returns."""
+        self._started = True  # no start() after stop()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        outbox = self._outbox
+        if outbox is not None:
+            try:
+                async with asyncio.timeout(_FLUSH_PATIENCE):
+                    await outbox.drained()
+            except TimeoutError:
+                logger.warning("redis transport: stopping with unpublished lines")
+        task.cancel()
+        # asyncio.wait, unlike awaiting the task, lets its CancelledError end with it and
+        # still passes on a cancellation of stop() itself.
+        await asyncio.wait({task})
+        self._up_gauge.set(0)
+
+    async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (False on timeout)
+        """Whether a connection is open (its session opened) within `timeout` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._open.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # -- the run loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        attempts = 0
+        while True:
+            if attempts:  # every attempt but the first follows a failure
+                self._reconnects.inc()
+            attempts += 1
+            try:
+                await self._connection()
+            except Exception as err:  # stop() cancels; anything else ends the connection
+                self._log_failure(err)
+            else:  # not expected (the connection's tasks run until they fail)
+                self._log_failure(ConnectionError("the connection ended"))
+            await asyncio.sleep(self._backoff.next_delay())
+
+    async def _connection(self) -> None:
+        """One connection, from connecting to its failure, which it raises."""
+        subscriber = self._client()
+        publisher = self._client()
+        pubsub = subscriber.pubsub()
+        outbox: _Outbox | None = None
+        session: Session | None = None
+        try:
+            try:
+                async with asyncio.timeout(self._connect_timeout):
+                    await publisher.ping()  # auth and reachability, before anything opens
+                    await pubsub.subscribe(self._channel)
+                    await _confirmed(pubsub)
+            except TimeoutError as err:
+                raise TimeoutError(
+                    f"no answer within {self._connect_timeout:g} s to connecting and SUBSCRIBE"
+                ) from err
+            outbox = _Outbox()
+            session = self._handler.open(outbox, reply_errors=False)
+            self._outbox = outbox
+            self._open.set()
+            logger.debug("redis transport: subscribed to %s", self._channel)
+            liveness = _Liveness(asyncio.get_running_loop().time())
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._publish(publisher, outbox))
+                tasks.create_task(self._receive(pubsub, session, liveness))
+                tasks.create_task(self._keep_alive(outbox, liveness))
+                tasks.create_task(self._mark_up(session))
+                tasks.create_task(outbox.until_closed())
+        finally:
+            self._open.clear()
+            self._up_gauge.set(0)
+            if outbox is not None:
+                outbox.close()
+                if self._outbox is outbox:
+                    self._outbox = None
+            if session is not None:
+                _closed(session)
+            await _to_the_end(_close_all((pubsub.aclose, subscriber.aclose, publisher.aclose)))
+
+    def _client(self) -> Redis:
+        # No retries inside redis-py (it would reconnect, and resubscribe, behind our
+        # back): every failure reaches the run loop, which closes the session.
+        return Redis.from_url(
+            self._url,
+            socket_connect_timeout=self._connect_timeout,
+            socket_timeout=_SILENT_PINGS * self._ping_interval,
+            retry=Retry(NoBackoff(), 0, supported_errors=()),
+        )
+
+    # -- the tasks of one connection ---------------------------------------------------
+
+    async def _publish(self, publisher: Redis, outbox: _Outbox) -> None:
+        channel = self._channel
+        while True:
+            lines = await outbox.take()
+            async with publisher.pipeline(transaction=False) as pipe:
+                for line in lines:
+                    data = _encoded(line)
+                    if data is not None:
+                        pipe.publish(channel, data)
+                await pipe.execute()
+            outbox.published()
+
+    async def _receive(self, pubsub: PubSub, session: Session, liveness: _Liveness) -> None:
+        loop = asyncio.get_running_loop()
+        count = 0
+        while True:
+            message = await pubsub.get_message(timeout=None)  # None: wait for one
+            liveness.last_received = loop.time()
+            count += 1
+            if count % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if message is None or message["type"] != "message":
+                continue
+            data: bytes = message["data"]
+            name = command_name(data[:_NAME_BYTES].decode(errors="replace"))
+            if name in CONNECTION_COMMANDS:  # PING: liveness only, noted above
+                continue
+            try:
+                session.received(data)
+            except Exception:  # the session promises not to raise: a bug, not a failure
+                logger.exception("redis transport: the session failed on a %s line", name)
+
+    async def _keep_alive(self, outbox: _Outbox, liveness: _Liveness) -> None:
+        loop = asyncio.get_running_loop()
+        silence = _SILENT_PINGS * self._ping_interval
+        next_ping = loop.time() + self._ping_interval
+        while True:
+            now = loop.time()
+            if now - liveness.last_received >= silence:
+                raise TimeoutError(f"nothing received for {silence:g} s, not even our PING")
+            if now >= next_ping:
+                outbox.send(to_line(Ping(int(time.time() * 1000))))
+                next_ping = now + self._ping_interval
+            await asyncio.sleep(min(next_ping, liveness.last_received + silence) - now)
+
+    async def _mark_up(self, session: Session) -> None:
+        await session.wait_up()
+        self._backoff.up()
+        self._up_gauge.set(1)
+        if self._failures:
+            logger.info(
+                "redis transport: up again on %s after %d failed attempt(s)",
+                _redacted_url(self._url),
+                self._failures,
+            )
+        self._failures = 0
+
+    def _log_failure(self, err: Exception) -> None:
+        self._failures += 1
+        cause = _first_cause(err)
+        expected = isinstance(cause, _EXPECTED_FAILURES)
+        if self._failures == 1:
+            log = logger.warning if expected else logger.error
+        else:
+            log = logger.debug
+        log(
+            "redis transport: %s (channel %s): %s: %s; reconnecting with backoff "
+            "(failure %d in a row)",
+            _redacted_url(self._url),
+            self._channel,
+            type(cause).__name__,
+            cause,
+            self._failures,
+            exc_info=None if expected else err,
+        )
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _encoded(line: str) -> bytes | None:
+    """`line` as UTF-8, or None (logged) when no receiver could take it: a bad line
+    costs a log line, never the connection."""
+    try:
+        data = line.encode()
+    except UnicodeEncodeError as err:  # a lone surrogate
+        logger.error("redis transport: dropped a %s line: %s", command_name(line), err)
+        return None
+    if len(data) > MAX_LINE_BYTES:
+        logger.error(
+            "redis transport: dropped a %s line of %d bytes (the limit is %d)",
+            command_name(line),
+            len(data),
+            MAX_LINE_BYTES,
+        )
+        return None
+    return data
+
+
+async def _confirmed(pubsub: PubSub) -> None:
+    """Returns once the server confirmed the subscription."""
+    while True:
+        message = await pubsub.get_message(timeout=None)
+        if message is not None and message["type"] == "subscribe":
+            return
+
+
+def _closed(session: Session) -> None:
+    try:
+        session.closed()
+    except Exception:  # the next connection must still come
+        logger.exception("redis transport: Session.closed() failed")
+
+
+async def _close_all(closers: tuple[Callable[[], Awaitable[None]], ...]) -> None:
+    """Close each in turn, for at most `_CLOSE_PATIENCE` in all; never raises."""
+    try:
+        async with asyncio.timeout(_CLOSE_PATIENCE):
+            for close in closers:
+                try:
+                    await close()
+                except Exception as err:
+                    logger.debug("redis transport: closing a connection: %s", err)
+    except TimeoutError:
+        logger.debug("redis transport: closing the connections timed out")
+
+
+async def _to_the_end(closing: Awaitable[None]) -> None:
+    """Await `closing` to its end even when cancelled meanwhile (a connection closed
+    half-way is leaked), then pass the cancellation on."""
+    task = asyncio.ensure_future(closing)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+
+
+def _first_cause(err: BaseException) -> BaseException:
+    """The first failure inside (nested) exception groups, as raised by a TaskGroup."""
+    while isinstance(err, BaseExceptionGroup) and err.exceptions:
+        err = err.exceptions[0]
+    return err
+
+
+_PASSWORD_PARAM = re.compile(r"(?i)(password=)[^&]*")
+
+
+def _redacted_url(url: str) -> str:
+    """`url` with any password replaced by `***`, for logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if colon else f"{userinfo}@{host}"
+    query = _PASSWORD_PARAM.sub(r"\1***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))

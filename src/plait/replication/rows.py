@@ -1,0 +1,84 @@
+"""Row types: how a stream's rows travel in RDATA and reach the application.
+
+A receiver gets rows two ways: live, as JSON inside RDATA, and while catching up, read
+from the database (or, for in-memory streams, as JSON over HTTP). A `RowCodec` makes
+both arrive as the same Python value, so `on_rows` never has to care which way a row
+came.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import uuid
+from typing import Any, Protocol, TypeVar
+
+from plait.storage.stream_store import StreamRow
+
+R = TypeVar("R")
+
+
+class RowCodec(Protocol[R]):
+    """Turns a stream's rows into the application's row type and back to JSON."""
+
+    def from_db(self, row: StreamRow) -> R:
+        """A row read from a stream table."""
+        ...
+
+    def to_json(self, row: R) -> Any:
+        """The row as a JSON value (for RDATA and the HTTP catch-up)."""
+        ...
+
+    def from_json(self, value: Any) -> R:
+        """A row that arrived as JSON."""
+        ...
+
+
+class DictRows:
+    """The default row type: a dict of the row's columns with JSON-safe values
+    (timestamps and dates as ISO 8601 text, decimals and UUIDs as text, bytes as
+    base64), so a row looks the same whether it came live or from the database."""
+
+    def from_db(self, row: StreamRow) -> dict[str, Any]:
+        return {name: jsonable(value) for name, value in row.data.items()}
+
+    def to_json(self, row: dict[str, Any]) -> Any:
+        return row
+
+    def from_json(self, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object for a row, not {type(value).__name__}")
+        return value
+
+
+class JsonRows:
+    """Rows that are JSON values already (in-memory streams): passed through."""
+
+    def from_db(self, row: StreamRow) -> Any:
+        return DictRows().from_db(row)
+
+    def to_json(self, row: Any) -> Any:
+        return row
+
+    def from_json(self, value: Any) -> Any:
+        return value
+
+
+def jsonable(value: Any) -> Any:
+    """A database value as a JSON value."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | uuid.UUID | datetime.timedelta):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return str(value)

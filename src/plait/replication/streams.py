@@ -1,0 +1,248 @@
+"""Streams as the replication handler sees them: database-backed or in-memory.
+
+The handler works in the *internal* domain, where tokens always grow: a backwards
+stream's signed tokens are negated at the edge (commands and callbacks carry signed
+values, like the rest of plait's API). Everything here is a thin adapter over the ID
+generator or the in-memory stream; the reading itself is theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from plait.replication.rows import RowCodec
+from plait.streams.generator import MultiWriterIdGenerator
+from plait.streams.memory import MemoryStream, ReadPage
+
+# Rows read per query when sending own rows as RDATA.
+SEND_PAGE = 1000
+
+
+class ReplicatedStream(Protocol):
+    """A stream the handler replicates, in the internal domain."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def sign(self) -> int:
+        """-1 for backwards streams: signed token = sign * internal token."""
+        ...
+
+    @property
+    def writers(self) -> frozenset[str] | None:
+        """The configured writers, or None when any instance may write."""
+        ...
+
+    def seen(self, writer: str) -> int:
+        """How far this process has seen `writer`'s rows."""
+        ...
+
+    def advance(self, writer: str, token: int) -> None:
+        """This process has seen every row of `writer` up to `token` (never backwards)."""
+        ...
+
+    def own_position(self) -> int | None:
+        """This instance's position as a writer of the stream; None when it is not one."""
+        ...
+
+    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        """This instance's rows in (from, to], as JSON values, to send as RDATA."""
+        ...
+
+    async def catch_up(
+        self, writer: str, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> ReadPage:
+        """`writer`'s rows in (from, to] that this process missed, as row values."""
+        ...
+
+    def decode(self, value: Any) -> Any:
+        """A row that arrived as JSON, as a row value."""
+        ...
+
+    def add_moved_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever this instance's own position moves after a write."""
+        ...
+
+    def positions(self) -> dict[str, int]:
+        """Signed positions of the writers seen (for metrics)."""
+        ...
+
+    def persisted_upto(self) -> int:
+        """Signed linear position (for metrics)."""
+        ...
+
+
+class DatabaseStream:
+    """A stream stored in PostgreSQL, through its ID generator. The generator must not
+    follow the database on its own (`follow_database=False`): positions of other
+    writers may move only when their rows were delivered, or rows would be skipped."""
+
+    def __init__(self, gen: MultiWriterIdGenerator, codec: RowCodec[Any]) -> None:
+        self._gen = gen
+        self._codec = codec
+        self._sign = gen.spec.sign
+        self._own = gen.instance_name
+        spec = gen.spec
+        self._writers = frozenset(spec.writers) if spec.writers else None
+
+    @property
+    def name(self) -> str:
+        return self._gen.stream_name
+
+    @property
+    def sign(self) -> int:
+        return self._sign
+
+    @property
+    def writers(self) -> frozenset[str] | None:
+        return self._writers
+
+    @property
+    def generator(self) -> MultiWriterIdGenerator:
+        return self._gen
+
+    def seen(self, writer: str) -> int:
+        return self._sign * self._gen.get_current_token_for_writer(writer)
+
+    def advance(self, writer: str, token: int) -> None:
+        self._gen.advance(writer, self._sign * token)
+
+    def own_position(self) -> int | None:
+        if not self._gen.is_writer:
+            return None
+        return self._sign * self._gen.get_current_token_for_writer(self._own)
+
+    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        codec = self._codec
+        rows, upto, limited = await self._gen.get_updates_since(
+            self._own, self._sign * from_exclusive, self._sign * to_inclusive, SEND_PAGE
+        )
+        return ReadPage(
+            [(self._sign * r.stream_id, codec.to_json(codec.from_db(r))) for r in rows],
+            self._sign * upto,
+            limited,
+        )
+
+    async def catch_up(
+        self, writer: str, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> ReadPage:
+        rows, upto, limited = await self._gen.get_updates_since(
+            writer, self._sign * from_exclusive, self._sign * to_inclusive, limit
+        )
+        from_db = self._codec.from_db
+        return ReadPage(
+            [(self._sign * r.stream_id, from_db(r)) for r in rows], self._sign * upto, limited
+        )
+
+    def decode(self, value: Any) -> Any:
+        return self._codec.from_json(value)
+
+    def add_moved_listener(self, listener: Callable[[], None]) -> None:
+        self._gen.add_moved_listener(listener)
+
+    def positions(self) -> dict[str, int]:
+        return self._gen.get_positions()
+
+    def persisted_upto(self) -> int:
+        return self._gen.get_persisted_upto_position()
+
+
+class CatchUpClient(Protocol):
+    """Reads another instance's in-memory stream (the internal HTTP API's client)."""
+
+    async def catch_up(
+        self, instance: str, stream: str, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> Any:
+        """A page with `rows`, `upto`, `limited` and `reset`, rows as JSON values."""
+        ...
+
+
+class InMemoryStream:
+    """An in-memory stream: this instance's own rows (when it is a writer) live in a
+    `MemoryStream`; the rows of other writers are read from them over HTTP."""
+
+    def __init__(
+        self,
+        name: str,
+        instance_name: str,
+        writers: frozenset[str],
+        codec: RowCodec[Any],
+        client: Callable[[], CatchUpClient],
+    ) -> None:
+        self._name = name
+        self._own = instance_name
+        self._writers = writers
+        self._codec = codec
+        self._client = client
+        self.memory = MemoryStream(name) if instance_name in writers else None
+        self._seen: dict[str, int] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sign(self) -> int:
+        return 1
+
+    @property
+    def writers(self) -> frozenset[str] | None:
+        return self._writers
+
+    def seen(self, writer: str) -> int:
+        if writer == self._own and self.memory is not None:
+            return self.memory.position
+        return self._seen.get(writer, 0)
+
+    def advance(self, writer: str, token: int) -> None:
+        if token > self._seen.get(writer, 0):
+            self._seen[writer] = token
+
+    def own_position(self) -> int | None:
+        return None if self.memory is None else self.memory.position
+
+    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        if self.memory is None:
+            return ReadPage([], to_inclusive, False)
+        page = self.memory.read(from_exclusive, to_inclusive, SEND_PAGE)
+        to_json = self._codec.to_json
+        return ReadPage([(t, to_json(r)) for t, r in page.rows], page.upto, page.limited)
+
+    def read_json(self, from_exclusive: int, to_inclusive: int, limit: int) -> ReadPage:
+        """Own rows for another instance's catch-up (served over HTTP)."""
+        if self.memory is None:
+            raise KeyError(self._name)
+        page = self.memory.read(from_exclusive, to_inclusive, limit)
+        to_json = self._codec.to_json
+        return ReadPage(
+            [(t, to_json(r)) for t, r in page.rows], page.upto, page.limited, page.reset
+        )
+
+    async def catch_up(
+        self, writer: str, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> ReadPage:
+        page = await self._client().catch_up(
+            writer, self._name, from_exclusive, to_inclusive, limit
+        )
+        from_json = self._codec.from_json
+        return ReadPage(
+            [(t, from_json(r)) for t, r in page.rows], page.upto, page.limited, page.reset
+        )
+
+    def decode(self, value: Any) -> Any:
+        return self._codec.from_json(value)
+
+    def add_moved_listener(self, listener: Callable[[], None]) -> None:
+        if self.memory is not None:
+            self.memory.add_moved_listener(listener)
+
+    def positions(self) -> dict[str, int]:
+        positions = dict(self._seen)
+        if self.memory is not None:
+            positions[self._own] = self.memory.position
+        return positions
+
+    def persisted_upto(self) -> int:
+        return min(self.positions().values(), default=0)

@@ -1,0 +1,607 @@
+"""TCP replication transport: a hub on one instance, clients on the others (R-RP-1).
+
+The rules this module keeps:
+- Framing: a command is one UTF-8 line ending in "\\n" ("\\r\\n" is accepted) of at most
+  MAX_LINE_BYTES; a longer line is answered with ERROR and the connection closes.
+- Handshake: the client sends NAME, the hub answers SERVER; only then does either end
+  call `Handler.open`. A hub that gets anything else first, or nothing within its
+  handshake timeout, answers ERROR and closes.
+- PING, NAME and SERVER belong to the transport: never relayed, never given to a session.
+  The hub relays every other line from a client, verbatim, to every other client before
+  its own session sees it, so all of them see the hub's order; ERROR is not relayed (it
+  answers one peer).
+- `Link.send` never waits: a connection queues at most `send_queue` lines for its writer
+  task. A peer too slow to keep up gets ERROR and is closed (it catches up after
+  reconnecting); lines sent to a closed connection are dropped.
+- Each end sends PING every `ping_interval` and closes a peer silent for `dead_after`.
+- Every task is owned: a connection's reader, writer, pinger and wait_up watcher end
+  when it closes; the hub and the client end their connections in `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+from plait.core.backoff import Backoff
+from plait.core.commands import MAX_LINE_BYTES, CommandSet, Error, Name, Ping, Server, to_line
+from plait.errors import CommandParseError, ConfigError
+from plait.replication.link import CONNECTION_COMMANDS, Handler, Session, command_name
+from plait.replication.metrics import ReplicationMetrics
+
+log = logging.getLogger(__name__)
+
+# The stream reader's limit: one byte past the line limit, for the "\r" of "\r\n".
+_READ_LIMIT = MAX_LINE_BYTES + 1
+# How long a closing connection lets the peer read what was sent and hang up itself
+# before the socket is cut (a peer that does not read would otherwise hold it forever).
+_CLOSE_GRACE = 1.0
+_LINE_TOO_LONG = f"line too long: the limit is {MAX_LINE_BYTES} bytes"
+_HANDSHAKE_COMMANDS = CommandSet()
+
+
+class _LineTooLongError(Exception):
+    """The peer sent a line over MAX_LINE_BYTES."""
+
+
+async def _read_line(reader: asyncio.StreamReader) -> bytes:
+    """The next line without its terminator. Raises `IncompleteReadError` at EOF,
+    `_LineTooLongError` for a line over the limit, `OSError` when the connection failed."""
+    try:
+        raw = await reader.readuntil(b"\n")
+    except asyncio.LimitOverrunError:
+        raise _LineTooLongError from None
+    line = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+    if len(line) > MAX_LINE_BYTES:
+        raise _LineTooLongError
+    return line
+
+
+def _encode(lines: list[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode()
+
+
+async def _close_stream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, linger: bool
+) -> None:
+    """Hang up, flushing what was written; a peer that does not read is cut off after
+    `_CLOSE_GRACE`. `linger` when the peer should still read something (an ERROR, lines
+    flushed on stop): half-close and wait for it to hang up too, discarding what it
+    still sends, because closing with unread input resets the connection, which can
+    destroy our last lines before the peer reads them. Never raises."""
+    transport = writer.transport
+    try:
+        if not transport.is_closing():
+            async with asyncio.timeout(_CLOSE_GRACE):
+                if writer.can_write_eof():
+                    writer.write_eof()
+                if linger:
+                    while await reader.read(1 << 16):
+                        pass
+                writer.close()
+                await writer.wait_closed()
+    except Exception as err:  # a timeout, or the connection failed: either way it is over
+        log.debug("tcp: closing a connection: %r", err)
+    finally:
+        writer.close()
+        transport.abort()  # a no-op once the connection is closed
+
+
+def _check_options(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"tcp transport: {name} must be positive, got {value!r}")
+
+
+class _Connection:
+    """One established connection, and the `Link` the handler sends through: reads lines,
+    drains a bounded send queue with a writer task, pings, and closes a silent peer.
+    `run` serves it until it ends; the owner then tells its session and calls `aclose`."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        label: str,
+        ping_interval: float,
+        dead_after: float,
+        send_queue: int,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._label = label
+        self._ping_interval = ping_interval
+        self._dead_after = dead_after
+        self._send_queue = send_queue
+        self._queue: list[str] = []
+        self._queued = asyncio.Event()
+        self._ended = asyncio.Event()
+        self._reason = ""
+        self._flush = False
+        self._linger = False  # the peer should still read what was written (ERROR)
+        self._last_received = asyncio.get_running_loop().time()
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    def send(self, line: str) -> None:
+        """Queue a line; never blocks nor raises (see `Link.send`)."""
+        if self._ended.is_set():
+            return
+        if "\n" in line or "\r" in line:
+            # A caller's bug; sent as is it would split into two commands on the wire.
+            log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
+            return
+        if len(self._queue) >= self._send_queue:
+            text = f"send queue full ({self._send_queue} lines): closing; reconnect and catch up"
+            log.warning("%s: %s", self._label, text)
+            self._write_error(text)
+            self._end("send queue full")
+            return
+        self._queue.append(line)
+        self._queued.set()
+
+    def close(self) -> None:
+        """Drop the connection at the handler's request (see `Link.close`)."""
+        self._end("closed by the handler")
+
+    def _end(self, reason: str, *, flush: bool = False) -> None:
+        """End the connection (only the first call counts). Queued lines are dropped
+        unless `flush`, when `aclose` still writes them."""
+        if self._ended.is_set():
+            return
+        self._reason = reason
+        self._flush = flush
+        if not flush:
+            self._queue.clear()
+        self._ended.set()
+
+    async def run(
+        self,
+        session: Session,
+        *,
+        relay: Callable[[str], None] | None = None,
+        on_up: Callable[[], None] | None = None,
+    ) -> str:
+        """Serve until the connection ends, and return why. `relay` sees every line
+        meant for the session except ERROR, just before the session does; `on_up` is
+        called once `session.wait_up()` returns. Every task started here has ended on
+        return; being cancelled (stop) closes the connection, keeping queued lines."""
+        loop = asyncio.get_running_loop()
+        tasks = [
+            loop.create_task(self._read_loop(session, relay), name=f"{self._label} reader"),
+            loop.create_task(self._write_loop(), name=f"{self._label} writer"),
+            loop.create_task(self._keepalive(), name=f"{self._label} pings"),
+        ]
+        if on_up is not None:
+            tasks.append(loop.create_task(self._watch_up(session, on_up), name=f"{self._label} up"))
+        try:
+            await self._ended.wait()
+        except asyncio.CancelledError:
+            self._end("stopping", flush=True)
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return self._reason
+
+    async def aclose(self) -> None:
+        """Write what is left to flush, then hang up (see `_close_stream`)."""
+        if self._flush and self._queue:
+            self._write_now(self._queue)
+        self._queue.clear()
+        await _close_stream(self._reader, self._writer, linger=self._linger or self._flush)
+
+    def _write_error(self, text: str) -> None:
+        """Write ERROR past the queue, just before closing."""
+        self._linger = True
+        self._write_now([to_line(Error(text))])
+
+    def _write_now(self, lines: list[str]) -> None:
+        if not self._writer.transport.is_closing():
+            self._writer.write(_encode(lines))
+
+    async def _read_loop(self, session: Session, relay: Callable[[str], None] | None) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                raw = await _read_line(self._reader)
+                self._last_received = loop.time()
+                self._dispatch(raw, session, relay)
+        except asyncio.IncompleteReadError as err:
+            self._end("the peer hung up" + (" in the middle of a line" if err.partial else ""))
+        except _LineTooLongError:
+            self._write_error(_LINE_TOO_LONG)
+            self._end(f"the peer sent a {_LINE_TOO_LONG}")
+        except Exception as err:  # OSError mostly; whatever it is, the connection is done
+            self._end(f"read failed: {err!r}")
+
+    def _dispatch(self, raw: bytes, session: Session, relay: Callable[[str], None] | None) -> None:
+        """Route one received line. Never raises: one bad line must not end the loop."""
+        try:
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError:
+                session.received(raw)  # the session answers ERROR; never relayed
+                return
+            name = command_name(line)
+            if name in CONNECTION_COMMANDS:
+                if name != Ping.NAME:  # a ping only proves liveness, noted by the caller
+                    log.debug("%s: ignoring %.80s", self._label, line)
+                return
+            if relay is not None and name != Error.NAME:
+                relay(line)
+            session.received(line)
+        except Exception:
+            log.exception("%s: handling a received line failed", self._label)
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self._queued.wait()
+                self._queued.clear()
+                batch, self._queue = self._queue, []
+                if batch:
+                    self._writer.write(_encode(batch))
+                    await self._writer.drain()
+        except Exception as err:  # the connection failed under us
+            self._end(f"write failed: {err!r}")
+
+    async def _keepalive(self) -> None:
+        """Ping every `ping_interval`; close once nothing arrived for `dead_after`."""
+        loop = asyncio.get_running_loop()
+        next_ping = loop.time() + self._ping_interval
+        while True:
+            now = loop.time()
+            silent = now - self._last_received
+            if silent >= self._dead_after:
+                self._end(f"nothing received for {silent:.1f}s")
+                return
+            if now >= next_ping:
+                self.send(to_line(Ping(int(time.time() * 1000))))
+                next_ping = now + self._ping_interval
+            await asyncio.sleep(min(next_ping, self._last_received + self._dead_after) - now)
+
+    async def _watch_up(self, session: Session, on_up: Callable[[], None]) -> None:
+        try:
+            await session.wait_up()
+            on_up()
+        except Exception:
+            log.exception("%s: waiting for the connection to come up failed", self._label)
+
+
+def _tell_closed(session: Session, label: str) -> None:
+    try:
+        session.closed()
+    except Exception:
+        log.exception("%s: the session failed to close", label)
+
+
+class TcpHub:
+    """Accepts clients and relays commands between them; this instance's handler serves
+    each client connection as it would any other. `stop()` closes every connection and
+    ends every task the hub started."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ping_interval: float = 5.0,
+        dead_after: float = 25.0,
+        send_queue: int = 10_000,
+        handshake_timeout: float = 10.0,
+        metrics: ReplicationMetrics | None = None,
+    ) -> None:
+        _check_options(
+            ping_interval=ping_interval,
+            dead_after=dead_after,
+            send_queue=send_queue,
+            handshake_timeout=handshake_timeout,
+        )
+        self._handler = handler
+        self._host = host
+        self._port = port
+        self._ping_interval = ping_interval
+        self._dead_after = dead_after
+        self._send_queue = send_queue
+        self._handshake_timeout = handshake_timeout
+        self._metrics = metrics
+        self._server: asyncio.Server | None = None
+        self._stopping = False
+        self._tasks: set[asyncio.Task[None]] = set()  # one per accepted connection
+        self._peers: set[_Connection] = set()  # past the handshake: the relay set
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the bound one when started with port 0)."""
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("TcpHub: not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def start(self) -> None:
+        """Bind and listen; returns once clients can connect."""
+        if self._server is not None:
+            raise RuntimeError("TcpHub: already started")
+        self._stopping = False
+        self._server = await asyncio.start_server(
+            self._accept, self._host, self._port, limit=_READ_LIMIT
+        )
+        name = self._handler.instance_name
+        log.info("tcp hub %s: listening on %s:%d", name, self._host, self.port)
+
+    async def stop(self) -> None:
+        """Stop listening, close every connection (flushing what is queued, each given at
+        most `_CLOSE_GRACE` seconds) and end every task; sessions see `closed()`."""
+        self._stopping = True
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()  # no new connections
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if server is not None:
+            # Only now: from Python 3.12 on this waits for every connection to close.
+            await server.wait_closed()
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Called by the server for every new connection. A plain function, not a
+        # coroutine, so that the task serving the connection is ours to end in stop().
+        if self._stopping:
+            writer.transport.abort()
+            return
+        peer = writer.get_extra_info("peername")
+        task = asyncio.get_running_loop().create_task(
+            self._serve(reader, writer, peer), name=f"tcp hub: client {peer}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object
+    ) -> None:
+        conn: _Connection | None = None
+        refused = False
+        try:
+            name = await self._handshake(reader, writer, peer)
+            if name is None:
+                refused = True
+                return
+            conn = _Connection(
+                reader,
+                writer,
+                label=f"tcp:{name}",
+                ping_interval=self._ping_interval,
+                dead_after=self._dead_after,
+                send_queue=self._send_queue,
+            )
+            session = self._handler.open(conn, reply_errors=True)
+            self._peers.add(conn)
+            log.info("tcp hub: %s connected from %s", name, peer)
+            try:
+                reason = await conn.run(
+                    session,
+                    relay=functools.partial(self._relay, conn),
+                    on_up=functools.partial(self._connection_up, conn),
+                )
+                log.info("tcp hub: %s disconnected: %s", name, reason)
+            finally:
+                self._peers.discard(conn)
+                _tell_closed(session, conn.label)
+                self._connection_down(conn)
+        except Exception:
+            log.exception("tcp hub: the connection from %s failed", peer)
+        finally:
+            if conn is not None:
+                await conn.aclose()
+            else:  # a refused peer should still read its ERROR
+                await _close_stream(reader, writer, linger=refused)
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object
+    ) -> str | None:
+        """The client's name once it sent NAME and got SERVER back; None once it was
+        answered ERROR (or hung up)."""
+        try:
+            async with asyncio.timeout(self._handshake_timeout):
+                raw = await _read_line(reader)
+        except TimeoutError:
+            problem = f"expected NAME <name> within {self._handshake_timeout:g}s"
+        except _LineTooLongError:
+            problem = _LINE_TOO_LONG
+        except (asyncio.IncompleteReadError, OSError) as err:
+            log.debug("tcp hub: %s hung up before NAME: %r", peer, err)
+            return None
+        else:
+            try:
+                command = _HANDSHAKE_COMMANDS.parse(raw)
+            except CommandParseError as err:
+                problem = f"expected NAME <name> first: {err}"
+            else:
+                if isinstance(command, Name):
+                    writer.write(_encode([to_line(Server(self._handler.instance_name))]))
+                    return command.name
+                problem = f"expected NAME <name> first, got {command.NAME}"
+        log.warning("tcp hub: refusing the connection from %s: %s", peer, problem)
+        writer.write(_encode([to_line(Error(problem))]))
+        return None
+
+    def _relay(self, sender: _Connection, line: str) -> None:
+        for peer in self._peers:
+            if peer is not sender:
+                peer.send(line)
+
+    def _connection_up(self, conn: _Connection) -> None:
+        log.info("tcp hub: %s is up (every stream caught up)", conn.label)
+        if self._metrics is not None:
+            self._metrics.connection_up.labels(link=conn.label).set(1)
+
+    def _connection_down(self, conn: _Connection) -> None:
+        # A client that reconnected before its old connection was found dead has the
+        # same label: its gauge belongs to the newer connection.
+        if self._metrics is not None and all(p.label != conn.label for p in self._peers):
+            self._metrics.connection_up.labels(link=conn.label).set(0)
+
+
+class TcpClient:
+    """Keeps one connection to a hub, reconnecting with backoff forever until `stop()`.
+    The backoff starts over only once the handler's session says every stream caught up
+    (R-RP-3), so a connection that fails before that never reconnects in a tight loop."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        host: str,
+        port: int,
+        ping_interval: float = 5.0,
+        dead_after: float = 25.0,
+        send_queue: int = 10_000,
+        connect_timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        metrics: ReplicationMetrics | None = None,
+    ) -> None:
+        _check_options(
+            ping_interval=ping_interval,
+            dead_after=dead_after,
+            send_queue=send_queue,
+            connect_timeout=connect_timeout,
+        )
+        self._handler = handler
+        self._host = host
+        self._port = port
+        self._ping_interval = ping_interval
+        self._dead_after = dead_after
+        self._send_queue = send_queue
+        self._connect_timeout = connect_timeout
+        self._backoff = backoff if backoff is not None else Backoff()
+        self._metrics = metrics
+        self._task: asyncio.Task[None] | None = None
+        self._open = asyncio.Event()
+
+    @property
+    def label(self) -> str:
+        return "tcp:hub"
+
+    async def start(self) -> None:
+        """Start connecting in the background; returns at once."""
+        if self._task is not None:
+            raise RuntimeError("TcpClient: already started")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"tcp client of {self._host}:{self._port}"
+        )
+
+    async def stop(self) -> None:
+        """Close the connection (flushing what is queued) and end every task."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (a deadline for one wait)
+        """Whether a connection is open (handshake done, session opened) within `timeout`."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._open.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            reason = await self._attempt()
+            first = not self._backoff.failures_pending  # the first failure since up
+            delay = self._backoff.next_delay()
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "tcp client: hub %s:%d: %s; reconnecting in %.2fs",
+                self._host,
+                self._port,
+                reason,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            if self._metrics is not None:
+                self._metrics.reconnects.labels(link=self.label).inc()
+
+    async def _attempt(self) -> str:
+        """One connection, from connecting to hanging up; returns why it ended."""
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                reader, writer = await asyncio.open_connection(
+                    self._host, self._port, limit=_READ_LIMIT
+                )
+        except TimeoutError:
+            return f"no connection within {self._connect_timeout:g}s"
+        except OSError as err:
+            return f"cannot connect: {err}"
+        conn: _Connection | None = None
+        try:
+            writer.write(_encode([to_line(Name(self._handler.instance_name))]))
+            problem = await self._handshake(reader)
+            if problem is not None:
+                return problem
+            conn = _Connection(
+                reader,
+                writer,
+                label=self.label,
+                ping_interval=self._ping_interval,
+                dead_after=self._dead_after,
+                send_queue=self._send_queue,
+            )
+            session = self._handler.open(conn, reply_errors=True)
+            self._open.set()
+            try:
+                return await conn.run(session, on_up=self._connection_up)
+            finally:
+                self._open.clear()
+                _tell_closed(session, self.label)
+                if self._metrics is not None:
+                    self._metrics.connection_up.labels(link=self.label).set(0)
+        except Exception as err:
+            log.exception("tcp client: the connection to the hub failed")
+            return f"failed: {err!r}"
+        finally:
+            if conn is not None:
+                await conn.aclose()
+            else:
+                await _close_stream(reader, writer, linger=False)
+
+    async def _handshake(self, reader: asyncio.StreamReader) -> str | None:
+        """None once the hub answered SERVER, else what went wrong."""
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                raw = await _read_line(reader)
+        except TimeoutError:
+            return f"no SERVER from the hub within {self._connect_timeout:g}s"
+        except _LineTooLongError:
+            return "the hub sent a line over the limit"
+        except asyncio.IncompleteReadError:
+            return "the hub hung up during the handshake"
+        except OSError as err:
+            return f"the handshake failed: {err}"
+        try:
+            command = _HANDSHAKE_COMMANDS.parse(raw)
+        except CommandParseError as err:
+            return f"expected SERVER from the hub: {err}"
+        if isinstance(command, Error):
+            return f"the hub refused the connection: {command.text}"
+        if not isinstance(command, Server):
+            return f"expected SERVER from the hub, got {command.NAME}"
+        log.info("tcp client: connected to hub %s at %s:%d", command.name, self._host, self._port)
+        return None
+
+    def _connection_up(self) -> None:
+        log.info("tcp client: the connection to the hub is up (every stream caught up)")
+        self._backoff.up()
+        if self._metrics is not None:
+            self._metrics.connection_up.labels(link=self.label).set(1)

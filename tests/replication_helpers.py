@@ -1,0 +1,164 @@
+"""Instances of one deployment inside one test: shared database, real Redis or TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg import sql
+
+from plait import Database
+from plait.instance import Instance
+from plait.storage.stream_store import StreamRow
+from redis_server import free_port
+
+EVENTS = {
+    "name": "events",
+    "tables": [{"name": "events"}, {"name": "events_extra"}],
+    "writers": ["w1", "w2"],
+}
+TYPING = {"name": "typing", "kind": "memory", "writers": ["w1"]}
+
+
+class TableRows:
+    """Rows as (table, stream_id, writer, body), whether they came live or from the
+    database: both tables of a stream stay apart."""
+
+    def from_db(self, row: StreamRow) -> tuple[str, int, str, str]:
+        return (row.table, row.stream_id, row.instance_name, row.data["payload"])
+
+    def to_json(self, row: tuple[str, int, str, str]) -> Any:
+        return list(row)
+
+    def from_json(self, value: Any) -> tuple[str, int, str, str]:
+        table, stream_id, writer, body = value
+        return (table, stream_id, writer, body)
+
+
+@dataclass
+class Seen:
+    """What one instance's `on_rows` got, call by call."""
+
+    calls: list[tuple[str, int, list[Any]]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_rows(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        self.calls.append((writer, token, rows))
+        self.changed.set()
+
+    @property
+    def rows(self) -> list[Any]:
+        return [row for _, _, rows in self.calls for row in rows]
+
+    async def wait(self, count: int, within: float = 15.0) -> None:
+        async with asyncio.timeout(within):
+            while len(self.rows) < count:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def until(condition: Callable[[], bool], within: float = 10.0, step: float = 0.01) -> None:
+    """Poll `condition` (state of another instance, which offers no event to wait on)."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110 - polling another component's state
+            await asyncio.sleep(step)
+
+
+async def create_tables(db: Database) -> None:
+    async with db.connection() as conn:
+        for table in ("events", "events_extra"):
+            await conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {t} (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+                    " payload TEXT); CREATE INDEX ON {t} (instance_name, stream_id);"
+                    " CREATE INDEX ON {t} (stream_id)"
+                ).format(t=sql.Identifier(table))
+            )
+
+
+async def write(instance: Instance, body: str, *, rows: int = 1, both_tables: bool = False) -> int:
+    """One stream ID with `rows` rows in `events` (and as many in `events_extra`)."""
+    gen = instance.generator("events")
+    async with gen.get_next() as stream_id, instance.db.transaction() as txn:
+        for i in range(rows):
+            for table in ("events", "events_extra") if both_tables else ("events",):
+                await txn.execute(
+                    sql.SQL("INSERT INTO {} VALUES (%s, %s, %s)").format(sql.Identifier(table)),
+                    (stream_id, instance.name, f"{body}.{i}"),
+                )
+    return stream_id
+
+
+async def write_many(instance: Instance, count: int, prefix: str) -> list[int]:
+    """`count` rows, one per ID, in one statement per 100."""
+    ids: list[int] = []
+    gen = instance.generator("events")
+    for start in range(0, count, 100):
+        n = min(100, count - start)
+        ids += await gen.insert(
+            "INSERT INTO events SELECT {id}, %s, %s || g FROM generate_series(%s::int, %s::int) g"
+            " RETURNING stream_id",
+            (instance.name, prefix, start, start + n - 1),
+        )
+    return ids
+
+
+class Cluster:
+    """Configs for the instances of one test: one deployment (Redis channel), fixed
+    HTTP ports (so a restarted instance keeps its address), one database."""
+
+    def __init__(
+        self, db: Database, transport: str, *, redis_url: str = "", hub: str = "w1"
+    ) -> None:
+        self.db = db
+        self.transport = transport
+        self.redis_url = redis_url
+        self.hub = hub
+        self.deployment = f"t{uuid.uuid4().hex[:10]}"
+        self.hub_port = free_port()
+        self.ports: dict[str, int] = {}
+        self.instances: list[Instance] = []
+
+    def config(self, name: str, **overrides: Any) -> dict[str, Any]:
+        for other in ("w1", "w2", "r", "hub", name):
+            self.ports.setdefault(other, free_port())
+        replication: dict[str, Any] = {
+            "transport": self.transport,
+            "announce_interval": 0.2,
+            "catch_up_page": 100,
+            "backoff_initial": 0.05,
+            "backoff_cap": 1.0,
+        }
+        if self.transport == "redis":
+            replication["redis"] = {"url": self.redis_url}
+        elif self.transport == "tcp":
+            replication["tcp"] = {"hub": self.hub, "port": self.hub_port}
+        replication.update(overrides.pop("replication", {}))
+        config: dict[str, Any] = {
+            "instance_name": name,
+            "deployment": self.deployment,
+            "streams": [EVENTS, TYPING],
+            "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in self.ports.items()},
+            "replication": replication,
+            "http": {"port": self.ports[name]},
+            "position_flush_interval": 0.2,
+        }
+        config.update(overrides)
+        return config
+
+    def instance(self, name: str, **overrides: Any) -> Instance:
+        instance = Instance(self.config(name, **overrides), db=self.db)
+        instance.row_type("events", TableRows())
+        return instance
+
+    async def start(self, instance: Instance) -> Instance:
+        await instance.start()
+        self.instances.append(instance)
+        return instance
+
+    async def close(self) -> None:
+        for instance in reversed(self.instances):
+            await instance.stop()

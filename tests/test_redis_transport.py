@@ -1,0 +1,459 @@
+"""The Redis pub/sub transport against a real Redis: ordering, echoes, pings, reconnects
+with growing delays (also when failing before the handler caught up), and stop().
+
+The handler here is a recording test double: the transport is under test, the handler
+is its collaborator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from plait.core.backoff import Backoff
+from plait.core.commands import MAX_LINE_BYTES
+from plait.replication.link import Link
+from plait.replication.metrics import ReplicationMetrics
+from plait.replication.redis_transport import RedisTransport
+from redis_server import RedisServer, free_port
+
+LOGGER = "plait.replication.redis_transport"
+
+
+class RecordingSession:
+    """What the transport did to one connection's session."""
+
+    def __init__(self, handler: RecordingHandler, link: Link, number: int) -> None:
+        self.link = link
+        self.number = number
+        self.raw: list[str | bytes] = []
+        self.closed_calls = 0
+        self.opened_at = time.monotonic()
+        self.closed_at: float | None = None
+        self._handler = handler
+
+    @property
+    def lines(self) -> list[str]:
+        return [x.decode() if isinstance(x, bytes) else x for x in self.raw]
+
+    def received(self, line: str | bytes) -> None:
+        self.raw.append(line)
+        if line in (b"BOOM", "BOOM"):  # a session bug, which the transport must survive
+            raise RuntimeError("boom")
+
+    async def wait_up(self) -> None:
+        await self._handler.may_be_up.wait()
+
+    def closed(self) -> None:
+        self.closed_calls += 1
+        self.closed_at = time.monotonic()
+
+
+class RecordingHandler:
+    """Opens a RecordingSession per connection and, like the real handler, sends
+    REPLICATE and a position of its own through the link at once."""
+
+    def __init__(self, name: str, *, up: bool = True) -> None:
+        self.name = name
+        self.sessions: list[RecordingSession] = []
+        self.may_be_up = asyncio.Event()  # wait_up() returns once this is set
+        if up:
+            self.may_be_up.set()
+
+    @property
+    def instance_name(self) -> str:
+        return self.name
+
+    def open(self, link: Link, *, reply_errors: bool) -> RecordingSession:
+        assert not reply_errors  # Redis: malformed lines are only logged
+        session = RecordingSession(self, link, len(self.sessions))
+        self.sessions.append(session)
+        link.send("REPLICATE")
+        link.send(self.open_line(session.number))
+        return session
+
+    def open_line(self, number: int) -> str:
+        return f"POSITION s {self.name} 0 {number}"
+
+    @property
+    def session(self) -> RecordingSession:
+        return self.sessions[-1]
+
+
+class RecordingBackoff(Backoff):
+    """A Backoff without jitter that records its delays and resets."""
+
+    def __init__(self, initial: float = 0.05, cap: float = 0.4) -> None:
+        super().__init__(initial=initial, cap=cap, jitter=0.0)
+        self.delays: list[float] = []
+        self.ups = 0
+
+    def next_delay(self) -> float:
+        delay = super().next_delay()
+        self.delays.append(delay)
+        return delay
+
+    def up(self) -> None:
+        self.ups += 1
+        super().up()
+
+
+async def eventually(what: str, condition: Callable[[], bool], within: float = 3.0) -> None:
+    """Returns once `condition()` holds; fails the test after `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    if not condition():
+        pytest.fail(f"timed out after {within} s waiting for {what}")
+
+
+def gauge_up(metrics: ReplicationMetrics) -> float | None:
+    return metrics.registry.get_sample_value("plait_connection_up", {"link": "redis"})
+
+
+def reconnects(metrics: ReplicationMetrics) -> float:
+    value = metrics.registry.get_sample_value("plait_reconnects_total", {"link": "redis"})
+    return value or 0.0
+
+
+def rdata(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("RDATA")]
+
+
+def channel() -> str:
+    return f"plait-test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+async def make_transport() -> AsyncIterator[Callable[..., RedisTransport]]:
+    """Builds transports and stops them all at the end, also when the test failed."""
+    made: list[RedisTransport] = []
+
+    def make(handler: RecordingHandler, url: str, channel: str, **kwargs: Any) -> RedisTransport:
+        transport = RedisTransport(handler, url=url, channel=channel, **kwargs)
+        made.append(transport)
+        return transport
+
+    yield make
+    async with asyncio.timeout(10):
+        for transport in made:
+            await transport.stop()
+
+
+@pytest.fixture
+async def admin(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """A plain client of the test's own server, to kill or pause the transport's."""
+    client = Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def assert_no_tasks_left(before: set[asyncio.Task[Any]]) -> None:
+    await asyncio.sleep(0)
+    left = asyncio.all_tasks() - before
+    assert not left, f"tasks left running: {left}"
+
+
+async def test_lines_arrive_in_order_at_peers_and_as_echoes(
+    redis_url: str, make_transport: Callable[..., RedisTransport]
+) -> None:
+    name = channel()
+    a, b = RecordingHandler("a"), RecordingHandler("b")
+    ta = make_transport(a, redis_url, name)
+    tb = make_transport(b, redis_url, name)
+    assert ta.label == "redis"
+    await ta.start()
+    await tb.start()
+    assert await ta.wait_open(3)
+    assert await tb.wait_open(3)
+
+    # Each one's own open() lines come back to it: SUBSCRIBE was confirmed before open().
+    await eventually("a's own open line", lambda: a.open_line(0) in a.session.lines)
+    await eventually("b's own open line", lambda: b.open_line(0) in b.session.lines)
+    assert b.session.lines.index("REPLICATE") < b.session.lines.index(b.open_line(0))
+
+    sent = [f'RDATA s a {i} {{"n":{i},"text":"é"}}' for i in range(1, 501)]
+    for line in sent:
+        a.session.link.send(line)  # never blocks, queued for the publisher
+    await eventually("500 lines at b", lambda: len(rdata(b.session.lines)) >= 500)
+    assert rdata(b.session.lines) == sent
+    # a gets its own lines back: dropping echoes is the handler's business.
+    await eventually("500 echoes at a", lambda: len(rdata(a.session.lines)) >= 500)
+    assert rdata(a.session.lines) == sent
+    assert all(isinstance(x, bytes) for x in b.session.raw)  # bytes, as received
+    assert len(a.sessions) == len(b.sessions) == 1
+
+
+async def test_pings_go_out_every_interval_and_never_reach_the_session(
+    redis_url: str, make_transport: Callable[..., RedisTransport]
+) -> None:
+    name = channel()
+    handler = RecordingHandler("a")
+    async with Redis.from_url(redis_url) as observer, observer.pubsub() as pubsub:
+        await pubsub.subscribe(name)
+        assert (await pubsub.get_message(timeout=2))["type"] == "subscribe"
+        transport = make_transport(handler, redis_url, name, ping_interval=0.1)
+        await transport.start()
+        assert await transport.wait_open(3)
+
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 1.0
+        while (left := deadline - time.monotonic()) > 0:
+            message = await pubsub.get_message(timeout=left)
+            if message is not None and message["type"] == "message":
+                seen.append(message["data"])
+        pings = [data for data in seen if data.startswith(b"PING ")]
+        assert 5 <= len(pings) <= 12, pings  # about one per 0.1 s
+        assert all(data[5:].isdigit() for data in pings)
+
+        # Someone else's PING is not the session's business either; other lines are.
+        await observer.publish(name, b"PING 12345")
+        await observer.publish(name, b"RDATA s b 1 {}")
+        await eventually("the RDATA line", lambda: "RDATA s b 1 {}" in handler.session.lines)
+    assert not [line for line in handler.session.lines if line.startswith("PING")]
+    # 1 s is over 3 ping intervals: the echoes of its own pings kept the connection alive.
+    assert len(handler.sessions) == 1
+    assert handler.session.closed_calls == 0
+
+
+async def test_a_silent_path_ends_the_connection_and_it_comes_back(
+    redis_server: RedisServer, admin: Redis, make_transport: Callable[..., RedisTransport]
+) -> None:
+    handler = RecordingHandler("a")
+    transport = make_transport(
+        handler, redis_server.url, channel(), ping_interval=0.1, backoff=RecordingBackoff()
+    )
+    await transport.start()
+    assert await transport.wait_open(3)
+    # PUBLISH waits while the server is paused: no PING comes back.
+    await admin.client_pause(700, all=False)  # WRITE only
+    paused = time.monotonic()
+    await eventually("the connection to close", lambda: handler.sessions[0].closed_calls == 1)
+    assert time.monotonic() - paused < 0.6  # about 3 ping intervals
+    await eventually(
+        "a new session", lambda: len(handler.sessions) >= 2 and bool(handler.session.lines)
+    )
+    assert handler.session.closed_calls == 0
+
+
+async def test_a_restarted_server_is_reconnected_with_growing_delays(
+    redis_server: RedisServer, make_transport: Callable[..., RedisTransport]
+) -> None:
+    handler = RecordingHandler("a")
+    backoff = RecordingBackoff(initial=0.05, cap=0.4)
+    metrics = ReplicationMetrics()
+    transport = make_transport(
+        handler, redis_server.url, channel(), backoff=backoff, metrics=metrics, ping_interval=1.0
+    )
+    await transport.start()
+    assert await transport.wait_open(3)
+    first = handler.session
+    await eventually("connection_up 1", lambda: gauge_up(metrics) == 1)
+    assert backoff.ups == 1
+
+    await asyncio.to_thread(redis_server.stop)
+    await eventually("session.closed()", lambda: first.closed_calls == 1)
+    assert gauge_up(metrics) == 0
+    assert not await transport.wait_open(0.01)
+    first.link.send("RDATA s a 1 old")  # for the dead connection: dropped, not carried over
+    await eventually("4 failed attempts", lambda: len(backoff.delays) >= 4)
+    assert backoff.delays[:4] == [0.05, 0.1, 0.2, 0.4]
+    assert reconnects(metrics) >= 3
+    assert len(handler.sessions) == 1
+
+    await asyncio.to_thread(redis_server.start)
+    await eventually("a new session", lambda: len(handler.sessions) == 2)
+    second = handler.session
+    await eventually("connection_up 1 again", lambda: gauge_up(metrics) == 1)
+    assert backoff.ups == 2
+    second.link.send("RDATA s a 2 new")
+    await eventually("lines to flow again", lambda: "RDATA s a 2 new" in second.lines)
+    assert "RDATA s a 1 old" not in second.lines
+    assert first.closed_calls == 1
+    assert second.closed_calls == 0
+    failed = len(backoff.delays)
+    assert reconnects(metrics) == failed  # one count per attempt after a failure
+
+
+async def test_failures_before_catch_up_keep_backing_off(
+    redis_server: RedisServer, admin: Redis, make_transport: Callable[..., RedisTransport]
+) -> None:
+    handler = RecordingHandler("a", up=False)  # wait_up() blocks: catching up
+    backoff = RecordingBackoff(initial=0.05, cap=0.8)
+    metrics = ReplicationMetrics()
+    transport = make_transport(
+        handler, redis_server.url, channel(), backoff=backoff, metrics=metrics, ping_interval=1.0
+    )
+    await transport.start()
+    for opened in range(1, 5):
+        await eventually(f"session {opened}", lambda: len(handler.sessions) == opened)  # noqa: B023
+        await admin.client_kill_filter(_type="pubsub")
+        await eventually("session.closed()", lambda: handler.session.closed_calls == 1)
+    await eventually("session 5", lambda: len(handler.sessions) == 5)
+
+    assert backoff.delays == [0.05, 0.1, 0.2, 0.4]  # growing: never a tight loop
+    assert backoff.ups == 0
+    for i, delay in enumerate(backoff.delays):
+        closed_at = handler.sessions[i].closed_at
+        assert closed_at is not None
+        assert handler.sessions[i + 1].opened_at - closed_at >= delay * 0.9
+    assert gauge_up(metrics) == 0
+
+    handler.may_be_up.set()  # caught up: now the backoff starts over
+    await eventually("backoff.up()", lambda: backoff.ups == 1)
+    await eventually("connection_up 1", lambda: gauge_up(metrics) == 1)
+    await admin.client_kill_filter(_type="pubsub")
+    await eventually("session 5", lambda: len(handler.sessions) == 6)
+    assert backoff.delays[4:] == [0.05]
+
+
+async def test_bad_lines_cost_a_log_line_never_the_connection(
+    redis_url: str, make_transport: Callable[..., RedisTransport], caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = RecordingHandler("a")
+    transport = make_transport(handler, redis_url, channel())
+    await transport.start()
+    assert await transport.wait_open(3)
+    link = handler.session.link
+    link.send("BOOM")  # the session raises on it
+    link.send("RDATA s a 1 \ud800")  # not encodable as UTF-8
+    link.send("RDATA s a 2 " + "x" * MAX_LINE_BYTES)  # over the line limit
+    link.send("RDATA s a 3 {}")
+    await eventually("the good line", lambda: "RDATA s a 3 {}" in handler.session.lines)
+    assert rdata(handler.session.lines) == ["RDATA s a 3 {}"]
+    assert "BOOM" in handler.session.lines
+    assert len(handler.sessions) == 1
+    assert handler.session.closed_calls == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 3, errors
+
+
+@pytest.mark.parametrize("failure", ["wrong password", "nothing listening", "silent server"])
+async def test_failing_to_connect_retries_with_growing_delays_and_stops_promptly(
+    failure: str,
+    redis_server: RedisServer,
+    make_transport: Callable[..., RedisTransport],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    silent_peers: list[asyncio.StreamWriter] = []
+    server: asyncio.Server | None = None
+    if failure == "wrong password":
+        # (no such user: the server's nopass default user would take any password)
+        url = f"redis://nobody:wrongpass@127.0.0.1:{redis_server.port}/0"
+    elif failure == "nothing listening":
+        url = f"redis://127.0.0.1:{free_port()}/0"
+    else:  # accepts connections, never answers: only connect_timeout ends the wait
+
+        def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            silent_peers.append(writer)
+
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        url = f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
+    try:
+        before = asyncio.all_tasks()
+        handler = RecordingHandler("a")
+        backoff = RecordingBackoff(initial=0.05, cap=0.2)
+        metrics = ReplicationMetrics()
+        transport = make_transport(
+            handler, url, channel(), backoff=backoff, metrics=metrics, connect_timeout=0.1
+        )
+        await transport.start()
+        await eventually("4 failed attempts", lambda: len(backoff.delays) >= 4)
+        assert backoff.delays[:4] == [0.05, 0.1, 0.2, 0.2]
+        assert not handler.sessions
+        assert not await transport.wait_open(0.01)
+        assert reconnects(metrics) >= 3
+
+        started = time.monotonic()
+        await transport.stop()
+        assert time.monotonic() - started < 0.5
+        await assert_no_tasks_left(before)
+    finally:
+        for writer in silent_peers:
+            writer.close()
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+
+    # One warning for the streak, the repeats at debug level; never the password.
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert [r.levelno for r in records].count(logging.WARNING) == 1
+    assert sum(r.levelno == logging.DEBUG for r in records) >= 3
+    assert not any("wrongpass" in r.getMessage() for r in records)
+    if failure == "wrong password":
+        assert "nobody:***@127.0.0.1" in records[0].getMessage()
+
+
+async def test_stop_while_connected_flushes_and_ends_every_task(
+    redis_url: str, make_transport: Callable[..., RedisTransport]
+) -> None:
+    name = channel()
+    observer = RecordingHandler("observer")
+    watching = make_transport(observer, redis_url, name)
+    await watching.start()
+    assert await watching.wait_open(3)
+
+    before = asyncio.all_tasks()
+    handler = RecordingHandler("a")
+    metrics = ReplicationMetrics()
+    transport = make_transport(handler, redis_url, name, metrics=metrics)
+    await transport.start()
+    assert await transport.wait_open(3)
+    await eventually("connection_up 1", lambda: gauge_up(metrics) == 1)
+    sent = [f"RDATA s a {i} {{}}" for i in range(1, 201)]
+    for line in sent:
+        handler.session.link.send(line)
+    started = time.monotonic()
+    await transport.stop()  # at once: the queued lines still go out first
+    assert time.monotonic() - started < 1.5
+    await assert_no_tasks_left(before)
+    assert handler.session.closed_calls == 1
+    assert gauge_up(metrics) == 0
+    assert not await transport.wait_open(0.01)
+    await eventually("the flushed lines", lambda: len(rdata(observer.session.lines)) >= 200)
+    assert rdata(observer.session.lines) == sent
+    handler.session.link.send("RDATA s a 999 {}")  # after stop: dropped, never raises
+    await transport.stop()  # again: nothing to do
+
+
+async def test_stop_while_disconnected_ends_every_task(
+    redis_server: RedisServer, make_transport: Callable[..., RedisTransport]
+) -> None:
+    before = asyncio.all_tasks()
+    handler = RecordingHandler("a")
+    backoff = RecordingBackoff(initial=5.0, cap=5.0)  # stop() must not wait for it
+    transport = make_transport(handler, redis_server.url, channel(), backoff=backoff)
+    await transport.start()
+    assert await transport.wait_open(3)
+    await asyncio.to_thread(redis_server.stop)
+    await eventually("session.closed()", lambda: handler.session.closed_calls == 1)
+    await eventually("a backoff delay", lambda: len(backoff.delays) == 1)
+    started = time.monotonic()
+    await transport.stop()
+    assert time.monotonic() - started < 0.5
+    await assert_no_tasks_left(before)
+    with pytest.raises(RuntimeError, match="once"):
+        await transport.start()
+
+
+async def test_stop_before_start_and_bad_settings() -> None:
+    handler = RecordingHandler("a")
+    transport = RedisTransport(handler, url="redis://127.0.0.1:1/0", channel="c")
+    await transport.stop()
+    assert not await transport.wait_open(0)
+    with pytest.raises(ValueError, match="redis://"):
+        RedisTransport(handler, url="http://:secret@example.com/", channel="c")
+    with pytest.raises(ValueError, match="ping_interval"):
+        RedisTransport(handler, url="redis://localhost/0", channel="c", ping_interval=0)

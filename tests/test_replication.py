@@ -1,0 +1,292 @@
+"""Replication end to end: instances on a real PostgreSQL, talking over a real Redis or
+real TCP sockets. Every row reaches every other instance exactly once, in order,
+through live RDATA or catch-up, across disconnects and restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from plait import Database
+from plait.instance import Instance
+from redis_server import RedisServer
+from replication_helpers import Cluster, Seen, create_tables, until, write, write_many
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["redis", "tcp"])
+async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
+    await create_tables(db)
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+    cluster = Cluster(db, request.param, redis_url=url, hub="hub")
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+
+
+@pytest.fixture
+async def redis_cluster(db: Database, redis_server: RedisServer) -> AsyncIterator[Cluster]:
+    """On a Redis server of the test's own, which the test may stop and start."""
+    await create_tables(db)
+    cluster = Cluster(db, "redis", redis_url=redis_server.url)
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+
+
+async def started(cluster: Cluster, name: str, seen: Seen | None = None) -> Instance:
+    instance = cluster.instance(name)
+    if seen is not None:
+        instance.on_rows("events", seen.on_rows)
+    return await cluster.start(instance)
+
+
+async def connected(*instances: Instance) -> None:
+    """Until every instance's connections are up (every stream caught up)."""
+    await until(lambda: all(_up(i) for i in instances))
+
+
+def _up(instance: Instance) -> bool:
+    text = instance.metrics.render().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("plait_connection_up{")]
+    return bool(lines) and all(ln.endswith(" 1.0") for ln in lines)
+
+
+def metric(instance: Instance, name: str, **labels: str) -> float:
+    value = instance.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_live_rows_reach_other_instances_in_order_with_batches_together(
+    cluster: Cluster,
+) -> None:
+    seen_r, seen_w1 = Seen(), Seen()
+    instances = []
+    if cluster.transport == "tcp":
+        instances.append(await started(cluster, "hub"))
+    w1 = await started(cluster, "w1", seen_w1)
+    w2 = await started(cluster, "w2")
+    r = await started(cluster, "r", seen_r)
+    await connected(*instances, w1, w2, r)
+
+    expected = []
+    for i in range(10):
+        sid = await write(w1, f"a{i}")
+        expected.append(("events", sid, "w1", f"a{i}.0"))
+    batch_id = await write(w1, "batch", rows=3)
+    expected += [("events", batch_id, "w1", f"batch.{i}") for i in range(3)]
+    for i in range(5):
+        sid = await write(w2, f"b{i}")
+        expected.append(("events", sid, "w2", f"b{i}.0"))
+
+    await seen_r.wait(len(expected))
+    assert sorted(seen_r.rows, key=lambda r: (r[1], r[3])) == sorted(
+        expected, key=lambda r: (r[1], r[3])
+    )
+    for writer in ("w1", "w2"):  # in order per writer
+        ids = [row[1] for row in seen_r.rows if row[2] == writer]
+        assert ids == sorted(ids)
+    batch_calls = [rows for _, token, rows in seen_r.calls if token == batch_id]
+    assert batch_calls == [[("events", batch_id, "w1", f"batch.{i}") for i in range(3)]]
+    # w1 sees w2's rows but never its own echoes.
+    await seen_w1.wait(5)
+    assert {row[2] for row in seen_w1.rows} == {"w2"}
+    assert await r.wait_for_stream_position("w1", "events", batch_id, timeout=5)
+    await asyncio.sleep(0.3)
+    assert len(seen_r.rows) == len(expected)  # nothing repeated later
+
+
+async def test_redis_restart_while_writers_write_every_row_arrives_exactly_once(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    """≥ 250 rows missed with a page size of 100; two tables merged under one upto."""
+    seen = Seen()
+    w1 = await started(redis_cluster, "w1")
+    w2 = await started(redis_cluster, "w2")
+    r = await started(redis_cluster, "r", seen)
+    await connected(w1, w2, r)
+    first = await write(w1, "before")
+    await seen.wait(1)
+
+    redis_server.stop()
+    missed = [await write(w1, f"both{i}", both_tables=True) for i in range(30)]
+    bulk = await write_many(w1, 260, "bulk")
+    other = await write_many(w2, 40, "other")
+    redis_server.start()
+    live = await write(w2, "after")
+
+    expected_count = 1 + 60 + 260 + 40 + 1
+    await seen.wait(expected_count, within=30)
+    await asyncio.sleep(0.5)
+    rows = seen.rows
+    assert len(rows) == expected_count == len(set(rows))  # exactly once
+    ids = {row[1] for row in rows}
+    assert ids == {first, live, *missed, *bulk, *other}
+    for sid in missed:  # both tables' rows of every ID
+        assert {row[0] for row in rows if row[1] == sid} == {"events", "events_extra"}
+    for writer in ("w1", "w2"):
+        order = [row[1] for row in rows if row[2] == writer]
+        assert order == sorted(order)
+    assert metric(r, "plait_catch_up_pages_total", stream="events") >= 3
+    assert metric(r, "plait_catch_up_rows_total", stream="events") >= 300
+    assert r.generator("events").get_positions()["w1"] >= bulk[-1]
+
+
+async def test_a_failure_during_catch_up_backs_off_and_then_catches_up(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    seen = Seen()
+    w1 = await started(redis_cluster, "w1")
+    r_instance = redis_cluster.instance("r")
+    failing = {"on": False}
+    codec = r_instance._codecs["events"]
+    from_db = codec.from_db
+
+    def flaky(row: Any) -> Any:
+        if failing["on"]:
+            raise OSError("injected: catch-up read failed")
+        return from_db(row)
+
+    codec.from_db = flaky  # type: ignore[method-assign]
+    r_instance.on_rows("events", seen.on_rows)
+    r = await redis_cluster.start(r_instance)
+    await connected(w1, r)
+
+    redis_server.stop()
+    ids = await write_many(w1, 50, "missed")
+    failing["on"] = True
+    redis_server.start()
+    before = metric(r, "plait_reconnects_total", link="redis")
+    await asyncio.sleep(1.6)
+    attempts = metric(r, "plait_reconnects_total", link="redis") - before
+    # 0.05 s doubling: a handful of attempts, never a tight loop.
+    assert 2 <= attempts <= 7, attempts
+    assert seen.rows == []
+    failing["on"] = False
+    await seen.wait(50, within=20)
+    assert [row[1] for row in seen.rows] == ids
+    await connected(r)
+
+
+async def test_stale_and_malformed_lines_change_nothing(redis_cluster: Cluster) -> None:
+    seen = Seen()
+    w1 = await started(redis_cluster, "w1")
+    r = await started(redis_cluster, "r", seen)
+    await connected(w1, r)
+    sid = await write(w1, "x")
+    await seen.wait(1)
+    position = r.generator("events").get_positions()["w1"]
+    publisher = aioredis.Redis.from_url(redis_cluster.redis_url)
+    channel = r.config.channel
+    try:
+        for line in (
+            f'RDATA events w1 {sid} ["events",{sid},"w1","again"]',  # stale: seen already
+            f'RDATA events w1 {sid - 1} ["events",1,"w1","older"]',
+            "RDATA events w1 notanumber []",
+            "POSITION events w1 9",
+            "\xff\xfe garbage",
+        ):
+            await publisher.publish(channel, line)
+        await asyncio.sleep(0.3)
+        assert len(seen.rows) == 1
+        assert r.generator("events").get_positions()["w1"] == position
+        assert metric(r, "plait_bad_command_lines_total", link="redis") >= 3
+        await write(w1, "y")  # the connection still works
+        await seen.wait(2)
+    finally:
+        await publisher.aclose()
+
+
+async def test_an_idle_writer_lets_the_linear_position_advance(cluster: Cluster) -> None:
+    announce = 0.5
+    names = (["hub"] if cluster.transport == "tcp" else []) + ["w1", "w2", "r"]
+    instances = {}
+    for name in names:
+        inst = cluster.instance(name, replication={"announce_interval": announce})
+        instances[name] = await cluster.start(inst)
+    await connected(*instances.values())
+    w1, r = instances["w1"], instances["r"]
+    last = 0
+    for i in range(5):
+        last = await write(w1, f"busy{i}")
+        await asyncio.sleep(0.05)
+    done = time.monotonic()
+    gen = r.generator("events")
+    await until(lambda: gen.get_persisted_upto_position() >= last, within=5, step=0.005)
+    elapsed = time.monotonic() - done
+    assert elapsed <= announce + 0.1, elapsed
+
+
+async def test_wait_for_stream_position_and_read_your_writes(cluster: Cluster) -> None:
+    seen_r = Seen()
+    if cluster.transport == "tcp":
+        await started(cluster, "hub")
+    w1 = await started(cluster, "w1")
+    r_instance = cluster.instance("r")
+    r_instance.on_rows("events", seen_r.on_rows)
+
+    async def bodies(args: Any) -> list[str]:
+        return [row[3] for row in seen_r.rows if row[2] == args["writer"]]
+
+    r_instance.register_endpoint("bodies", bodies)
+    r = await cluster.start(r_instance)
+    await connected(w1, r)
+
+    sid = await write(w1, "mine")
+    assert await r.wait_for_stream_position("w1", "events", sid, timeout=5)
+    assert await r.wait_for_stream_position("r", "events", 10**9)  # self: at once
+    started_at = time.monotonic()
+    assert not await r.wait_for_stream_position("w1", "events", sid + 1000, timeout=0.2)
+    assert 0.2 <= time.monotonic() - started_at < 1
+    assert metric(r, "plait_wait_timeouts_total", stream="events") == 1
+
+    for i in range(5):  # each call sees the write just before it
+        await write(w1, f"ryw{i}")
+        assert f"ryw{i}.0" in await w1.call("r", "bodies", {"writer": "w1"})
+
+
+async def test_in_memory_stream_catches_up_over_http_and_detects_a_reset(
+    cluster: Cluster,
+) -> None:
+    typing_rows: list[tuple[str, int, Any]] = []
+    resets: list[str] = []
+    departed: list[str] = []
+    if cluster.transport == "tcp":
+        await started(cluster, "hub")
+    w1 = await started(cluster, "w1")
+    typing = w1.memory("typing")
+    typing.write("room1", {"room": "room1", "users": ["alice"]})
+    typing.write("room2", {"room": "room2", "users": ["bob"]})
+    typing.write("room1", {"room": "room1", "users": []})
+
+    r_instance = cluster.instance("r")
+    r_instance.on_rows(
+        "typing", lambda s, w, t, rows: typing_rows.extend((w, t, row) for row in rows)
+    )
+    r_instance.on_reset("typing", lambda s, w: resets.append(w))
+    r_instance.on_departure(departed.append)
+    r = await cluster.start(r_instance)
+    await connected(w1, r)
+    # Caught up over HTTP: the latest row of each room, the first time as a reset.
+    assert [row["users"] for _, _, row in typing_rows] == [["bob"], []]
+    assert resets == ["w1"]
+    token = typing.write("room3", {"room": "room3", "users": ["carol"]})
+    assert await r.wait_for_stream_position("w1", "typing", token, timeout=5)
+    assert typing_rows[-1][2]["users"] == ["carol"]
+
+    await w1.stop()  # clean shutdown: peers hear of it at once
+    await until(lambda: departed == ["w1"], within=5)
+    typing_rows.clear()
+    w1_again = await started(cluster, "w1")
+    w1_again.memory("typing").write("room9", {"room": "room9", "users": ["dan"]})
+    await until(lambda: bool(typing_rows))
+    assert resets == ["w1", "w1"]  # the restarted writer lost its rows: a reset
+    assert [row["room"] for _, _, row in typing_rows] == ["room9"]

@@ -1,0 +1,681 @@
+"""The TCP transport over real sockets on 127.0.0.1: handshake, relay order, pings and
+dead peers, the send-queue limit, framing errors, reconnects with backoff, and that
+stop() ends every task. The handler is a recording test double (the transport is under
+test); misbehaving peers are bare sockets speaking the protocol by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import pytest
+
+from plait.core.backoff import Backoff
+from plait.core.commands import MAX_LINE_BYTES
+from plait.replication.link import Link
+from plait.replication.metrics import ReplicationMetrics
+from plait.replication.tcp_transport import TcpClient, TcpHub
+
+HOST = "127.0.0.1"
+WAIT = 3.0  # how long any one expected event may take before the test fails
+
+
+# -- the test double: a handler that records -------------------------------------------
+
+
+class RecordingSession:
+    def __init__(self, handler: RecordingHandler, link: Link) -> None:
+        self.handler = handler
+        self.link = link
+        self.lines: list[str] = []
+        self.closed_calls = 0
+
+    def received(self, line: str | bytes) -> None:
+        self.lines.append(line.decode(errors="replace") if isinstance(line, bytes) else line)
+
+    async def wait_up(self) -> None:
+        await self.handler.up.wait()
+        self.handler.events.append(f"wait_up returned: {self.link.label}")
+
+    def closed(self) -> None:
+        self.closed_calls += 1
+        self.handler.events.append(f"closed: {self.link.label}")
+
+    def matching(self, prefix: str) -> list[str]:
+        return [line for line in self.lines if line.startswith(prefix)]
+
+
+class RecordingHandler:
+    """Records what the transport does to it; `open` sends REPLICATE, as the real one
+    does; `wait_up` returns once the test sets `up`."""
+
+    def __init__(self, name: str, *, up: bool = True, events: list[str] | None = None) -> None:
+        self.instance_name = name
+        self.sessions: list[RecordingSession] = []
+        self.up = asyncio.Event()
+        if up:
+            self.up.set()
+        self.events = events if events is not None else []
+
+    def open(self, link: Link, *, reply_errors: bool) -> RecordingSession:
+        assert reply_errors
+        session = RecordingSession(self, link)
+        self.sessions.append(session)
+        self.events.append(f"open: {link.label}")
+        link.send("REPLICATE")
+        return session
+
+    def live(self) -> list[RecordingSession]:
+        return [s for s in self.sessions if not s.closed_calls]
+
+    def session_of(self, label: str) -> RecordingSession:
+        (session,) = [s for s in self.live() if s.link.label == label]
+        return session
+
+    def send_all(self, line: str) -> None:
+        """What the hub's handler does for its own commands: send through every link."""
+        for session in self.live():
+            session.link.send(line)
+
+
+class RecordingBackoff(Backoff):
+    """No jitter, and a record of every delay asked for and every `up()`."""
+
+    def __init__(self, events: list[str], *, initial: float = 0.02, cap: float = 1.0) -> None:
+        super().__init__(initial=initial, cap=cap, factor=2.0, jitter=0.0)
+        self.events = events
+        self.delays: list[float] = []
+        self.ups = 0
+
+    def next_delay(self) -> float:
+        delay = super().next_delay()
+        self.delays.append(delay)
+        return delay
+
+    def up(self) -> None:
+        self.ups += 1
+        self.events.append("backoff up")
+        super().up()
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+async def eventually(check: Callable[[], bool], what: str, within: float = WAIT) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {within}s: {what}")
+        await asyncio.sleep(0.005)
+
+
+@asynccontextmanager
+async def running_hub(handler: RecordingHandler, **options: Any) -> AsyncIterator[TcpHub]:
+    hub = TcpHub(handler, host=HOST, **options)
+    await hub.start()
+    try:
+        yield hub
+    finally:
+        await hub.stop()
+
+
+@asynccontextmanager
+async def running_client(
+    handler: RecordingHandler, port: int, **options: Any
+) -> AsyncIterator[TcpClient]:
+    client = TcpClient(handler, host=HOST, port=port, **options)
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.stop()
+
+
+class RawPeer:
+    """One end of a connection driven by hand."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def connect(cls, port: int) -> RawPeer:
+        reader, writer = await asyncio.open_connection(HOST, port, limit=4 * MAX_LINE_BYTES)
+        return cls(reader, writer)
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def line(self) -> str:
+        async with asyncio.timeout(WAIT):
+            raw = await self.reader.readline()
+        assert raw.endswith(b"\n"), f"connection ended instead: {raw!r}"
+        return raw.decode().rstrip("\n")
+
+    async def rest(self) -> list[str]:
+        """Every line until the other end hangs up."""
+        async with asyncio.timeout(WAIT):
+            data = await self.reader.read()
+        return data.decode().splitlines()
+
+    async def handshake(self, name: str) -> None:
+        await self.send(f"NAME {name}\n".encode())
+        assert (await self.line()).startswith("SERVER ")
+
+    async def close(self) -> None:
+        self.writer.close()
+        with suppress(OSError):
+            await self.writer.wait_closed()
+
+
+class FakeHub:
+    """A listening socket whose connections the test answers by hand."""
+
+    def __init__(self) -> None:
+        self.peers: asyncio.Queue[RawPeer] = asyncio.Queue()
+        self.accepted: list[RawPeer] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> FakeHub:
+        self.server = await asyncio.start_server(self._accept, HOST, 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for peer in self.accepted:
+            await peer.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = RawPeer(reader, writer)
+        self.accepted.append(peer)
+        self.peers.put_nowait(peer)
+
+    async def accept(self) -> RawPeer:
+        async with asyncio.timeout(WAIT):
+            return await self.peers.get()
+
+
+# -- 1. handshake ------------------------------------------------------------------------
+
+
+async def test_hub_answers_name_with_server_then_opens_a_session() -> None:
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler) as hub:
+        peer = await RawPeer.connect(hub.port)
+        await asyncio.sleep(0.05)
+        assert hub_handler.sessions == []  # nothing opens before NAME
+        await peer.send(b"NAME raw\r\n")  # "\r\n" is accepted too
+        assert await peer.line() == "SERVER hub"
+        assert await peer.line() == "REPLICATE"  # the hub's handler opened, and sent
+        assert [s.link.label for s in hub_handler.sessions] == ["tcp:raw"]
+        await peer.send(b"REPLICATE\r\n")
+        await eventually(lambda: hub_handler.sessions[0].lines == ["REPLICATE"], "hub got it")
+        await peer.close()
+        await eventually(lambda: hub_handler.sessions[0].closed_calls == 1, "session closed")
+
+
+async def test_client_sends_name_and_opens_only_after_server() -> None:
+    handler = RecordingHandler("c1")
+    async with FakeHub() as fake, running_client(handler, fake.port) as client:
+        assert client.label == "tcp:hub"
+        hub_end = await fake.accept()
+        assert await hub_end.line() == "NAME c1"
+        await asyncio.sleep(0.05)
+        assert handler.sessions == []
+        assert not await client.wait_open(0.01)
+        await hub_end.send(b"SERVER fake\n")
+        assert await client.wait_open(WAIT)
+        assert await hub_end.line() == "REPLICATE"  # the client's handler opened, and sent
+        await hub_end.send(b"REPLICATE\n")
+        await eventually(lambda: handler.sessions[0].lines == ["REPLICATE"], "client got it")
+        assert handler.sessions[0].link.label == "tcp:hub"
+        await hub_end.close()
+        await eventually(lambda: handler.sessions[0].closed_calls == 1, "session closed")
+
+
+async def test_hub_and_client_open_sessions_on_both_ends() -> None:
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1", up=False)
+    metrics = ReplicationMetrics()
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("plait_connection_up", {"link": "tcp:c1"})
+
+    async with running_hub(hub_handler, metrics=metrics) as hub:
+        async with running_client(handler, hub.port) as client:
+            assert await client.wait_open(WAIT)
+            await eventually(lambda: len(hub_handler.sessions) == 1, "the hub opened")
+            hub_session, session = hub_handler.sessions[0], handler.sessions[0]
+            assert hub_session.link.label == "tcp:c1"
+            # each end's REPLICATE (sent by open) reached the other end's session
+            await eventually(lambda: session.lines == ["REPLICATE"], "the hub's line at the client")
+            await eventually(lambda: hub_session.lines == ["REPLICATE"], "the client's at the hub")
+            # the hub reports a connection up once its session says so
+            await eventually(lambda: gauge() == 1.0, "up at the hub")
+        await eventually(lambda: hub_session.closed_calls == 1, "closed at the hub")
+        assert gauge() == 0.0
+
+
+async def test_either_handler_can_drop_a_connection() -> None:
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+    async with (
+        running_hub(hub_handler) as hub,
+        running_client(handler, hub.port, backoff=Backoff(initial=0.02)) as client,
+    ):
+        assert await client.wait_open(WAIT)
+        handler.sessions[0].link.close()  # e.g. catching up failed on this connection
+        await eventually(
+            lambda: len(handler.sessions) == len(hub_handler.sessions) == 2, "a new connection"
+        )
+        await eventually(lambda: len(hub_handler.live()) == len(handler.live()) == 1, "one each")
+        hub_handler.sessions[1].link.close()  # and the hub's end of the new one
+        await eventually(
+            lambda: len(handler.sessions) == len(hub_handler.sessions) == 3, "another connection"
+        )
+        await eventually(lambda: len(hub_handler.live()) == len(handler.live()) == 1, "one each")
+        assert [s.closed_calls for s in handler.sessions] == [1, 1, 0]
+        assert [s.closed_calls for s in hub_handler.sessions] == [1, 1, 0]
+
+
+# -- 2. relay ----------------------------------------------------------------------------
+
+
+async def test_hub_relays_to_every_other_client_in_order_and_never_back() -> None:
+    hub_handler = RecordingHandler("hub")
+    handlers = {name: RecordingHandler(name) for name in "abc"}
+    async with (
+        running_hub(hub_handler) as hub,
+        running_client(handlers["a"], hub.port) as a,
+        running_client(handlers["b"], hub.port) as b,
+        running_client(handlers["c"], hub.port) as c,
+    ):
+        for client in (a, b, c):
+            assert await client.wait_open(WAIT)
+        await eventually(lambda: len(hub_handler.live()) == 3, "three clients at the hub")
+        a_session, b_session, c_session = (handlers[n].sessions[0] for n in "abc")
+        others = (b_session, c_session, hub_handler.session_of("tcp:a"))
+
+        lines = [f"POSITION s a {i} {i + 1}" for i in range(1000)]
+        for line in lines:
+            a_session.link.send(line)
+        await eventually(
+            lambda: all(len(s.matching("POSITION s a")) == 1000 for s in others), "all lines"
+        )
+        for session in others:
+            assert session.matching("POSITION s a") == lines  # verbatim, in order
+        # Not relayed: the transport's own commands (never handed on at all) and ERROR
+        # (for the hub's session only); a marker line shows the rest has arrived.
+        for line in ("PING 1", "NAME z", "SERVER z", "ERROR oops", "POSITION s a 1000 1001"):
+            a_session.link.send(line)
+        await eventually(lambda: all("POSITION s a 1000 1001" in s.lines for s in others), "mark")
+        for session in others:
+            for prefix in ("PING", "NAME", "SERVER"):
+                assert session.matching(prefix) == []
+        assert [s.matching("ERROR") for s in others] == [[], [], ["ERROR oops"]]
+
+        # the hub's handler sends its own commands through each link
+        hub_handler.send_all("POSITION s hub 0 7")
+        clients = (a_session, b_session, c_session)
+        await eventually(lambda: all("POSITION s hub 0 7" in s.lines for s in clients), "hub's")
+        await asyncio.sleep(0.05)
+        assert a_session.matching("POSITION s a") == []  # never echoed to its sender
+        for handler in (hub_handler, *handlers.values()):
+            assert all(s.closed_calls == 0 for s in handler.sessions)
+
+
+# -- 3. pings and dead peers -------------------------------------------------------------
+
+
+async def test_hub_pings_and_closes_a_peer_that_goes_silent() -> None:
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler, ping_interval=0.05, dead_after=0.4) as hub:
+        peer = await RawPeer.connect(hub.port)
+        await peer.handshake("quiet")
+        started = time.monotonic()
+        lines = await peer.rest()  # it says nothing more, so the hub hangs up
+        elapsed = time.monotonic() - started
+        assert 0.35 <= elapsed < 1.5, elapsed
+        assert lines[0] == "REPLICATE"
+        pings = lines[1:]
+        assert len(pings) >= 3
+        assert all(p.startswith("PING ") for p in pings), pings
+        assert abs(int(pings[-1].split()[1]) - time.time() * 1000) < 5000  # the sender's clock
+        await eventually(lambda: hub_handler.sessions[0].closed_calls == 1, "session closed")
+        await peer.close()
+
+
+async def test_pings_keep_a_quiet_connection_up_and_never_reach_sessions() -> None:
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+    fast = {"ping_interval": 0.05, "dead_after": 0.25}
+    async with (
+        running_hub(hub_handler, **fast) as hub,
+        running_client(handler, hub.port, **fast) as client,
+    ):
+        assert await client.wait_open(WAIT)
+        await asyncio.sleep(0.6)  # several dead_after periods with nothing but pings
+        assert len(handler.sessions) == len(hub_handler.sessions) == 1
+        assert handler.sessions[0].closed_calls == hub_handler.sessions[0].closed_calls == 0
+        assert handler.sessions[0].lines == hub_handler.sessions[0].lines == ["REPLICATE"]
+
+
+async def test_client_pings_and_reconnects_when_the_hub_goes_silent() -> None:
+    handler = RecordingHandler("c1")
+    async with (
+        FakeHub() as fake,
+        running_client(
+            handler, fake.port, ping_interval=0.05, dead_after=0.3, backoff=Backoff(initial=0.02)
+        ),
+    ):
+        hub_end = await fake.accept()
+        assert await hub_end.line() == "NAME c1"
+        await hub_end.send(b"SERVER fake\n")
+        assert await hub_end.line() == "REPLICATE"
+        assert (await hub_end.line()).startswith("PING ")
+        assert (await hub_end.line()).startswith("PING ")
+        started = time.monotonic()
+        second = await fake.accept()  # silent hub: the client gives up and comes back
+        assert 0.15 <= time.monotonic() - started < 1.5
+        assert handler.sessions[0].closed_calls == 1
+        assert await second.line() == "NAME c1"
+
+
+# -- 4. the send-queue limit -------------------------------------------------------------
+
+
+async def test_overflowing_the_send_queue_sends_error_and_closes_only_that_peer() -> None:
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
+    async with (
+        running_hub(hub_handler, send_queue=10) as hub,
+        running_client(other, hub.port) as client,
+    ):
+        assert await client.wait_open(WAIT)
+        peer = await RawPeer.connect(hub.port)
+        await peer.handshake("slow")
+        assert await peer.line() == "REPLICATE"
+        await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
+        slow_link = hub_handler.session_of("tcp:slow").link
+        other_link = hub_handler.session_of("tcp:other").link
+        for i in range(11):  # one more than the queue holds, before the writer can run
+            slow_link.send(f"POSITION s hub {i} {i + 1}")
+        for i in range(10):  # exactly what the queue holds
+            other_link.send(f"POSITION s hub {i} {i + 1}")
+        rest = await peer.rest()
+        assert len(rest) == 1
+        assert rest[0].startswith("ERROR send queue full (10 lines)")
+        await eventually(lambda: hub_handler.sessions[1].closed_calls == 1, "slow peer closed")
+        slow_link.send("POSITION s hub 99 100")  # dropped, and no error
+        await eventually(lambda: len(other.sessions[0].matching("POSITION")) == 10, "other")
+        assert other.sessions[0].closed_calls == 0
+        assert len(hub_handler.live()) == 1
+        await peer.close()
+
+
+def _small_window_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
+    sock.setblocking(False)
+    return sock
+
+
+async def _recv_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """One line from a bare socket, read a byte at a time so nothing more is consumed."""
+    data = b""
+    async with asyncio.timeout(WAIT):
+        while not data.endswith(b"\n"):
+            byte = await loop.sock_recv(sock, 1)
+            assert byte, "the hub hung up"
+            data += byte
+    return data
+
+
+async def test_a_peer_that_never_reads_is_closed_and_others_get_everything() -> None:
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
+    loop = asyncio.get_running_loop()
+    async with (
+        running_hub(hub_handler, send_queue=10) as hub,
+        running_client(other, hub.port) as client,
+    ):
+        assert await client.wait_open(WAIT)
+        sock = _small_window_socket()
+        try:
+            await loop.sock_connect(sock, (HOST, hub.port))
+            await loop.sock_sendall(sock, b"NAME stuck\n")
+            assert await _recv_line(loop, sock) == b"SERVER hub\n"
+            await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
+            stuck = hub_handler.session_of("tcp:stuck")
+            # From here on the peer reads nothing: its window and the hub's buffers fill,
+            # the writer waits in drain(), and the queue overflows.
+            sent = 0
+            payload = "x" * 16_000
+            async with asyncio.timeout(WAIT):
+                while not stuck.closed_calls:
+                    hub_handler.send_all(f"POSITION s hub {sent} {sent + 1} {payload}")
+                    sent += 1
+                    await asyncio.sleep(0.001)
+            assert sent > 10
+            # The ERROR came after everything already written; the hub still lets the
+            # peer read it before hanging up.
+            data = b""
+            async with asyncio.timeout(WAIT):
+                while chunk := await loop.sock_recv(sock, 1 << 20):
+                    data += chunk
+            last = data.decode().splitlines()[-1]
+            assert last.startswith("ERROR send queue full (10 lines)"), last[:100]
+        finally:
+            sock.close()
+        # the other client got every line, in order, and stayed up
+        await eventually(lambda: len(other.sessions[0].matching("POSITION")) == sent, "all")
+        numbers = [int(line.split()[3]) for line in other.sessions[0].matching("POSITION")]
+        assert numbers == list(range(sent))
+        assert other.sessions[0].closed_calls == 0
+
+
+# -- 5. framing and handshake errors -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "error"),
+    [
+        pytest.param(
+            b"HELLO there\n",
+            "ERROR expected NAME <name> first: unknown command 'HELLO'",
+            id="unknown command",
+        ),
+        pytest.param(b"PING 5\n", "ERROR expected NAME <name> first, got PING", id="not NAME"),
+        pytest.param(
+            b"NAME two words\n",
+            "ERROR expected NAME <name> first: bad name name 'two words'",
+            id="bad name",
+        ),
+        pytest.param(
+            b"\xff\xfe\n", "ERROR expected NAME <name> first: line is not UTF-8", id="not UTF-8"
+        ),
+        pytest.param(b"N" * (MAX_LINE_BYTES + 10) + b"\n", "ERROR line too long", id="too long"),
+    ],
+)
+async def test_a_bad_first_line_is_answered_with_error_and_closed(first: bytes, error: str) -> None:
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler) as hub:
+        peer = await RawPeer.connect(hub.port)
+        await peer.send(first)
+        rest = await peer.rest()
+        assert len(rest) == 1
+        assert rest[0].startswith(error), rest[0][:200]
+        assert hub_handler.sessions == []
+        await peer.close()
+
+
+async def test_no_name_within_the_handshake_timeout_is_answered_with_error_and_closed() -> None:
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler, handshake_timeout=0.2) as hub:
+        peer = await RawPeer.connect(hub.port)
+        started = time.monotonic()
+        assert await peer.rest() == ["ERROR expected NAME <name> within 0.2s"]
+        assert 0.15 <= time.monotonic() - started < 1.5
+        assert hub_handler.sessions == []
+        await peer.close()
+
+
+async def test_line_limit_after_the_handshake() -> None:
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
+    async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
+        assert await client.wait_open(WAIT)
+        peer = await RawPeer.connect(hub.port)
+        await peer.handshake("raw")
+        assert await peer.line() == "REPLICATE"
+        await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
+        at_hub = hub_handler.session_of("tcp:raw")
+        # exactly the limit (with "\r\n") is fine, and relayed
+        longest = "RDATA " + "x" * (MAX_LINE_BYTES - 6)
+        await peer.send(longest.encode() + b"\r\n")
+        await eventually(lambda: at_hub.lines == [longest], "the longest line at the hub")
+        await eventually(lambda: longest in other.sessions[0].lines, "relayed")
+        # a line that is not UTF-8 goes to the session (which answers it), never relayed
+        await peer.send(b"RDATA \xff\n")
+        await eventually(lambda: len(at_hub.lines) == 2, "the bad line at the hub")
+        # one byte over: ERROR, and the connection closes
+        await peer.send(b"y" * (MAX_LINE_BYTES + 1) + b"\n")
+        rest = await peer.rest()
+        assert rest[-1].startswith("ERROR line too long")
+        await eventually(lambda: at_hub.closed_calls == 1, "session closed")
+        assert len(other.sessions[0].lines) == 2  # REPLICATE and the longest line
+        assert other.sessions[0].closed_calls == 0
+        await peer.close()
+
+
+# -- 6. reconnects and backoff -------------------------------------------------------
+
+
+async def test_client_reconnects_with_growing_delays_and_resets_only_when_up() -> None:
+    events: list[str] = []
+    hub_handler = RecordingHandler("hub")
+    handler = RecordingHandler("c1", up=False, events=events)
+    backoff = RecordingBackoff(events)
+    metrics = ReplicationMetrics()
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("plait_connection_up", {"link": "tcp:hub"})
+
+    def reconnects() -> float:
+        value = metrics.registry.get_sample_value("plait_reconnects_total", {"link": "tcp:hub"})
+        return value or 0.0
+
+    hub = TcpHub(hub_handler, host=HOST)
+    await hub.start()
+    port = hub.port
+    async with running_client(handler, port, backoff=backoff, metrics=metrics) as client:
+        try:
+            assert await client.wait_open(WAIT)
+            await asyncio.sleep(0.1)
+            assert backoff.ups == 0  # open is not up: the session has not caught up
+            assert gauge() in (None, 0.0)
+            handler.up.set()
+            await eventually(lambda: backoff.ups == 1, "backoff reset once up")
+            assert events == ["open: tcp:hub", "wait_up returned: tcp:hub", "backoff up"]
+            assert gauge() == 1.0
+        finally:
+            await hub.stop()
+
+        await eventually(lambda: handler.sessions[0].closed_calls == 1, "session closed")
+        assert gauge() == 0.0
+        await eventually(lambda: len(backoff.delays) >= 4, "four refused attempts")
+        assert backoff.delays[:4] == pytest.approx([0.02, 0.04, 0.08, 0.16])
+        assert reconnects() >= 3
+        assert backoff.ups == 1
+        assert not await client.wait_open(0.01)
+
+        async with running_hub(hub_handler, port=port):
+            assert await client.wait_open(WAIT)
+            await eventually(lambda: backoff.ups == 2, "up again")
+            assert len(handler.sessions) == 2
+            assert handler.sessions[1].closed_calls == 0
+            assert events[-3:] == ["open: tcp:hub", "wait_up returned: tcp:hub", "backoff up"]
+            assert gauge() == 1.0
+
+
+async def test_a_connection_that_fails_before_it_is_up_keeps_growing_the_delay() -> None:
+    events: list[str] = []
+    handler = RecordingHandler("c1", up=False, events=events)
+    backoff = RecordingBackoff(events)
+    async with FakeHub() as fake, running_client(handler, fake.port, backoff=backoff):
+        for _ in range(5):  # handshake, then hang up at once: never up
+            hub_end = await fake.accept()
+            assert await hub_end.line() == "NAME c1"
+            await hub_end.send(b"SERVER fake\n")
+            await hub_end.close()
+        await eventually(lambda: len(backoff.delays) >= 5, "five failures")
+        assert backoff.delays[:5] == pytest.approx([0.02, 0.04, 0.08, 0.16, 0.32])
+        assert backoff.ups == 0
+        assert [s.closed_calls for s in handler.sessions[:5]] == [1] * 5
+
+
+async def test_client_treats_error_in_the_handshake_as_a_failure() -> None:
+    handler = RecordingHandler("c1")
+    backoff = RecordingBackoff([])
+    async with FakeHub() as fake, running_client(handler, fake.port, backoff=backoff):
+        hub_end = await fake.accept()
+        assert await hub_end.line() == "NAME c1"
+        await hub_end.send(b"ERROR go away\n")
+        second = await fake.accept()
+        assert await second.line() == "NAME c1"
+        assert handler.sessions == []
+        assert backoff.delays == [pytest.approx(0.02)]
+
+
+# -- 7. lifetimes ------------------------------------------------------------------------
+
+
+async def test_stop_ends_every_task_promptly() -> None:
+    before = asyncio.all_tasks()
+    hub_handler = RecordingHandler("hub")
+    handlers = [RecordingHandler(f"c{i}") for i in range(3)]
+    hub = TcpHub(hub_handler, host=HOST, ping_interval=0.05)
+    await hub.start()
+    clients = [TcpClient(h, host=HOST, port=hub.port, ping_interval=0.05) for h in handlers]
+    for client in clients:
+        await client.start()
+    for client in clients:
+        assert await client.wait_open(WAIT)
+    handshaking = await RawPeer.connect(hub.port)  # stopped in the middle of its handshake
+    await eventually(lambda: len(hub_handler.live()) == 3, "three clients at the hub")
+    handlers[0].sessions[0].link.send("POSITION s c0 0 1")
+    hub_handler.send_all("POSITION s hub 0 1")
+    await asyncio.sleep(0.1)
+    assert len(asyncio.all_tasks() - before) > 3 * 4  # readers, writers, pingers, watchers
+
+    started = time.monotonic()
+    await clients[0].stop()
+    await hub.stop()
+    for client in clients[1:]:
+        await client.stop()
+    assert time.monotonic() - started < 0.5
+    assert asyncio.all_tasks() - before == set()
+    assert all(s.closed_calls == 1 for h in (hub_handler, *handlers) for s in h.sessions)
+    assert await handshaking.rest() == []  # hung up without a word
+    await handshaking.close()
+
+
+async def test_stop_flushes_what_is_queued() -> None:
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+    async with running_hub(hub_handler) as hub:
+        client = TcpClient(handler, host=HOST, port=hub.port)
+        await client.start()
+        assert await client.wait_open(WAIT)
+        await eventually(lambda: len(hub_handler.sessions) == 1, "at the hub")
+        for i in range(100):  # still queued when stop() begins: a departure, say
+            handler.sessions[0].link.send(f"POSITION s c1 {i} {i + 1}")
+        await client.stop()
+        at_hub = hub_handler.sessions[0]
+        await eventually(lambda: at_hub.closed_calls == 1, "closed at the hub")
+        assert len(at_hub.matching("POSITION")) == 100
