@@ -218,7 +218,11 @@ class Instance:
             self._handler.send(command)
 
     async def wait_for_stream_position(
-        self, instance: str, stream: str, position: int, timeout: float = DEFAULT_WAIT  # noqa: ASYNC109 (R-RP-6)
+        self,
+        instance: str,
+        stream: str,
+        position: int,
+        timeout: float = DEFAULT_WAIT,  # noqa: ASYNC109 (R-RP-6)
     ) -> bool:
         """Whether this process has seen `instance` reach `position` on `stream` within
         `timeout` seconds (R-RP-6): True at once for ourselves or a position seen
