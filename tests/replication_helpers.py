@@ -111,12 +111,19 @@ class Cluster:
     HTTP ports (so a restarted instance keeps its address), one database."""
 
     def __init__(
-        self, db: Database, transport: str, *, redis_url: str = "", hub: str = "w1"
+        self,
+        db: Database,
+        transport: str,
+        *,
+        redis_url: str = "",
+        hub: str = "w1",
+        catch_up_page_max: int = 10_000,
     ) -> None:
         self.db = db
         self.transport = transport
         self.redis_url = redis_url
         self.hub = hub
+        self.catch_up_page_max = catch_up_page_max
         self.deployment = f"t{uuid.uuid4().hex[:10]}"
         self.hub_port = free_port()
         self.ports: dict[str, int] = {}
@@ -129,6 +136,7 @@ class Cluster:
             "transport": self.transport,
             "announce_interval": 0.2,
             "catch_up_page": 100,
+            "catch_up_page_max": self.catch_up_page_max,
             "backoff_initial": 0.05,
             "backoff_cap": 1.0,
         }

@@ -33,9 +33,10 @@ async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator
 
 @pytest.fixture
 async def redis_cluster(db: Database, redis_server: RedisServer) -> AsyncIterator[Cluster]:
-    """On a Redis server of the test's own, which the test may stop and start."""
+    """On a Redis server of the test's own, which the test may stop and start; catch-up
+    pages stay at 100 rows."""
     await create_tables(db)
-    cluster = Cluster(db, "redis", redis_url=redis_server.url)
+    cluster = Cluster(db, "redis", redis_url=redis_server.url, catch_up_page_max=100)
     try:
         yield cluster
     finally:

@@ -81,7 +81,9 @@ class ReplicationConfig(_Model):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     tcp: TcpConfig | None = None
     announce_interval: float = Field(1.0, gt=0)
+    # Rows per catch-up query: the first page, doubling after each full one up to the max.
     catch_up_page: int = Field(100, ge=1, le=10_000)
+    catch_up_page_max: int = Field(10_000, ge=1, le=10_000)
     backoff_initial: float = Field(0.1, gt=0)
     backoff_cap: float = Field(30.0, gt=0)
 
@@ -89,6 +91,8 @@ class ReplicationConfig(_Model):
     def _check(self) -> ReplicationConfig:
         if self.transport == "tcp" and self.tcp is None:
             raise ValueError("transport 'tcp' needs a tcp section naming the hub instance")
+        if self.catch_up_page > self.catch_up_page_max:
+            raise ValueError("catch_up_page must not exceed catch_up_page_max")
         if self.backoff_initial > self.backoff_cap:
             raise ValueError("backoff_initial must not exceed backoff_cap")
         return self

@@ -363,6 +363,7 @@ class Instance:
             metrics=self.metrics,
             announce_interval=config.announce_interval,
             catch_up_page=config.catch_up_page,
+            catch_up_page_max=config.catch_up_page_max,
         )
         backoff = Backoff(initial=config.backoff_initial, cap=config.backoff_cap)
         if config.transport == "redis":

@@ -61,6 +61,9 @@ DepartureListener = Callable[[str], Awaitable[None] | None]
 CommandListener = Callable[[Any], Awaitable[None] | None]
 
 DEFAULT_CATCH_UP_PAGE = 100
+# Catch-up pages double after every full page up to this: a reader that missed a few
+# rows reads them in one small query; one that missed a million needs ~100 queries.
+DEFAULT_CATCH_UP_PAGE_MAX = 10_000
 # The queue key of application commands (stream names are SQL names: never this).
 _APP_QUEUE = "\x00commands"
 _TRANSPORT_COMMANDS = (Name, Server, Ping)
@@ -114,12 +117,13 @@ class ReplicationHandler:
         metrics: ReplicationMetrics,
         announce_interval: float = 1.0,
         catch_up_page: int = DEFAULT_CATCH_UP_PAGE,
+        catch_up_page_max: int = DEFAULT_CATCH_UP_PAGE_MAX,
         up_grace: float | None = None,
     ) -> None:
         if announce_interval <= 0:
             raise ValueError("announce_interval must be positive (seconds)")
-        if catch_up_page < 1:
-            raise ValueError("catch_up_page must be at least 1")
+        if not 1 <= catch_up_page <= catch_up_page_max:
+            raise ValueError("need 1 <= catch_up_page <= catch_up_page_max")
         self._name = instance_name
         self.streams = dict(streams)
         self.commands = commands
@@ -128,6 +132,7 @@ class ReplicationHandler:
         self.metrics = metrics
         self.announce_interval = announce_interval
         self.catch_up_page = catch_up_page
+        self.catch_up_page_max = catch_up_page_max
         # Configured writers that are not running never answer REPLICATE: past this,
         # a connection is up once every writer that did answer caught up.
         self.up_grace = 2 * announce_interval + 1.0 if up_grace is None else up_grace
@@ -249,11 +254,12 @@ class ReplicationHandler:
         """Read and deliver `writer`'s rows in (from, to], a page at a time."""
         name = stream.name
         low = from_exclusive
+        size = self.catch_up_page
         logger.debug(
             "replication: catching up %s/%s from %d to %d", name, writer, low, to_inclusive
         )
         while low < to_inclusive:
-            page = await stream.catch_up(writer, low, to_inclusive, self.catch_up_page)
+            page = await stream.catch_up(writer, low, to_inclusive, size)
             if page.upto <= low and page.limited:
                 raise RuntimeError(f"catch-up of {name}/{writer} made no progress past {low}")
             if page.reset:
@@ -263,6 +269,8 @@ class ReplicationHandler:
             self.metrics.catch_up_pages.labels(name).inc()
             self.metrics.catch_up_rows.labels(name).inc(len(page.rows))
             upto = max(page.upto, low) if page.limited else to_inclusive
+            if page.limited:
+                size = min(2 * size, self.catch_up_page_max)
             await self.deliver(stream, writer, upto, [row for _, row in page.rows])
             low = upto
 
