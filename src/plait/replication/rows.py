@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 from plait.storage.stream_store import StreamRow
 
 R = TypeVar("R")
+_JSON_SCALARS = frozenset({str, int, bool})
 
 
 class RowCodec(Protocol[R]):
@@ -41,7 +42,11 @@ class DictRows:
     base64), so a row looks the same whether it came live or from the database."""
 
     def from_db(self, row: StreamRow) -> dict[str, Any]:
-        return {name: jsonable(value) for name, value in row.data.items()}
+        data = row.data
+        for value in data.values():
+            if value is not None and type(value) not in _JSON_SCALARS:
+                return {name: jsonable(v) for name, v in data.items()}
+        return data  # JSON-safe already (each read builds fresh dicts: no copy needed)
 
     def to_json(self, row: dict[str, Any]) -> Any:
         return row
