@@ -46,7 +46,13 @@ def free_port() -> int:
 
 
 def config(name: str, transport: str, deployment: str, **replication: Any) -> dict[str, Any]:
-    settings: dict[str, Any] = {"transport": transport, "backoff_initial": 0.01}
+    # Reconnect at most 50 ms after the server is back: the catch-up figure should not
+    # measure how long the backoff grew while the server was down.
+    settings: dict[str, Any] = {
+        "transport": transport,
+        "backoff_initial": 0.01,
+        "backoff_cap": 0.05,
+    }
     if transport == "redis":
         settings["redis"] = {"url": replication.pop("redis_url", REDIS_URL)}
     settings.update(replication)
@@ -340,7 +346,7 @@ async def catchup(db: Database, dsn: str, rows: int) -> None:
             "plait_rows_per_s": round(rows / plait_s),
             "raw_select_rows_per_s": round(rows / raw_s),
             "plait_vs_raw": common.rnd(raw_s / plait_s, 3),
-            "note": "plait time includes reconnecting to Redis",
+            "note": "plait time includes reconnecting (<= 50 ms backoff) and REPLICATE",
             "target": ">= 0.5x",
         }
     )

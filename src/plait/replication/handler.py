@@ -254,25 +254,26 @@ class ReplicationHandler:
         """Read and deliver `writer`'s rows in (from, to], a page at a time."""
         name = stream.name
         low = from_exclusive
-        size = self.catch_up_page
-        logger.debug(
-            "replication: catching up %s/%s from %d to %d", name, writer, low, to_inclusive
+        pages = stream.catch_up(
+            writer, low, to_inclusive, self.catch_up_page, self.catch_up_page_max
         )
-        while low < to_inclusive:
-            page = await stream.catch_up(writer, low, to_inclusive, size)
-            if page.upto <= low and page.limited:
-                raise RuntimeError(f"catch-up of {name}/{writer} made no progress past {low}")
-            if page.reset:
-                logger.info("replication: %s of %s was reset (its writer restarted)", name, writer)
-                for listener in self.listeners.resets.get(name, ()):
-                    await _call(listener, name, writer)
-            self.metrics.catch_up_pages.labels(name).inc()
-            self.metrics.catch_up_rows.labels(name).inc(len(page.rows))
-            upto = max(page.upto, low) if page.limited else to_inclusive
-            if page.limited:
-                size = min(2 * size, self.catch_up_page_max)
-            await self.deliver(stream, writer, upto, [row for _, row in page.rows])
-            low = upto
+        async with contextlib.aclosing(pages):
+            async for page in pages:
+                if page.reset:
+                    logger.info(
+                        "replication: %s of %s was reset (its writer restarted)", name, writer
+                    )
+                    for listener in self.listeners.resets.get(name, ()):
+                        await _call(listener, name, writer)
+                upto = page.upto if page.limited else to_inclusive
+                if upto <= low and page.limited:
+                    raise RuntimeError(f"catch-up of {name}/{writer} made no progress past {low}")
+                self.metrics.catch_up_pages.labels(name).inc()
+                self.metrics.catch_up_rows.labels(name).inc(len(page.rows))
+                await self.deliver(stream, writer, upto, page.rows)
+                low = upto
+        if low < to_inclusive:  # the source ended early (it should not): never skip ahead
+            raise RuntimeError(f"catch-up of {name}/{writer} stopped at {low}, not {to_inclusive}")
 
     async def departed(self, instance: str) -> None:
         if instance == self._name:
@@ -403,8 +404,15 @@ class _Session:
     def _dispatch(self, command: Command) -> None:
         handler = self._handler
         if isinstance(command, Rdata | Position):
-            if handler.stream(command.stream) is not None:
-                self._enqueue(command.stream, command)
+            stream = handler.stream(command.stream)
+            if stream is None:
+                return
+            if stream.writers is not None and command.instance not in stream.writers:
+                # Not a configured writer (removed, or a misconfigured peer): its
+                # position is never tracked here, so following it would re-read forever.
+                logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
+                return
+            self._enqueue(command.stream, command)
         elif isinstance(command, Replicate):
             handler.answer_replicate(self.link)
         elif isinstance(command, Depart):

@@ -12,6 +12,7 @@ import base64
 import datetime
 import decimal
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from plait.storage.stream_store import StreamRow
@@ -50,6 +51,18 @@ class DictRows:
 
     def to_json(self, row: dict[str, Any]) -> Any:
         return row
+
+    def row_maker(self, table: str, names: list[str]) -> Callable[[tuple[Any, ...]], Any]:
+        """Rows straight from the database's tuples: `from_db` without the `StreamRow`
+        in between (catch-up reads millions)."""
+
+        def make(values: tuple[Any, ...]) -> dict[str, Any]:
+            for value in values:
+                if value is not None and type(value) not in _JSON_SCALARS:
+                    return {n: jsonable(v) for n, v in zip(names, values, strict=True)}
+            return dict(zip(names, values, strict=True))
+
+        return make
 
     def from_json(self, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):

@@ -8,7 +8,9 @@ generator or the in-memory stream; the reading itself is theirs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from plait.replication.rows import RowCodec
@@ -17,6 +19,17 @@ from plait.streams.memory import MemoryStream, ReadPage
 
 # Rows read per query when sending own rows as RDATA.
 SEND_PAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class CaughtUp:
+    """Rows read while catching up: row values in order, every row of the writer in
+    (from, upto]; `reset` as in `ReadPage`."""
+
+    rows: list[Any]
+    upto: int
+    limited: bool
+    reset: bool = False
 
 
 class ReplicatedStream(Protocol):
@@ -51,10 +64,11 @@ class ReplicatedStream(Protocol):
         """This instance's rows in (from, to], as JSON values, to send as RDATA."""
         ...
 
-    async def catch_up(
-        self, writer: str, from_exclusive: int, to_inclusive: int, limit: int
-    ) -> ReadPage:
-        """`writer`'s rows in (from, to] that this process missed, as row values."""
+    def catch_up(
+        self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
+    ) -> AsyncGenerator[CaughtUp, None]:
+        """`writer`'s rows in (from, to] that this process missed, as row values, in
+        pages of `first` rows growing to `most`; the last page ends at `to`."""
         ...
 
     def decode(self, value: Any) -> Any:
@@ -126,15 +140,18 @@ class DatabaseStream:
         )
 
     async def catch_up(
-        self, writer: str, from_exclusive: int, to_inclusive: int, limit: int
-    ) -> ReadPage:
-        rows, upto, limited = await self._gen.get_updates_since(
-            writer, self._sign * from_exclusive, self._sign * to_inclusive, limit
+        self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
+    ) -> AsyncGenerator[CaughtUp, None]:
+        sign, codec = self._sign, self._codec
+        # The default row type builds its rows from the database's tuples directly.
+        maker = getattr(codec, "row_maker", None) if len(self._gen.spec.tables) == 1 else None
+        pages = self._gen.store.scan(
+            writer, sign * from_exclusive, sign * to_inclusive, first, most, maker
         )
-        from_db = self._codec.from_db
-        return ReadPage(
-            [(self._sign * r.stream_id, from_db(r)) for r in rows], self._sign * upto, limited
-        )
+        async with contextlib.aclosing(pages):
+            async for page in pages:
+                rows = page.rows if maker is not None else list(map(codec.from_db, page.rows))
+                yield CaughtUp(rows, sign * page.upto, page.limited)
 
     def decode(self, value: Any) -> Any:
         return self._codec.from_json(value)
@@ -221,15 +238,16 @@ class InMemoryStream:
         )
 
     async def catch_up(
-        self, writer: str, from_exclusive: int, to_inclusive: int, limit: int
-    ) -> ReadPage:
-        page = await self._client().catch_up(
-            writer, self._name, from_exclusive, to_inclusive, limit
-        )
-        from_json = self._codec.from_json
-        return ReadPage(
-            [(t, from_json(r)) for t, r in page.rows], page.upto, page.limited, page.reset
-        )
+        self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
+    ) -> AsyncGenerator[CaughtUp, None]:
+        from_json, low, size = self._codec.from_json, from_exclusive, first
+        while True:
+            page = await self._client().catch_up(writer, self._name, low, to_inclusive, size)
+            rows = [from_json(r) for _, r in page.rows]
+            yield CaughtUp(rows, page.upto, page.limited, page.reset)
+            if not page.limited:
+                return
+            low, size = page.upto, min(2 * size, most)
 
     def decode(self, value: Any) -> Any:
         return self._codec.from_json(value)

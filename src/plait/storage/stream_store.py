@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+from bisect import bisect_left
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from psycopg import AsyncConnection, AsyncCursor, sql
-from psycopg.rows import TupleRow, dict_row
+from psycopg.rows import TupleRow
 
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
 from plait.errors import SchemaError, SequenceBehindError
@@ -29,9 +31,21 @@ _INTEGER_TYPES = {"bigint", "integer", "smallint"}
 _TEXT_TYPES = {"text", "character varying", "character", "name"}
 
 
-@dataclass(frozen=True, slots=True)
-class StreamRow:
-    """One row of a stream table. `stream_id` is as stored (negative when backwards)."""
+# Builds rows of one table from its column names: (table, names) -> (tuple -> row).
+RowMaker = Callable[[str, list[str]], Callable[[tuple[Any, ...]], Any]]
+
+
+def _first_of_last(ids: list[int]) -> int:
+    """Where the run of the last ID starts (IDs sorted, either direction)."""
+    cut = len(ids) - 1
+    while cut > 0 and ids[cut - 1] == ids[-1]:
+        cut -= 1
+    return cut
+
+
+class StreamRow(NamedTuple):
+    """One row of a stream table. `stream_id` is as stored (negative when backwards).
+    A named tuple: catch-up builds millions of them."""
 
     stream_id: int
     instance_name: str
@@ -152,13 +166,13 @@ class _Table:
             floor=floor,
         )
 
-    def range_query(self, by_writer: bool) -> sql.Composed:
+    def range_query(self, by_writer: bool, *, limited: bool = True) -> sql.Composed:
         writer = (
             sql.SQL("{inst} = %(writer)s AND ").format(inst=self.inst) if by_writer else sql.SQL("")
         )
         return sql.SQL(
             "SELECT * FROM {t} WHERE {writer}{id} {above} %(lo)s AND {id} {at_most} %(hi)s"
-            " ORDER BY {id} {order} LIMIT %(n)s"
+            " ORDER BY {id} {order}" + (" LIMIT %(n)s" if limited else "")
         ).format(
             t=self.table,
             writer=writer,
@@ -583,6 +597,7 @@ class StreamStore:
     ) -> Page[StreamRow]:
         """Rows with IDs in (from, to] (internal domain), of one writer or of all."""
         by_writer = writer is not None
+        sign = self._sign
         pages: list[TablePage[StreamRow]] = []
         complete: set[int] = set()
         async with self.db.connection() as conn:
@@ -596,9 +611,7 @@ class StreamStore:
                     "n": limit,
                 }
                 rows = await self._fetch_rows(conn, table.range_query(by_writer), params, table)
-                page = TablePage(
-                    ids=[self._sign * r.stream_id for r in rows], rows=rows, limit=limit
-                )
+                page = TablePage(ids=[sign * r[0] for r in rows], rows=rows, limit=limit)
                 whole = needs_whole_id(page)
                 if whole is not None:
                     rows = await self._fetch_rows(
@@ -611,6 +624,83 @@ class StreamStore:
                     complete.add(whole)
                 pages.append(page)
         return merge_pages(pages, to_inclusive, limit, frozenset(complete))
+
+    async def scan(
+        self,
+        writer: str,
+        from_exclusive: int,
+        to_inclusive: int,
+        first: int,
+        most: int,
+        make_row: RowMaker | None = None,
+    ) -> AsyncGenerator[Page[Any], None]:
+        """Every row of `writer` in (from, to] (internal domain), in pages of `first` rows
+        doubling up to `most`, each cut between IDs, with the page's `upto`; the last
+        page ends at `to`. Rows are `StreamRow`s, or (for a stream of one table) what
+        `make_row` builds from the tuples, so that a catch-up of a million rows
+        allocates one object per row, not three.
+
+        One query streamed through a server-side cursor: paging with LIMIT would plan a
+        query per page, and on a freshly loaded table without statistics each of those
+        sorts everything above its start. Streams of several tables are read with
+        `read_page` instead."""
+        if len(self._tables) != 1:
+            if make_row is not None:
+                raise ValueError("make_row needs a stream of one table")
+            async for page in self._pages(writer, from_exclusive, to_inclusive, first, most):
+                yield page
+            return
+        table, sign = self._tables[0], self._sign
+        params = {
+            "writer": writer,
+            "lo": table.stored(from_exclusive),
+            "hi": table.stored(to_inclusive),
+        }
+        async with (
+            self.db.connection() as conn,
+            conn.transaction(),
+            conn.cursor(name="plait_scan") as cur,
+        ):
+            await cur.execute(table.range_query(True, limited=False), params)
+            names = [column.name for column in cur.description or ()]
+            id_at = names.index(table.spec.id_column)
+            make = (make_row or self._stream_rows(table, id_at))(table.name, names)
+            held_ids: list[int] = []  # an ID whose rows may go on in the next batch
+            held: list[Any] = []
+            size = first
+            while True:
+                records = await cur.fetchmany(size)
+                ids = held_ids + [r[id_at] for r in records]
+                rows = held + list(map(make, records))
+                if len(records) < size:
+                    yield Page(rows, to_inclusive, False)
+                    return
+                cut = bisect_left(ids, ids[-1]) if sign == 1 else _first_of_last(ids)
+                held_ids, held = ids[cut:], rows[cut:]
+                if cut:
+                    yield Page(rows[:cut], sign * ids[cut - 1], True)
+                size = min(2 * size, most)
+
+    def _stream_rows(self, table: _Table, id_at: int) -> RowMaker:
+        inst_at_name = table.spec.instance_column
+
+        def maker(name: str, names: list[str]) -> Callable[[tuple[Any, ...]], Any]:
+            inst_at = names.index(inst_at_name)
+            return lambda r: StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=True)))
+
+        return maker
+
+    async def _pages(
+        self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
+    ) -> AsyncGenerator[Page[StreamRow], None]:
+        low, size = from_exclusive, first
+        while True:
+            page = await self.read_page(writer, low, to_inclusive, size)
+            yield page
+            if not page.limited:
+                return
+            low = page.upto
+            size = min(2 * size, most)
 
     def _warn_scan(self, table: _Table) -> None:
         """Once per table: reads across writers scan a table without an id index."""
@@ -635,8 +725,13 @@ class StreamStore:
         params: dict[str, Any],
         table: _Table,
     ) -> list[StreamRow]:
-        async with conn.cursor(row_factory=dict_row) as cur:
+        async with conn.cursor() as cur:
             await cur.execute(query, params)
             records = await cur.fetchall()
-        id_col, inst_col = table.spec.id_column, table.spec.instance_column
-        return [StreamRow(int(r[id_col]), r[inst_col], table.name, r) for r in records]
+            names = [column.name for column in cur.description or ()]
+        id_at = names.index(table.spec.id_column)
+        inst_at = names.index(table.spec.instance_column)
+        name = table.name
+        return [
+            StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=True))) for r in records
+        ]
