@@ -86,3 +86,53 @@ async def test_backwards_stream_reads(db: Database) -> None:
     rows, upto, limited = await gen.get_updates_since("w", -5, -8)
     assert [r.stream_id for r in rows] == [-6, -7, -8]
     assert (upto, limited) == (-8, False)
+
+
+async def scan_all(
+    gen: MultiWriterIdGenerator, writer: str, low: int, high: int, first: int, most: int
+) -> list[StreamRow]:
+    """A catch-up's streaming read (internal domain), checking every page's contract:
+    pages cut between IDs, each page's rows within (previous upto, upto]."""
+    got: list[StreamRow] = []
+    previous = low
+    async for page in gen.store.scan(writer, low, high, first, most):
+        ids = [gen.spec.sign * r.stream_id for r in page.rows]
+        assert ids == sorted(ids)
+        assert all(previous < i <= page.upto for i in ids)
+        if page.limited:
+            assert ids[-1] == page.upto  # cut right after an ID's last row
+        else:
+            assert page.upto == high
+        got.extend(page.rows)
+        previous = page.upto
+    assert previous == high
+    return got
+
+
+async def test_streaming_read_keeps_the_rows_of_an_id_together_across_batches(
+    db: Database,
+) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["a", "b"], "reader")
+    # IDs with 1, 2 or 3 rows each, and another writer's rows in between.
+    rows = []
+    for stream_id in range(2, 60):
+        writer = "b" if stream_id % 7 == 0 else "a"
+        rows += [(stream_id, writer)] * (1 + stream_id % 3)
+    await write(db, "events", rows)
+    mine = [r for r in rows if r[1] == "a"]
+    for first, most in ((1, 1), (2, 4), (3, 3), (5, 100), (100, 100)):
+        got = await scan_all(gen, "a", 1, 59, first, most)
+        assert [(r.stream_id, r.instance_name) for r in got] == mine, (first, most)
+        assert [r.data["payload"] for r in got] == [f"events:{i}" for i, _ in mine]
+    part = await scan_all(gen, "a", 20, 40, 2, 2)
+    assert [r.stream_id for r in part] == [i for i, _ in mine if 20 < i <= 40]
+
+
+async def test_streaming_read_of_a_backwards_stream(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["a"], "reader", backwards=True)
+    rows = [(-i, "a") for i in range(2, 30) for _ in range(1 + i % 2)]
+    await write(db, "events", rows)
+    got = await scan_all(gen, "a", 1, 29, 2, 8)
+    assert [(r.stream_id, r.instance_name) for r in got] == rows

@@ -8,6 +8,8 @@ time (a loose index scan), so start-up never scans a whole table.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from bisect import bisect_left
@@ -31,8 +33,8 @@ _INTEGER_TYPES = {"bigint", "integer", "smallint"}
 _TEXT_TYPES = {"text", "character varying", "character", "name"}
 
 
-# Builds rows of one table from its column names: (table, names) -> (tuple -> row).
-RowMaker = Callable[[str, list[str]], Callable[[tuple[Any, ...]], Any]]
+# Builds rows of one table from its columns: (table, [(name, type oid)]) -> (tuple -> row).
+RowMaker = Callable[[str, list[tuple[str, int]]], Callable[[tuple[Any, ...]], Any]]
 
 
 def _first_of_last(ids: list[int]) -> int:
@@ -662,29 +664,41 @@ class StreamStore:
             conn.cursor(name="plait_scan") as cur,
         ):
             await cur.execute(table.range_query(True, limited=False), params)
-            names = [column.name for column in cur.description or ()]
-            id_at = names.index(table.spec.id_column)
-            make = (make_row or self._stream_rows(table, id_at))(table.name, names)
+            columns = [(column.name, column.type_code) for column in cur.description or ()]
+            id_at = [name for name, _ in columns].index(table.spec.id_column)
+            make = (make_row or self._stream_rows(table, id_at))(table.name, columns)
             held_ids: list[int] = []  # an ID whose rows may go on in the next batch
             held: list[Any] = []
             size = first
-            while True:
-                records = await cur.fetchmany(size)
-                ids = held_ids + [r[id_at] for r in records]
-                rows = held + list(map(make, records))
-                if len(records) < size:
-                    yield Page(rows, to_inclusive, False)
-                    return
-                cut = bisect_left(ids, ids[-1]) if sign == 1 else _first_of_last(ids)
-                held_ids, held = ids[cut:], rows[cut:]
-                if cut:
-                    yield Page(rows[:cut], sign * ids[cut - 1], True)
-                size = min(2 * size, most)
+            # The next batch is on its way while this one is turned into rows.
+            fetching = asyncio.ensure_future(cur.fetchmany(size))
+            try:
+                while True:
+                    records = await fetching
+                    done = len(records) < size
+                    size = min(2 * size, most)
+                    if not done:
+                        fetching = asyncio.ensure_future(cur.fetchmany(size))
+                    ids = held_ids + [r[id_at] for r in records]
+                    rows = held + list(map(make, records))
+                    if done:
+                        yield Page(rows, to_inclusive, False)
+                        return
+                    cut = bisect_left(ids, ids[-1]) if sign == 1 else _first_of_last(ids)
+                    held_ids, held = ids[cut:], rows[cut:]
+                    if cut:
+                        yield Page(rows[:cut], sign * ids[cut - 1], True)
+            finally:
+                if not fetching.done():
+                    fetching.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await fetching
 
     def _stream_rows(self, table: _Table, id_at: int) -> RowMaker:
         inst_at_name = table.spec.instance_column
 
-        def maker(name: str, names: list[str]) -> Callable[[tuple[Any, ...]], Any]:
+        def maker(name: str, columns: list[tuple[str, int]]) -> Callable[[tuple[Any, ...]], Any]:
+            names = [column for column, _ in columns]
             inst_at = names.index(inst_at_name)
             return lambda r: StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=True)))
 
