@@ -137,7 +137,7 @@ async def plait_hops(db: Database, transport: str, samples: int) -> list[float]:
         await asyncio.sleep(0.5)  # connected and caught up
         for i in range(samples + 50):
             (stream_id,) = await gen.insert(
-                "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
+                "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING *"
             )
             committed = time.perf_counter()
             async with asyncio.timeout(10):
@@ -191,9 +191,7 @@ async def fanout(db: Database, workers: int, rows: int, writers_tasks: int) -> N
     instances = []
     for n in range(workers):
 
-        def on_rows(
-            stream: str, w: str, token: int, batch: list[Any], n: int = n
-        ) -> None:
+        def on_rows(stream: str, w: str, token: int, batch: list[Any], n: int = n) -> None:
             counts = received[n]
             for row in batch:
                 counts[row["stream_id"]] = counts.get(row["stream_id"], 0) + 1
@@ -212,7 +210,7 @@ async def fanout(db: Database, workers: int, rows: int, writers_tasks: int) -> N
     async def write(count: int) -> None:
         for _ in range(count):
             written.extend(
-                await gen.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+                await gen.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING *")
             )
 
     started = time.perf_counter()

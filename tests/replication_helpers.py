@@ -21,6 +21,7 @@ EVENTS = {
     "writers": ["w1", "w2"],
 }
 TYPING = {"name": "typing", "kind": "memory", "writers": ["w1"]}
+NOTES = {"name": "notes", "tables": [{"name": "notes"}], "writers": ["w1", "w2"]}
 
 
 class TableRows:
@@ -77,6 +78,11 @@ async def create_tables(db: Database) -> None:
                     " CREATE INDEX ON {t} (stream_id)"
                 ).format(t=sql.Identifier(table))
             )
+        await conn.execute(
+            "CREATE TABLE notes (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " body TEXT, at TIMESTAMPTZ NOT NULL DEFAULT now(), amount NUMERIC);"
+            " CREATE INDEX ON notes (instance_name, stream_id)"
+        )
 
 
 async def write(instance: Instance, body: str, *, rows: int = 1, both_tables: bool = False) -> int:
@@ -148,7 +154,7 @@ class Cluster:
         config: dict[str, Any] = {
             "instance_name": name,
             "deployment": self.deployment,
-            "streams": [EVENTS, TYPING],
+            "streams": [EVENTS, TYPING, NOTES],
             "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in self.ports.items()},
             "replication": replication,
             "http": {"port": self.ports[name]},

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from plait import Database
 from plait.instance import Instance
+from plait.replication.rows import DictRows
 from redis_server import RedisServer
 from replication_helpers import Cluster, Seen, create_tables, until, write, write_many
 
@@ -291,3 +292,57 @@ async def test_in_memory_stream_catches_up_over_http_and_detects_a_reset(
     await until(lambda: bool(typing_rows))
     assert resets == ["w1", "w1"]  # the restarted writer lost its rows: a reset
     assert [row["room"] for _, _, row in typing_rows] == ["room9"]
+
+
+async def test_rows_returned_whole_are_sent_from_memory_and_equal_the_stored_rows(
+    cluster: Cluster,
+) -> None:
+    """`insert(... RETURNING *)` rows go out without a read; other writes are read
+    back; either way a row arrives exactly as catch-up would deliver it."""
+    received: list[dict[str, Any]] = []
+    if cluster.transport == "tcp":
+        await started(cluster, "hub")
+    w1 = await started(cluster, "w1")
+    r_instance = cluster.instance("r")
+    r_instance.on_rows("notes", lambda s, w, t, rows: received.extend(rows))
+    r = await cluster.start(r_instance)
+    await connected(w1, r)
+    gen = w1.generator("notes")
+    insert = (
+        "INSERT INTO notes (stream_id, instance_name, body, amount) VALUES ({id}, 'w1', %s, 1.5)"
+    )
+
+    async def arrived(count: int) -> None:
+        await until(lambda: len(received) >= count)
+
+    await gen.insert(insert + " RETURNING *", ("whole",))
+    await arrived(1)
+    await gen.insert(insert + " RETURNING stream_id", ("id only",))
+    await arrived(2)
+    async with w1.db.transaction() as txn:
+        await gen.insert_txn(txn, insert + " RETURNING *", ("in a transaction",))
+    await arrived(3)
+
+    async def rolled_back() -> None:
+        async with w1.db.transaction() as txn:
+            await gen.insert_txn(txn, insert + " RETURNING *", ("rolled back",))
+            raise RuntimeError("roll back")
+
+    with pytest.raises(RuntimeError):
+        await rolled_back()
+    async with gen.get_next() as stream_id, w1.db.transaction() as txn:
+        await txn.execute(
+            "INSERT INTO notes (stream_id, instance_name, body, amount) VALUES (%s, 'w1', %s, 1.5)",
+            (stream_id, "get_next"),
+        )
+    await arrived(4)
+    await asyncio.sleep(0.3)
+
+    stored, _, _ = await r.generator("notes").get_updates_since("w1", 0, stream_id, 100)
+    codec = DictRows()
+    assert received == [codec.from_db(row) for row in stored]
+    assert [row["body"] for row in received] == ["whole", "id only", "in a transaction", "get_next"]
+    assert isinstance(received[0]["at"], str)  # JSON-safe, live or read back
+    assert received[0]["amount"] == "1.5"
+    # Only the writes that did not return whole rows (and the rollback) were read back.
+    assert metric(w1, "plait_rows_read_back_total", stream="notes") == 2

@@ -315,7 +315,10 @@ class Instance:
             follow_database=not replicated,
         )
         self._generators[config.name] = gen
-        return DatabaseStream(gen, self._codecs.get(config.name, DictRows()))
+        stream = DatabaseStream(gen, self._codecs.get(config.name, DictRows()), self.metrics)
+        if replicated and gen.is_writer:
+            stream.track_own_writes()  # from the start: nothing is in flight yet
+        return stream
 
     def _http_client(self) -> InternalClient:
         if self._client is None:

@@ -306,6 +306,7 @@ class _Sender:
         assert position is not None
         self.outbound = Outbound(stream.name, handler.instance_name, position)
         self._wake = asyncio.Event()
+        stream.track_own_writes()
         stream.add_moved_listener(self._wake.set)
 
     def __str__(self) -> str:
@@ -353,6 +354,7 @@ class _Session:
         self.link = link
         self._reply_errors = reply_errors
         self._inbound = Inbound(handler.instance_name)
+        self._own_bytes = handler.instance_name.encode()
         self._queues: dict[str, asyncio.Queue[Command]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._announced: set[tuple[str, str]] = set()
@@ -371,6 +373,8 @@ class _Session:
     def received(self, line: str | bytes) -> None:
         if self._closed:
             return
+        if self._own_echo(line):
+            return  # Redis hands our own RDATA and POSITION back: drop them unparsed
         handler = self._handler
         try:
             command = handler.commands.parse(line)
@@ -385,6 +389,19 @@ class _Session:
             self._dispatch(command)
         except Exception:
             logger.exception("replication: handling %s on %s failed", command.NAME, self.link.label)
+
+    def _own_echo(self, line: str | bytes) -> bool:
+        """Whether the line is RDATA or POSITION of this instance (without parsing its
+        row: echoes are as many as our own writes)."""
+        if isinstance(line, bytes):
+            if not line.startswith((b"RDATA ", b"POSITION ")):
+                return False
+            parts = line.split(b" ", 3)
+            return len(parts) > 3 and parts[2] == self._own_bytes
+        if not line.startswith(("RDATA ", "POSITION ")):
+            return False
+        fields = line.split(" ", 3)
+        return len(fields) > 3 and fields[2] == self._handler.instance_name
 
     async def wait_up(self) -> None:
         await self._up.wait()

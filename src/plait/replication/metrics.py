@@ -78,6 +78,13 @@ class ReplicationMetrics:
         self.rdata_rows = Counter(
             "plait_rdata_rows", "Rows received live (RDATA) and delivered.", ["stream"], registry=r
         )
+        self.rows_read_back = Counter(
+            "plait_rows_read_back",
+            "Own rows read back from the database to send them (their statements did not "
+            "return whole rows: RETURNING * sends them from memory).",
+            ["stream"],
+            registry=r,
+        )
         self.catch_up_rows = Counter(
             "plait_catch_up_rows", "Rows read while catching up.", ["stream"], registry=r
         )

@@ -276,12 +276,17 @@ class RedisTransport:
         channel = self._channel
         while True:
             lines = await outbox.take()
-            async with publisher.pipeline(transaction=False) as pipe:
-                for line in lines:
-                    data = _encoded(line)
-                    if data is not None:
-                        pipe.publish(channel, data)
-                await pipe.execute()
+            if len(lines) == 1:  # the common case after a write: no pipeline to build
+                data = _encoded(lines[0])
+                if data is not None:
+                    await publisher.publish(channel, data)
+            else:
+                async with publisher.pipeline(transaction=False) as pipe:
+                    for line in lines:
+                        data = _encoded(line)
+                        if data is not None:
+                            pipe.publish(channel, data)
+                    await pipe.execute()
             outbox.published()
 
     async def _receive(self, pubsub: PubSub, session: Session, liveness: _Liveness) -> None:

@@ -13,7 +13,9 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from plait.replication.metrics import ReplicationMetrics
 from plait.replication.rows import RowCodec
+from plait.storage.stream_store import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
 
@@ -79,6 +81,11 @@ class ReplicatedStream(Protocol):
         """Call `listener` whenever this instance's own position moves after a write."""
         ...
 
+    def track_own_writes(self) -> None:
+        """Keep what `read_own` needs from each own write (called once there is a
+        sender, so nothing piles up without one)."""
+        ...
+
     def positions(self) -> dict[str, int]:
         """Signed positions of the writers seen (for metrics)."""
         ...
@@ -93,13 +100,23 @@ class DatabaseStream:
     follow the database on its own (`follow_database=False`): positions of other
     writers may move only when their rows were delivered, or rows would be skipped."""
 
-    def __init__(self, gen: MultiWriterIdGenerator, codec: RowCodec[Any]) -> None:
+    def __init__(
+        self,
+        gen: MultiWriterIdGenerator,
+        codec: RowCodec[Any],
+        metrics: ReplicationMetrics | None = None,
+    ) -> None:
         self._gen = gen
+        self._read_back_rows = (
+            None if metrics is None else metrics.rows_read_back.labels(gen.stream_name)
+        )
         self._codec = codec
         self._sign = gen.spec.sign
         self._own = gen.instance_name
         spec = gen.spec
         self._writers = frozenset(spec.writers) if spec.writers else None
+        # Own IDs completed but not sent yet -> their rows, or None when not known.
+        self._pending: dict[int, list[StreamRow] | None] | None = None
 
     @property
     def name(self) -> str:
@@ -128,7 +145,57 @@ class DatabaseStream:
             return None
         return self._sign * self._gen.get_current_token_for_writer(self._own)
 
+    def track_own_writes(self) -> None:
+        """From now on, remember this instance's writes until they are sent: their rows
+        when the generator saw them (then `read_own` sends them without a query), or
+        that they are unknown (then it reads them back)."""
+        if self._pending is None:
+            self._pending = {}
+            self._gen.capture_writes(self._written)
+
+    def _written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
+        pending = self._pending
+        assert pending is not None
+        if rows is None:
+            for stream_id in ids:
+                pending[stream_id] = None
+            return
+        for stream_id in ids:
+            pending[stream_id] = []
+        sign = self._sign
+        for row in rows:
+            pending[sign * row.stream_id].append(row)  # type: ignore[union-attr]
+
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        pending = self._pending
+        if pending is not None:
+            ids = sorted(i for i in pending if from_exclusive < i <= to_inclusive)
+            if all(pending[i] is not None for i in ids):
+                return self._from_memory(pending, ids, to_inclusive)
+        page = await self._read_back(from_exclusive, to_inclusive)
+        if self._read_back_rows is not None:
+            self._read_back_rows.inc(len(page.rows))
+        if pending:
+            for stream_id in [i for i in pending if i <= page.upto]:
+                del pending[stream_id]
+        return page
+
+    def _from_memory(
+        self, pending: dict[int, list[StreamRow] | None], ids: list[int], to_inclusive: int
+    ) -> ReadPage:
+        """Own rows in (from, to] from what the generator saw; every own ID completed
+        in that range is in `ids` (all were recorded since tracking began)."""
+        codec, upto, limited = self._codec, to_inclusive, False
+        out: list[tuple[int, Any]] = []
+        for n, stream_id in enumerate(ids):
+            if len(out) >= SEND_PAGE:  # cut between IDs
+                upto, limited = ids[n - 1], True
+                break
+            rows = pending.pop(stream_id) or ()
+            out.extend((stream_id, codec.to_json(codec.from_db(row))) for row in rows)
+        return ReadPage(out, upto, limited)
+
+    async def _read_back(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         codec = self._codec
         rows, upto, limited = await self._gen.get_updates_since(
             self._own, self._sign * from_exclusive, self._sign * to_inclusive, SEND_PAGE
@@ -255,6 +322,9 @@ class InMemoryStream:
     def add_moved_listener(self, listener: Callable[[], None]) -> None:
         if self.memory is not None:
             self.memory.add_moved_listener(listener)
+
+    def track_own_writes(self) -> None:
+        pass  # own rows live in `memory` anyway
 
     def positions(self) -> dict[str, int]:
         positions = dict(self._seen)

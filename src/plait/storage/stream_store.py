@@ -110,6 +110,7 @@ class _Table:
         self.indexed = True  # an index on (instance, id): per-writer reads, start-up
         self.id_indexed = True  # an index led by the id: reads across writers
         self.warned_scan = False
+        self.columns: frozenset[str] = frozenset()  # all of them, from check_tables
 
     def stored(self, internal: int) -> int:
         return -internal if self.backwards else internal
@@ -253,6 +254,7 @@ class StreamStore:
         indexes: set[tuple[int, int]],
     ) -> None:
         spec = table.spec
+        table.columns = frozenset(columns)
         if oid is None:
             raise SchemaError(
                 f"stream {self.spec.name!r}: table {spec.name!r} does not exist. Create it "
@@ -296,6 +298,18 @@ class StreamStore:
                 spec.instance_column,
                 spec.id_column,
             )
+
+    def row_builder(self, names: list[str]) -> Callable[[tuple[Any, ...]], StreamRow] | None:
+        """How to make `StreamRow`s of tuples with these columns, when they are whole
+        rows of this stream's one table; None otherwise."""
+        if len(self._tables) != 1:
+            return None
+        table = self._tables[0]
+        if not table.columns or set(names) != table.columns or len(names) != len(table.columns):
+            return None
+        return self._stream_rows(table, names.index(table.spec.id_column))(
+            table.name, [(name, 0) for name in names]
+        )
 
     async def ensure_sequence(self) -> bool:
         """Create the sequence if missing, then take ID 1 so the first real ID is 2.

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
+from psycopg.rows import scalar_row, tuple_row
+
 from plait.core.positions import PositionTracker
 from plait.errors import ConfigError, NotAWriterError
 from plait.storage.database import Database, Transaction
@@ -23,6 +25,8 @@ from plait.streams.spec import StreamSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# (IDs in the internal domain, their rows or None when not known) -> None
+WrittenListener = Callable[[list[int], "list[StreamRow] | None"], None]
 
 DEFAULT_BATCH = 100
 MAX_UPSERT_DELAY = 0.1  # seconds
@@ -71,6 +75,7 @@ class MultiWriterIdGenerator:
                 name=f"{spec.name}/{instance_name}",
             )
         self._moved_listeners: list[Callable[[], None]] = []
+        self._written: WrittenListener | None = None
         self._closed = False
 
     @classmethod
@@ -198,8 +203,22 @@ class MultiWriterIdGenerator:
 
         async def run() -> list[int]:
             async with self._db.cursor() as cursor:
-                await cursor.execute(text, params)
-                return self._returned_ids(await cursor.fetchall() if cursor.description else None)
+                if self._written is None:
+                    await cursor.execute(text, params)
+                    return self._returned_ids(
+                        await cursor.fetchall() if cursor.description else None
+                    )
+                cursor.row_factory = tuple_row  # whole rows, to tell the listener
+                try:
+                    await cursor.execute(text, params)
+                    records = await cursor.fetchall() if cursor.description else None
+                    rows = self._rows_of(cursor, records)
+                finally:
+                    cursor.row_factory = scalar_row
+            ids = self._returned_ids(None if records is None else [r[0] for r in records])
+            # Before the IDs complete (when `run` returns), as for every other write.
+            self._written(ids, rows)
+            return ids
 
         # Autocommit: when the statement returns, its IDs are committed already.
         ids = await self._take_ids(run, completed=True)
@@ -216,14 +235,20 @@ class MultiWriterIdGenerator:
         self._check_writer()
         text = self._with_ids(query)
 
+        rows: list[StreamRow] | None = None
+
         async def run() -> list[int]:
+            nonlocal rows
             cursor = await txn.execute(text, params)
             if cursor.description is None:
                 return self._returned_ids(None)
-            return self._returned_ids([row[0] for row in await cursor.fetchall()])
+            records = await cursor.fetchall()
+            if self._written is not None:
+                rows = self._rows_of(cursor, records)
+            return self._returned_ids([row[0] for row in records])
 
         ids = await self._take_ids(run)
-        self._complete_after(txn, ids)
+        self._complete_after(txn, ids, rows)
         return self._signed(ids)
 
     async def _take_ids(
@@ -248,8 +273,11 @@ class MultiWriterIdGenerator:
         position moves after a write completes."""
         self._moved_listeners.append(listener)
 
-    def _complete_after(self, txn: Transaction, ids: list[int]) -> None:
-        txn.call_after(lambda: self._finish(ids))
+    def _complete_after(
+        self, txn: Transaction, ids: list[int], rows: list[StreamRow] | None = None
+    ) -> None:
+        txn.call_after(lambda: self._finish(ids, rows))
+        # Rolled back, or a COMMIT whose outcome is unknown: rows not known either way.
         txn.call_on_exception(lambda: self._finish(ids))
 
     def _signed(self, ids: list[int]) -> list[int]:
@@ -294,7 +322,25 @@ class MultiWriterIdGenerator:
     def _first_signed(self, ids: list[int]) -> int:
         return self._sign * ids[0]
 
-    def _finish(self, ids: list[int]) -> None:
+    def _rows_of(self, cursor: Any, records: list[Any] | None) -> list[StreamRow] | None:
+        """The rows a statement returned, when they are whole rows of the stream's one
+        table (RETURNING *); else None."""
+        if records is None or cursor.description is None:
+            return None
+        build = self._store.row_builder([column.name for column in cursor.description])
+        return None if build is None else [build(record) for record in records]
+
+    def capture_writes(self, listener: WrittenListener) -> None:
+        """Tell `listener(ids, rows)` about each write of this writer just before its
+        IDs complete: the IDs (internal domain, sorted) and their rows when plait saw
+        all of them (an `insert`/`insert_txn` statement that returns whole rows of the
+        stream's one table, `RETURNING *`), else None. Replication sends those rows
+        without reading them back."""
+        self._written = listener
+
+    def _finish(self, ids: list[int], rows: list[StreamRow] | None = None) -> None:
+        if self._written is not None:
+            self._written(ids, rows)
         before = self._tracker.local_position
         self._tracker.complete(ids)
         self._poke_if_moved(before)
