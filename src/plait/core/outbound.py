@@ -52,6 +52,13 @@ class Outbound:
         self.sent_upto = upto
         return commands
 
+    def skip(self, upto: int) -> Position:
+        """Move on to `upto` without sending the rows in between: `POSITION upto upto`
+        claims nothing about them, so every reader behind `upto` reads them itself."""
+        if upto > self.sent_upto:
+            self.sent_upto = upto
+        return Position(self.stream, self.instance, upto, upto)
+
     def replicate(self) -> Position:
         """The answer to REPLICATE: where this writer stands, with nothing in between."""
         return Position(self.stream, self.instance, self.sent_upto, self.sent_upto)

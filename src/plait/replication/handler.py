@@ -47,10 +47,11 @@ from plait.core.commands import (
 from plait.core.inbound import Inbound
 from plait.core.outbound import Outbound
 from plait.errors import CommandParseError
-from plait.replication.link import Link
+from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
 from plait.replication.streams import ReplicatedStream
 from plait.replication.waiters import PositionWaiters
+from plait.streams.memory import ReadPage
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +206,12 @@ class ReplicationHandler:
 
     def broadcast(self, commands: Iterable[Command]) -> None:
         """Send commands on every open connection, in order."""
-        lines = []
-        for command in commands:
-            lines.append(to_line(command))
-            self.metrics.commands_out.labels(command.NAME).inc()
+        self.send_lines([to_line(command) for command in commands])
+
+    def send_lines(self, lines: list[str]) -> None:
+        """Send command lines on every open connection, in order."""
+        for line in lines:
+            self.metrics.commands_out.labels(command_name(line)).inc()
         for session in self._sessions:
             for line in lines:
                 session.link.send(line)
@@ -297,7 +300,12 @@ class ReplicationHandler:
 
 
 class _Sender:
-    """Sends this instance's rows of one stream as they complete."""
+    """Sends this instance's rows of one stream as they complete.
+
+    Rows the stream knows without a query (in-memory streams; writes that returned whole
+    rows) go out synchronously, from the write's completion itself: no task switch
+    between a commit and its RDATA. Anything else wakes the sender's task, which reads
+    the rows back; while it does, later rows wait for it, so the order holds."""
 
     def __init__(self, handler: ReplicationHandler, stream: ReplicatedStream) -> None:
         self._handler = handler
@@ -306,8 +314,9 @@ class _Sender:
         assert position is not None
         self.outbound = Outbound(stream.name, handler.instance_name, position)
         self._wake = asyncio.Event()
+        self._reading = False  # the task is reading rows back: send nothing meanwhile
         stream.track_own_writes()
-        stream.add_moved_listener(self._wake.set)
+        stream.add_moved_listener(self._moved)
 
     def __str__(self) -> str:
         return self.stream.name
@@ -316,6 +325,17 @@ class _Sender:
         position = self.stream.own_position()
         if position is not None and position > self.outbound.sent_upto:
             self._wake.set()
+
+    def _moved(self) -> None:
+        if self._reading:
+            self._wake.set()
+            return
+        try:
+            if self._send_known():
+                return
+        except Exception as err:  # never into the writer's own code path
+            logger.warning("replication: sending rows of %s failed: %s", self, err)
+        self._wake.set()
 
     async def run(self) -> None:
         failures = 0
@@ -332,18 +352,48 @@ class _Sender:
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
                 self._wake.set()
 
-    async def flush(self) -> None:
-        """Send every row up to our current position, then the position itself."""
+    def _send_known(self) -> bool:
+        """Send what needs no query; False when rows must be read back first."""
         stream, outbound = self.stream, self.outbound
         while True:
             target = stream.own_position()
             if target is None or target <= outbound.sent_upto:
-                return
-            page = await stream.read_own(outbound.sent_upto, target)
-            # No await between building and sending: a REPLICATE answered meanwhile
-            # must not announce a position whose rows were not sent yet.
-            commands = outbound.page(page.rows, page.upto)
-            self._handler.broadcast(_signed(c, stream.sign) for c in commands)
+                return True
+            page = stream.read_known(outbound.sent_upto, target)
+            if page is None:
+                return False
+            self._send(page)
+
+    async def flush(self) -> None:
+        """Send every row up to our current position, then the position itself."""
+        stream, outbound = self.stream, self.outbound
+        self._reading = True
+        try:
+            while not self._send_known():
+                target = stream.own_position()
+                assert target is not None
+                page = await stream.read_own(outbound.sent_upto, target)
+                self._send(page)
+        finally:
+            self._reading = False
+
+    def _send(self, page: ReadPage) -> None:
+        # Synchronous from building to sending: a REPLICATE answered meanwhile must not
+        # announce a position whose rows were not sent yet.
+        sign, outbound = self.stream.sign, self.outbound
+        try:
+            lines = [to_line(_signed(c, sign)) for c in outbound.page(page.rows, page.upto)]
+        except ValueError as err:
+            # A row that cannot travel (too long, not JSON): claim nothing about the
+            # range, so every reader reads it from the source instead.
+            logger.warning(
+                "replication: rows of %s up to %d cannot be sent (%s); readers will read them back",
+                self,
+                sign * page.upto,
+                err,
+            )
+            lines = [to_line(_signed(outbound.skip(page.upto), sign))]
+        self._handler.send_lines(lines)
 
 
 class _Session:

@@ -62,6 +62,11 @@ class ReplicatedStream(Protocol):
         """This instance's position as a writer of the stream; None when it is not one."""
         ...
 
+    def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage | None:
+        """This instance's rows in (from, to] as JSON values, when known without a
+        query; None when they must be read back (`read_own`)."""
+        ...
+
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         """This instance's rows in (from, to], as JSON values, to send as RDATA."""
         ...
@@ -166,12 +171,20 @@ class DatabaseStream:
         for row in rows:
             pending[sign * row.stream_id].append(row)  # type: ignore[union-attr]
 
-    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+    def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage | None:
         pending = self._pending
-        if pending is not None:
-            ids = sorted(i for i in pending if from_exclusive < i <= to_inclusive)
-            if all(pending[i] is not None for i in ids):
-                return self._from_memory(pending, ids, to_inclusive)
+        if pending is None:
+            return None
+        ids = sorted(i for i in pending if from_exclusive < i <= to_inclusive)
+        if all(pending[i] is not None for i in ids):
+            return self._from_memory(pending, ids, to_inclusive)
+        return None
+
+    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        page = self.read_known(from_exclusive, to_inclusive)
+        if page is not None:
+            return page
+        pending = self._pending
         page = await self._read_back(from_exclusive, to_inclusive)
         if self._read_back_rows is not None:
             self._read_back_rows.inc(len(page.rows))
@@ -287,12 +300,15 @@ class InMemoryStream:
     def own_position(self) -> int | None:
         return None if self.memory is None else self.memory.position
 
-    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+    def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         if self.memory is None:
             return ReadPage([], to_inclusive, False)
         page = self.memory.read(from_exclusive, to_inclusive, SEND_PAGE)
         to_json = self._codec.to_json
         return ReadPage([(t, to_json(r)) for t, r in page.rows], page.upto, page.limited)
+
+    async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        return self.read_known(from_exclusive, to_inclusive)
 
     def read_json(self, from_exclusive: int, to_inclusive: int, limit: int) -> ReadPage:
         """Own rows for another instance's catch-up (served over HTTP)."""
