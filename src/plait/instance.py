@@ -88,7 +88,10 @@ class Instance:
 
     def on_rows(self, stream: str, listener: RowsListener) -> None:
         """`listener(stream, writer, token, rows)` for rows other instances wrote, in
-        order, each row once; `token` (signed) covers every row of `writer` up to it."""
+        order, each row once; `token` (signed) covers every row of `writer` up to it.
+        An `async def` listener is awaited; a plain function is called synchronously
+        (live rows then reach it without a task switch) and must not return a
+        coroutine."""
         self._before_start("add a listener")
         self._stream_config(stream)
         self._listeners.rows.setdefault(stream, []).append(listener)

@@ -81,6 +81,30 @@ class Listeners:
     commands: dict[str, CommandListener] = field(default_factory=dict)
 
 
+def _call_now(listener: Callable[..., Awaitable[None] | None], *args: Any) -> None:
+    """Run a plain-function listener; see `_call`."""
+    try:
+        result = listener(*args)
+    except Exception:
+        logger.exception("replication listener %r failed on %r", listener, args[:3])
+        return
+    if inspect.iscoroutine(result):
+        result.close()
+        logger.error(
+            "replication listener %r returned a coroutine, which was not run: declare it "
+            "with async def so plait awaits it",
+            listener,
+        )
+
+
+def _is_async(listener: Callable[..., Any]) -> bool:
+    """Whether plait must await the listener (a coroutine function, or an object whose
+    __call__ is one)."""
+    return inspect.iscoroutinefunction(listener) or inspect.iscoroutinefunction(
+        type(listener).__call__
+    )
+
+
 async def _call(listener: Callable[..., Awaitable[None] | None], *args: Any) -> None:
     """Run one listener; its failure is logged, never allowed to stop replication (the
     rows were delivered to it once, as to every other listener)."""
@@ -145,6 +169,7 @@ class ReplicationHandler:
         ]
         self._tasks: list[asyncio.Task[None]] = []
         self._unknown_streams: set[str] = set()
+        self.sync_streams: set[str] = set()
         metrics.watch_streams(self._snapshots)
 
     @property
@@ -155,6 +180,19 @@ class ReplicationHandler:
 
     async def start(self) -> None:
         """Start sending: one task per own stream, and the announcer."""
+        # Streams whose listeners are all plain functions get live rows delivered
+        # without a task switch (the listeners are fixed from here on).
+        self.sync_streams = {
+            name
+            for name in self.streams
+            if not any(
+                _is_async(listener)
+                for listener in (
+                    *self.listeners.rows.get(name, ()),
+                    *self.listeners.positions.get(name, ()),
+                )
+            )
+        }
         for sender in self._senders:
             self._tasks.append(asyncio.create_task(sender.run(), name=f"plait-send-{sender}"))
         self._tasks.append(asyncio.create_task(self._announce(), name="plait-announce"))
@@ -210,8 +248,9 @@ class ReplicationHandler:
 
     def send_lines(self, lines: list[str]) -> None:
         """Send command lines on every open connection, in order."""
+        metrics = self.metrics
         for line in lines:
-            self.metrics.commands_out.labels(command_name(line)).inc()
+            metrics.child(metrics.commands_out, command_name(line)).inc()
         for session in self._sessions:
             for line in lines:
                 session.link.send(line)
@@ -221,7 +260,7 @@ class ReplicationHandler:
         self.broadcast([command])
 
     def _send(self, link: Link, command: Command) -> None:
-        self.metrics.commands_out.labels(command.NAME).inc()
+        self.metrics.child(self.metrics.commands_out, command.NAME).inc()
         link.send(to_line(command))
 
     def answer_replicate(self, link: Link) -> None:
@@ -249,6 +288,20 @@ class ReplicationHandler:
         stream.advance(writer, token)
         for position_listener in self.listeners.positions.get(name, ()):
             await _call(position_listener, name, writer, signed)
+        self.waiters.release(name, writer, stream.seen(writer))
+
+    def deliver_now(
+        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
+    ) -> None:
+        """`deliver` for a stream in `sync_streams`, without awaiting anything."""
+        name = stream.name
+        signed = stream.sign * token
+        if rows:
+            for listener in self.listeners.rows.get(name, ()):
+                _call_now(listener, name, writer, signed, rows)
+        stream.advance(writer, token)
+        for position_listener in self.listeners.positions.get(name, ()):
+            _call_now(position_listener, name, writer, signed)
         self.waiters.release(name, writer, stream.seen(writer))
 
     async def catch_up(
@@ -434,7 +487,7 @@ class _Session:
             if self._reply_errors:
                 handler._send(self.link, Error(str(err)))
             return
-        handler.metrics.commands_in.labels(command.NAME).inc()
+        handler.metrics.child(handler.metrics.commands_in, command.NAME).inc()
         try:
             self._dispatch(command)
         except Exception:
@@ -479,6 +532,14 @@ class _Session:
                 # position is never tracked here, so following it would re-read forever.
                 logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
                 return
+            if (
+                isinstance(command, Rdata)
+                and command.stream in handler.sync_streams
+                and command.stream not in self._busy
+                and not self.queue_length(command.stream)
+            ):
+                self._rdata_now(stream, command)  # nothing queued before it: no task switch
+                return
             self._enqueue(command.stream, command)
         elif isinstance(command, Replicate):
             handler.answer_replicate(self.link)
@@ -506,6 +567,7 @@ class _Session:
     async def _work(self, key: str, queue: asyncio.Queue[Command]) -> None:
         while True:
             command = await queue.get()
+            self._busy.add(key)
             try:
                 await self._handle(command)
             except Exception as err:
@@ -520,6 +582,9 @@ class _Session:
                 )
                 self.link.close()
                 return
+            finally:
+                if queue.empty():
+                    self._busy.discard(key)
 
     async def _handle(self, command: Command) -> None:
         handler = self._handler
@@ -532,16 +597,38 @@ class _Session:
         else:
             await _call(handler.listeners.commands[command.NAME], command)
 
-    async def _rdata(self, command: Rdata) -> None:
-        stream = self._handler.streams[command.stream]
+    def _accept(self, stream: ReplicatedStream, command: Rdata) -> tuple[int, list[Any]] | None:
+        """What the pure inbound state makes of a row: (token, rows) to deliver, if any."""
         internal = _signed(command, stream.sign)
         assert isinstance(internal, Rdata)
         deliver = self._inbound.rdata(internal, stream.seen(command.instance))
         if deliver is None:
-            return
+            return None
         rows = [stream.decode(row) for row in deliver.rows]
-        self._handler.metrics.rdata_rows.labels(stream.name).inc(len(rows))
-        await self._handler.deliver(stream, deliver.instance, deliver.token, rows)
+        metrics = self._handler.metrics
+        metrics.child(metrics.rdata_rows, stream.name).inc(len(rows))
+        return deliver.token, rows
+
+    async def _rdata(self, command: Rdata) -> None:
+        stream = self._handler.streams[command.stream]
+        accepted = self._accept(stream, command)
+        if accepted is not None:
+            await self._handler.deliver(stream, command.instance, *accepted)
+
+    def _rdata_now(self, stream: ReplicatedStream, command: Rdata) -> None:
+        try:
+            accepted = self._accept(stream, command)
+        except Exception as err:  # a row the codec refuses: read it from the source
+            logger.warning(
+                "replication: RDATA on %s failed (%s: %s); reconnecting",
+                self.link.label,
+                type(err).__name__,
+                err,
+            )
+            self.link.close()
+            return
+        if accepted is not None:
+            self._handler.deliver_now(stream, command.instance, *accepted)
 
     async def _position(self, command: Position) -> None:
         handler = self._handler

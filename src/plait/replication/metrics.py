@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -65,6 +66,7 @@ class ReplicationMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, str], Any] = {}
         r = self.registry
         self.commands_in = Counter(
             "plait_commands_received", "Replication commands received.", ["command"], registry=r
@@ -109,6 +111,15 @@ class ReplicationMetrics:
             ["link"],
             registry=r,
         )
+
+    def child(self, counter: Counter, label: str) -> Any:
+        """`counter.labels(label)`, cached: the hot path counts every command, and a
+        labels() lookup takes a lock and builds a key each time."""
+        key = (id(counter), label)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = counter.labels(label)
+        return found
 
     def watch_streams(self, snapshots: Callable[[], Iterable[StreamSnapshot]]) -> None:
         """Report positions and queue lengths read from `snapshots` at scrape time."""
