@@ -7,7 +7,8 @@
 - catchup: a worker that missed N rows (default 1 M) catches up; rows/s against a raw
   SELECT of the same rows. Target >= 0.5x.
 
-All instances run in this one process (one event loop), as do the baselines.
+The latency reader (and its raw subscriber) runs in a process of its own, as a worker
+would; the other figures run every instance in this one process (one event loop).
 
     python bench/replication.py [--only latency|fanout|catchup] [--samples N] [--catchup-rows N]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import shutil
 import socket
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -88,91 +91,136 @@ def percentile(values: list[float], q: float) -> float:
 # -- latency ------------------------------------------------------------------------------
 
 
-class RawHop:
-    """A raw redis-py PUBLISH -> subscriber receipt, one message at a time."""
-
-    async def __aenter__(self) -> RawHop:
-        self.channel = f"bench.raw.{uuid.uuid4().hex[:8]}"
-        self.sub, self.pub = Redis.from_url(REDIS_URL), Redis.from_url(REDIS_URL)
-        self.pubsub = self.sub.pubsub(ignore_subscribe_messages=True)
-        await self.pubsub.subscribe(self.channel)
-        return self
-
-    async def one(self, i: int) -> float:
-        sent = time.perf_counter()
-        await self.pub.publish(self.channel, f"RDATA events w1 {i} {{}}")
-        while (await self.pubsub.get_message(timeout=5)) is None:
-            pass
-        return time.perf_counter() - sent
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.pubsub.aclose()
-        await self.sub.aclose()
-        await self.pub.aclose()
+def reader_process(
+    conn: Connection, dsn: str, transport: str, deployment: str, port: int, channel: str
+) -> None:
+    """The remote side, in a process of its own: a plait reader instance and a raw
+    redis-py subscriber, each reporting (kind, key, time received) over `conn`
+    (`time.perf_counter` is the system's monotonic clock, the same in both processes)."""
+    asyncio.run(_reader(conn, dsn, transport, deployment, port, channel))
 
 
-class PlaitHop:
-    """A committed write (the insert returned) -> the other instance's on_rows."""
+async def _reader(
+    conn: Connection, dsn: str, transport: str, deployment: str, port: int, channel: str
+) -> None:
+    db = await Database.connect(dsn, min_size=1, max_size=4)
+    extra = {"tcp": {"hub": "w1", "port": port}} if transport == "tcp" else {}
+    reader = Instance(config("r", transport, deployment, **extra), db=db)
 
-    def __init__(self, db: Database, transport: str) -> None:
-        deployment = f"bench{uuid.uuid4().hex[:8]}"
-        extra: dict[str, Any] = {}
-        if transport == "tcp":
-            extra["tcp"] = {"hub": "w1", "port": free_port()}
-        self.writer = Instance(config("w1", transport, deployment, **extra), db=db)
-        self.reader = Instance(config("r", transport, deployment, **extra), db=db)
-        self.reader.on_rows("events", self._on_rows)
-        self.arrived: dict[int, float] = {}
-        self.changed = asyncio.Event()
-
-    def _on_rows(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+    def on_rows(stream: str, writer: str, token: int, rows: list[Any]) -> None:
         now = time.perf_counter()
         for row in rows:
-            self.arrived[row["stream_id"]] = now
+            conn.send(("plait", row["stream_id"], now))
+
+    reader.on_rows("events", on_rows)
+    await reader.start()
+    sub = Redis.from_url(REDIS_URL)
+    pubsub = sub.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(channel)
+
+    async def raw() -> None:
+        while True:
+            message = await pubsub.get_message(timeout=None)
+            if message is not None:
+                conn.send(("raw", int(message["data"]), time.perf_counter()))
+
+    task = asyncio.create_task(raw())
+    conn.send(("ready", 0, 0.0))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_reader(conn.fileno(), stop.set)
+    await stop.wait()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await pubsub.aclose()
+    await sub.aclose()
+    await reader.stop()
+    await db.close()
+
+
+class RemoteHops:
+    """The writer here, the reader in another process; raw hops and plait hops
+    interleaved (alternating which goes first), so both see the same machine."""
+
+    def __init__(self, db: Database, dsn: str, transport: str) -> None:
+        self.transport = transport
+        deployment = f"bench{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.channel = f"bench.raw.{uuid.uuid4().hex[:8]}"
+        extra = {"tcp": {"hub": "w1", "port": self.port}} if transport == "tcp" else {}
+        self.writer = Instance(config("w1", transport, deployment, **extra), db=db)
+        self.here, there = multiprocessing.get_context("spawn").Pipe()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=reader_process,
+            args=(there, dsn, transport, deployment, self.port, self.channel),
+            daemon=True,
+        )
+        self.received: dict[tuple[str, int], float] = {}
+        self.changed = asyncio.Event()
+
+    def _drain(self) -> None:
+        try:
+            while self.here.poll():
+                kind, key, at = self.here.recv()
+                self.received[(kind, key)] = at
+        except EOFError:  # the reader process ended
+            asyncio.get_running_loop().remove_reader(self.here.fileno())
         self.changed.set()
 
-    async def __aenter__(self) -> PlaitHop:
-        await self.writer.start()
-        await self.reader.start()
+    async def _wait(self, key: tuple[str, int]) -> float:
+        async with asyncio.timeout(10):
+            while key not in self.received:
+                self.changed.clear()
+                await self.changed.wait()
+        return self.received.pop(key)
+
+    async def __aenter__(self) -> RemoteHops:
+        await self.writer.start()  # first: the hub, for TCP
+        self.process.start()
+        asyncio.get_running_loop().add_reader(self.here.fileno(), self._drain)
+        await self._wait(("ready", 0))
+        self.pub = Redis.from_url(REDIS_URL)
         self.gen = self.writer.generator("events")
-        await asyncio.sleep(0.5)  # connected and caught up
+        await asyncio.sleep(1.0)  # connected and caught up
         return self
 
-    async def one(self, i: int) -> float:
+    async def raw(self, i: int) -> float:
+        sent = time.perf_counter()
+        await self.pub.publish(self.channel, str(i))
+        return await self._wait(("raw", i)) - sent
+
+    async def plait(self) -> float:
         (stream_id,) = await self.gen.insert(
             "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING *"
         )
         committed = time.perf_counter()
-        async with asyncio.timeout(10):
-            while stream_id not in self.arrived:
-                self.changed.clear()
-                await self.changed.wait()
-        return self.arrived.pop(stream_id) - committed
+        return await self._wait(("plait", stream_id)) - committed
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.reader.stop()
+        asyncio.get_running_loop().remove_reader(self.here.fileno())
+        self.here.send("stop")
+        await asyncio.to_thread(self.process.join, 30)
+        await self.pub.aclose()
         await self.writer.stop()
 
 
-async def latency(db: Database, samples: int) -> None:
-    """Per transport, raw hops and plait hops interleaved (alternating which goes
-    first), so both see the same machine: the ratio is what drifts least."""
+async def latency(db: Database, dsn: str, samples: int) -> None:
     for transport in ("redis", "tcp"):
         raw: list[float] = []
         hops: list[float] = []
-        async with RawHop() as raw_hop, PlaitHop(db, transport) as plait_hop:
+        async with RemoteHops(db, dsn, transport) as remote:
             for i in range(samples + 50):
-                pair = (raw_hop.one(i), plait_hop.one(i))
-                first, second = pair if i % 2 == 0 else pair[::-1]
-                a, b = await first, await second
+                if i % 2 == 0:
+                    a, b = await remote.raw(i), await remote.plait()
+                else:
+                    b, a = await remote.plait(), await remote.raw(i)
                 if i >= 50:
-                    raw.append(a if i % 2 == 0 else b)
-                    hops.append(b if i % 2 == 0 else a)
+                    raw.append(a)
+                    hops.append(b)
                 await asyncio.sleep(0.001)
         raw_p50, p50, p99 = percentile(raw, 0.5), percentile(hops, 0.5), percentile(hops, 0.99)
         common.emit(
             {
-                "figure": "commit_to_on_rows",
+                "figure": "commit_to_remote_on_rows",
                 "transport": transport,
                 "samples": len(hops),
                 "p50_ms": common.rnd(p50 * 1e3),
@@ -188,64 +236,97 @@ async def latency(db: Database, samples: int) -> None:
 # -- fan-out ---------------------------------------------------------------------------------
 
 
-async def fanout(db: Database, workers: int, rows: int, writers_tasks: int) -> None:
+def fanout_worker(conn: Connection, dsn: str, deployment: str, name: str) -> None:
+    """One worker process: counts every row it gets, reports when told the IDs written."""
+    asyncio.run(_fanout_worker(conn, dsn, deployment, name))
+
+
+async def _fanout_worker(conn: Connection, dsn: str, deployment: str, name: str) -> None:
+    db = await Database.connect(dsn, min_size=1, max_size=4)
+    counts: dict[int, int] = {}
+    times = [0.0, 0.0]  # first and last arrival
+
+    def on_rows(stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        now = time.perf_counter()
+        times[0] = times[0] or now
+        times[1] = now
+        for row in rows:
+            counts[row["stream_id"]] = counts.get(row["stream_id"], 0) + 1
+
+    worker = Instance(config(name, "redis", deployment), db=db)
+    worker.on_rows("events", on_rows)
+    await worker.start()
+    conn.send("ready")
+    told = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(conn.fileno(), told.set)
+    await told.wait()
+    loop.remove_reader(conn.fileno())
+    expected: set[int] = conn.recv()
+    await until(lambda: expected <= counts.keys(), within=120)
+    lost = len(expected - counts.keys())
+    repeated = sum(1 for v in counts.values() if v > 1)
+    conn.send((len(counts), lost, repeated, times[0], times[1]))
+    await worker.stop()
+    await db.close()
+
+
+async def fanout(db: Database, dsn: str, workers: int, rows: int, writer_tasks: int) -> None:
+    """One writer here writing 10-row statements from `writer_tasks` tasks, `workers`
+    worker processes; each worker's receive rate against the writer's write rate."""
     deployment = f"bench{uuid.uuid4().hex[:8]}"
     writer = Instance(config("w1", "redis", deployment), db=db)
-    received: list[dict[int, int]] = [{} for _ in range(workers)]
-    last_at = [0.0] * workers
-    instances = []
-    for n in range(workers):
-
-        def on_rows(stream: str, w: str, token: int, batch: list[Any], n: int = n) -> None:
-            counts = received[n]
-            for row in batch:
-                counts[row["stream_id"]] = counts.get(row["stream_id"], 0) + 1
-            last_at[n] = time.perf_counter()
-
-        worker = Instance(config(f"r{n}", "redis", deployment), db=db)
-        worker.on_rows("events", on_rows)
-        instances.append(worker)
     await writer.start()
-    for worker in instances:
-        await worker.start()
-    await asyncio.sleep(1.0)
-    gen = writer.generator("events")
-    written: list[int] = []
-
-    async def write(count: int) -> None:
-        for _ in range(count):
-            written.extend(
-                await gen.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING *")
-            )
-
-    started = time.perf_counter()
-    await asyncio.gather(*(write(rows // writers_tasks) for _ in range(writers_tasks)))
-    wrote = time.perf_counter() - started
+    spawn = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    for n in range(workers):
+        here, there = spawn.Pipe()
+        process = spawn.Process(
+            target=fanout_worker, args=(there, dsn, deployment, f"r{n}"), daemon=True
+        )
+        process.start()
+        pipes.append(here)
+        processes.append(process)
     try:
-        await until(lambda: all(len(c) >= len(written) for c in received), within=120)
+        for here in pipes:
+            await asyncio.to_thread(here.recv)  # ready
+        await asyncio.sleep(1.0)  # every worker connected and caught up
+        gen = writer.generator("events")
+        written: list[int] = []
+
+        async def write(statements: int) -> None:
+            for _ in range(statements):
+                written.extend(
+                    await gen.insert(
+                        "INSERT INTO events SELECT {id}, 'w1', 'row ' || g"
+                        " FROM generate_series(1, 10) g RETURNING *"
+                    )
+                )
+
+        started = time.perf_counter()
+        await asyncio.gather(*(write(rows // 10 // writer_tasks) for _ in range(writer_tasks)))
+        wrote = time.perf_counter() - started
+        expected = set(written)
+        for here in pipes:
+            here.send(expected)
+        reports = [await asyncio.to_thread(here.recv) for here in pipes]
     finally:
-        for worker in instances:
-            await worker.stop()
+        for process in processes:
+            await asyncio.to_thread(process.join, 60)
         await writer.stop()
-    expected = set(written)
-    ratios = []
-    for n, counts in enumerate(received):
-        lost = len(expected - counts.keys())
-        repeated = sum(1 for v in counts.values() if v > 1)
-        ratios.append((len(written) / (last_at[n] - started)) / (len(written) / wrote))
-        if lost or repeated:
-            common.log(f"worker r{n}: {lost} lost, {repeated} repeated")
+    writer_rate = len(written) / wrote
+    ratios = [(len(written) / (last - started)) / writer_rate for _, _, _, _, last in reports]
     common.emit(
         {
             "figure": "fanout",
             "workers": workers,
             "rows": len(written),
-            "writer_rows_per_s": round(len(written) / wrote),
+            "writer_rows_per_s": round(writer_rate),
             "worker_vs_writer_min": common.rnd(min(ratios), 3),
             "worker_vs_writer_median": common.rnd(common.median(ratios), 3),
-            "lost_or_repeated": sum(
-                len(expected - c.keys()) + sum(1 for v in c.values() if v > 1) for c in received
-            ),
+            "lost": sum(r[1] for r in reports),
+            "repeated": sum(r[2] for r in reports),
+            "note": "each worker's rate: rows / (its last arrival - first write)",
             "target": ">= 0.9x, nothing lost",
         }
     )
@@ -368,9 +449,9 @@ async def main(args: argparse.Namespace) -> None:
                     await create_table(db)
                     common.log(part)
                     if part == "latency":
-                        await latency(db, args.samples)
+                        await latency(db, dsn, args.samples)
                     elif part == "fanout":
-                        await fanout(db, args.workers, args.fanout_rows, args.writer_tasks)
+                        await fanout(db, dsn, args.workers, args.fanout_rows, args.writer_tasks)
                     else:
                         await catchup(db, dsn, args.catchup_rows)
                 finally:
@@ -383,7 +464,7 @@ if __name__ == "__main__":
     parser.add_argument("--only", choices=["latency", "fanout", "catchup"])
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--fanout-rows", type=int, default=20_000)
+    parser.add_argument("--fanout-rows", type=int, default=50_000)
     parser.add_argument("--writer-tasks", type=int, default=4)
     parser.add_argument("--catchup-rows", type=int, default=1_000_000)
     common.run(main, parser.parse_args())
