@@ -346,3 +346,26 @@ async def test_rows_returned_whole_are_sent_from_memory_and_equal_the_stored_row
     assert received[0]["amount"] == "1.5"
     # Only the writes that did not return whole rows (and the rollback) were read back.
     assert metric(w1, "plait_rows_read_back_total", stream="notes") == 2
+
+
+async def test_tcp_clients_catch_up_after_the_hub_restarts(db: Database) -> None:
+    """≥ 250 rows missed while the hub is down, read back in pages of 100."""
+    await create_tables(db)
+    cluster = Cluster(db, "tcp", hub="hub", catch_up_page_max=100)
+    try:
+        seen = Seen()
+        hub = await started(cluster, "hub")
+        w1 = await started(cluster, "w1")
+        r = await started(cluster, "r", seen)
+        await connected(hub, w1, r)
+        first = await write(w1, "before")
+        await seen.wait(1)
+        await hub.stop()
+        missed = await write_many(w1, 260, "missed")
+        await started(cluster, "hub")
+        await seen.wait(261)
+        await asyncio.sleep(0.3)
+        assert [row[1] for row in seen.rows] == [first, *missed]  # once each, in order
+        assert metric(r, "plait_catch_up_pages_total", stream="events") >= 3
+    finally:
+        await cluster.close()
