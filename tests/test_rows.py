@@ -55,19 +55,14 @@ def test_rows_built_from_tuples_equal_rows_built_from_stream_rows() -> None:
     moment = datetime.datetime(2026, 11, 21, tzinfo=datetime.UTC)
     codec = DictRows()
     plain = codec.row_maker("events", [("stream_id", 20), ("body", 25), ("doc", 3802)])
-    assert plain((7, "x", {"a": 1})) == {"stream_id": 7, "body": "x", "doc": {"a": 1}}
+    assert plain([(7, "x", {"a": 1})]) == [{"stream_id": 7, "body": "x", "doc": {"a": 1}}]
     mixed_columns = [("stream_id", 20), ("at", 1184), ("amount", 1700)]
     mixed = codec.row_maker("events", mixed_columns)
     values = (7, moment, decimal.Decimal("2.5"))
     expected = codec.from_db(
         StreamRow(7, "w1", "events", dict(zip(["stream_id", "at", "amount"], values, strict=True)))
     )
-    assert (
-        mixed(values)
-        == expected
-        == {
-            "stream_id": 7,
-            "at": "2026-11-21T00:00:00+00:00",
-            "amount": "2.5",
-        }
-    )
+    assert mixed([values, values]) == [expected, expected]
+    assert expected == {"stream_id": 7, "at": "2026-11-21T00:00:00+00:00", "amount": "2.5"}
+    odd = codec.row_maker("events", [('it\'s "quoted"', 25), ("a\nb", 1184)])
+    assert odd([("x", moment)]) == [{'it\'s "quoted"': "x", "a\nb": "2026-11-21T00:00:00+00:00"}]

@@ -57,14 +57,11 @@ class DictRows:
 
     def row_maker(
         self, table: str, columns: list[tuple[str, int]]
-    ) -> Callable[[tuple[Any, ...]], Any]:
-        """Rows straight from the database's tuples (catch-up reads millions): `from_db`
-        without the `StreamRow` in between, and without looking at each value when the
-        column types can only hold JSON values."""
-        names = [name for name, _ in columns]
-        if all(oid in JSON_SAFE_TYPES for _, oid in columns):
-            return lambda values: dict(zip(names, values, strict=True))
-        return lambda values: {n: jsonable(v) for n, v in zip(names, values, strict=True)}
+    ) -> Callable[[list[tuple[Any, ...]]], list[Any]]:
+        """Rows straight from the database's tuples, a batch at a time (catch-up reads
+        millions): `from_db` without the `StreamRow` in between, converting only the
+        columns whose type can hold values that are not JSON."""
+        return _dict_rows([(name, oid not in JSON_SAFE_TYPES) for name, oid in columns])
 
     def from_json(self, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -83,6 +80,23 @@ class JsonRows:
 
     def from_json(self, value: Any) -> Any:
         return value
+
+
+def _dict_rows(
+    columns: list[tuple[str, bool]],
+) -> Callable[[list[tuple[Any, ...]]], list[dict[str, Any]]]:
+    """A function turning tuples into dicts with these keys, `jsonable` applied where
+    flagged. Generated code, as `collections.namedtuple` and `dataclasses` do: a dict
+    display runs about 7 times faster than `dict(zip(names, row))`, and catch-up builds
+    one dict per row. The names enter the code only as `repr()` string literals."""
+    items = ", ".join(
+        f"{name!r}: {'jsonable(' if convert else ''}r[{i}]{')' if convert else ''}"
+        for i, (name, convert) in enumerate(columns)
+    )
+    build: Callable[[list[tuple[Any, ...]]], list[dict[str, Any]]] = eval(
+        f"lambda records: [{{{items}}} for r in records]", {"jsonable": jsonable}
+    )
+    return build
 
 
 def jsonable(value: Any) -> Any:

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from plait.core.own_writes import OwnWrites
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.rows import RowCodec
 from plait.storage.stream_store import StreamRow
@@ -121,7 +122,7 @@ class DatabaseStream:
         spec = gen.spec
         self._writers = frozenset(spec.writers) if spec.writers else None
         # Own IDs completed but not sent yet -> their rows, or None when not known.
-        self._pending: dict[int, list[StreamRow] | None] | None = None
+        self._pending: OwnWrites[StreamRow] | None = None
 
     @property
     def name(self) -> str:
@@ -152,61 +153,49 @@ class DatabaseStream:
 
     def track_own_writes(self) -> None:
         """From now on, remember this instance's writes until they are sent: their rows
-        when the generator saw them (then `read_own` sends them without a query), or
-        that they are unknown (then it reads them back)."""
+        when the generator saw them (then `read_known` sends them without a query), or
+        that they are unknown (then `read_own` reads them back). Call it before the
+        first write."""
         if self._pending is None:
-            self._pending = {}
+            self._pending = OwnWrites()
             self._gen.capture_writes(self._written)
 
     def _written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
-        pending = self._pending
-        assert pending is not None
-        if rows is None:
-            for stream_id in ids:
-                pending[stream_id] = None
-            return
-        for stream_id in ids:
-            pending[stream_id] = []
-        sign = self._sign
-        for row in rows:
-            pending[sign * row.stream_id].append(row)  # type: ignore[union-attr]
+        assert self._pending is not None
+        by_id: dict[int, list[StreamRow]] | None = None
+        if rows is not None:
+            by_id, sign = {}, self._sign
+            for row in rows:
+                by_id.setdefault(sign * row.stream_id, []).append(row)
+        self._pending.record(ids, by_id)
 
     def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage | None:
         pending = self._pending
         if pending is None:
             return None
-        ids = sorted(i for i in pending if from_exclusive < i <= to_inclusive)
-        if all(pending[i] is not None for i in ids):
-            return self._from_memory(pending, ids, to_inclusive)
-        return None
+        found = pending.known(from_exclusive, to_inclusive)
+        if found is None:
+            return None
+        codec, upto, limited = self._codec, to_inclusive, False
+        out: list[tuple[int, Any]] = []
+        for n, (stream_id, rows) in enumerate(found):
+            if len(out) >= SEND_PAGE:  # cut between IDs
+                upto, limited = found[n - 1][0], True
+                break
+            out.extend((stream_id, codec.to_json(codec.from_db(row))) for row in rows)
+        pending.drop_upto(upto)
+        return ReadPage(out, upto, limited)
 
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         page = self.read_known(from_exclusive, to_inclusive)
         if page is not None:
             return page
-        pending = self._pending
         page = await self._read_back(from_exclusive, to_inclusive)
         if self._read_back_rows is not None:
             self._read_back_rows.inc(len(page.rows))
-        if pending:
-            for stream_id in [i for i in pending if i <= page.upto]:
-                del pending[stream_id]
+        if self._pending is not None:
+            self._pending.drop_upto(page.upto)
         return page
-
-    def _from_memory(
-        self, pending: dict[int, list[StreamRow] | None], ids: list[int], to_inclusive: int
-    ) -> ReadPage:
-        """Own rows in (from, to] from what the generator saw; every own ID completed
-        in that range is in `ids` (all were recorded since tracking began)."""
-        codec, upto, limited = self._codec, to_inclusive, False
-        out: list[tuple[int, Any]] = []
-        for n, stream_id in enumerate(ids):
-            if len(out) >= SEND_PAGE:  # cut between IDs
-                upto, limited = ids[n - 1], True
-                break
-            rows = pending.pop(stream_id) or ()
-            out.extend((stream_id, codec.to_json(codec.from_db(row))) for row in rows)
-        return ReadPage(out, upto, limited)
 
     async def _read_back(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         codec = self._codec

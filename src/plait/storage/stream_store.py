@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from bisect import bisect_left
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,16 +32,9 @@ _INTEGER_TYPES = {"bigint", "integer", "smallint"}
 _TEXT_TYPES = {"text", "character varying", "character", "name"}
 
 
-# Builds rows of one table from its columns: (table, [(name, type oid)]) -> (tuple -> row).
-RowMaker = Callable[[str, list[tuple[str, int]]], Callable[[tuple[Any, ...]], Any]]
-
-
-def _first_of_last(ids: list[int]) -> int:
-    """Where the run of the last ID starts (IDs sorted, either direction)."""
-    cut = len(ids) - 1
-    while cut > 0 and ids[cut - 1] == ids[-1]:
-        cut -= 1
-    return cut
+# Builds rows of one table from its columns, a batch at a time:
+# (table, [(name, type oid)]) -> (list of tuples -> list of rows).
+RowMaker = Callable[[str, list[tuple[str, int]]], Callable[[list[tuple[Any, ...]]], list[Any]]]
 
 
 class StreamRow(NamedTuple):
@@ -299,7 +291,9 @@ class StreamStore:
                 spec.id_column,
             )
 
-    def row_builder(self, names: list[str]) -> Callable[[tuple[Any, ...]], StreamRow] | None:
+    def row_builder(
+        self, names: list[str]
+    ) -> Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None:
         """How to make `StreamRow`s of tuples with these columns, when they are whole
         rows of this stream's one table; None otherwise."""
         if len(self._tables) != 1:
@@ -681,8 +675,7 @@ class StreamStore:
             columns = [(column.name, column.type_code) for column in cur.description or ()]
             id_at = [name for name, _ in columns].index(table.spec.id_column)
             make = (make_row or self._stream_rows(table, id_at))(table.name, columns)
-            held_ids: list[int] = []  # an ID whose rows may go on in the next batch
-            held: list[Any] = []
+            held: list[tuple[Any, ...]] = []  # rows of an ID that may go on in the next batch
             size = first
             # The next batch is on its way while this one is turned into rows.
             fetching = asyncio.ensure_future(cur.fetchmany(size))
@@ -693,15 +686,18 @@ class StreamStore:
                     size = min(2 * size, most)
                     if not done:
                         fetching = asyncio.ensure_future(cur.fetchmany(size))
-                    ids = held_ids + [r[id_at] for r in records]
-                    rows = held + list(map(make, records))
+                    if held:
+                        records = held + records
                     if done:
-                        yield Page(rows, to_inclusive, False)
+                        yield Page(make(records), to_inclusive, False)
                         return
-                    cut = bisect_left(ids, ids[-1]) if sign == 1 else _first_of_last(ids)
-                    held_ids, held = ids[cut:], rows[cut:]
+                    last = records[-1][id_at]
+                    cut = len(records) - 1
+                    while cut > 0 and records[cut - 1][id_at] == last:
+                        cut -= 1
+                    held = records[cut:]
                     if cut:
-                        yield Page(rows[:cut], sign * ids[cut - 1], True)
+                        yield Page(make(records[:cut]), sign * records[cut - 1][id_at], True)
             finally:
                 if not fetching.done():
                     fetching.cancel()
@@ -711,10 +707,15 @@ class StreamStore:
     def _stream_rows(self, table: _Table, id_at: int) -> RowMaker:
         inst_at_name = table.spec.instance_column
 
-        def maker(name: str, columns: list[tuple[str, int]]) -> Callable[[tuple[Any, ...]], Any]:
+        def maker(
+            name: str, columns: list[tuple[str, int]]
+        ) -> Callable[[list[tuple[Any, ...]]], list[Any]]:
             names = [column for column, _ in columns]
             inst_at = names.index(inst_at_name)
-            return lambda r: StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=True)))
+            return lambda records: [
+                StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=False)))
+                for r in records
+            ]
 
         return maker
 
@@ -761,5 +762,6 @@ class StreamStore:
         inst_at = names.index(table.spec.instance_column)
         name = table.name
         return [
-            StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=True))) for r in records
+            StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=False)))
+            for r in records
         ]

@@ -328,7 +328,7 @@ class MultiWriterIdGenerator:
         if records is None or cursor.description is None:
             return None
         build = self._store.row_builder([column.name for column in cursor.description])
-        return None if build is None else [build(record) for record in records]
+        return None if build is None else build(records)
 
     def capture_writes(self, listener: WrittenListener) -> None:
         """Tell `listener(ids, rows)` about each write of this writer just before its
