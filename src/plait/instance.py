@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict
 
 from plait.config import InstanceConfig, StreamConfig
 from plait.core.backoff import Backoff
@@ -49,6 +49,17 @@ logger = logging.getLogger(__name__)
 
 EndpointHandler = Callable[[Any], Awaitable[Any]]
 DEFAULT_WAIT = 5.0  # seconds
+
+
+class _TcpOptions(TypedDict):
+    """What the hub and its clients are both configured with."""
+
+    host: str
+    port: int
+    ping_interval: float
+    dead_after: float
+    send_queue: int
+    metrics: ReplicationMetrics
 
 
 class Instance:
@@ -384,26 +395,17 @@ class Instance:
         else:
             tcp = config.tcp
             assert tcp is not None
+            common = _TcpOptions(
+                host=tcp.host,
+                port=tcp.port,
+                ping_interval=tcp.ping_interval,
+                dead_after=tcp.dead_after,
+                send_queue=tcp.send_queue,
+                metrics=self.metrics,
+            )
             if tcp.hub == self.name:
-                self._transport = TcpHub(
-                    self._handler,
-                    host=tcp.host,
-                    port=tcp.port,
-                    ping_interval=tcp.ping_interval,
-                    dead_after=tcp.dead_after,
-                    send_queue=tcp.send_queue,
-                    metrics=self.metrics,
-                )
+                self._transport = TcpHub(self._handler, **common)
             else:
-                self._transport = TcpClient(
-                    self._handler,
-                    host=tcp.host,
-                    port=tcp.port,
-                    ping_interval=tcp.ping_interval,
-                    dead_after=tcp.dead_after,
-                    send_queue=tcp.send_queue,
-                    backoff=backoff,
-                    metrics=self.metrics,
-                )
+                self._transport = TcpClient(self._handler, backoff=backoff, **common)
         await self._handler.start()
         await self._transport.start()
