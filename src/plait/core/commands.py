@@ -288,9 +288,13 @@ def _reject_constant(name: str) -> Any:
     raise CommandParseError(f"{name} is not JSON")
 
 
+# One decoder for every row: `json.loads` with an option builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def _json(text: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return _DECODER.decode(text)
     except CommandParseError:
         raise
     except (ValueError, RecursionError) as err:
