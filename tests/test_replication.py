@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -367,5 +369,89 @@ async def test_tcp_clients_catch_up_after_the_hub_restarts(db: Database) -> None
         await asyncio.sleep(0.3)
         assert [row[1] for row in seen.rows] == [first, *missed]  # once each, in order
         assert metric(r, "plait_catch_up_pages_total", stream="events") >= 3
+    finally:
+        await cluster.close()
+
+
+@dataclass(frozen=True, slots=True)
+class UserSync:
+    """The reference application's command: `USER_SYNC <instance> <user> <start|end> <ms>`."""
+
+    NAME: ClassVar[str] = "USER_SYNC"
+    instance: str
+    user: str
+    state: str
+    ms: int
+
+    @classmethod
+    def from_args(cls, args: str) -> UserSync:
+        instance, user, state, ms = args.split(" ")
+        if state not in ("start", "end"):
+            raise ValueError(f"state must be start or end, not {state!r}")
+        return cls(instance, user, state, int(ms))
+
+    def to_args(self) -> str:
+        return f"{self.instance} {self.user} {self.state} {self.ms}"
+
+
+async def test_application_commands_positions_and_metrics(cluster: Cluster) -> None:
+    got: dict[str, list[UserSync]] = {"w1": [], "r": []}
+    moved: list[tuple[str, int]] = []
+    if cluster.transport == "tcp":
+        await started(cluster, "hub")
+    instances = {}
+    for name in ("w1", "r"):
+        inst = cluster.instance(name)
+        inst.register_command(UserSync, got[name].append)
+        if name == "r":
+            inst.on_position("events", lambda s, w, t: moved.append((w, t)))
+        instances[name] = await cluster.start(inst)
+    w1, r = instances["w1"], instances["r"]
+    await connected(w1, r)
+
+    w1.send_command(UserSync("w1", "@alice:example.org", "start", 1700))
+    await until(lambda: bool(got["r"]))
+    assert got["r"] == [UserSync("w1", "@alice:example.org", "start", 1700)]
+    # Over Redis a process hears its own commands too; over TCP the hub relays to others.
+    assert len(got["w1"]) == (1 if cluster.transport == "redis" else 0)
+
+    sid = await write(w1, "moves")
+    await until(lambda: any(t >= sid for w, t in moved if w == "w1"))
+
+    async with aiohttp.ClientSession() as http, http.get(f"{r.http_url}/metrics") as response:
+        text = await response.text()
+    assert 'plait_commands_received_total{command="USER_SYNC"} 1.0' in text
+    assert 'plait_rdata_rows_total{stream="events"} 1.0' in text
+    assert 'plait_stream_position{stream="events",writer="w1"}' in text
+    assert "plait_connection_up" in text
+
+
+async def test_a_malformed_line_on_tcp_gets_error_and_the_connection_lives_on(
+    db: Database,
+) -> None:
+    await create_tables(db)
+    cluster = Cluster(db, "tcp", hub="w1")
+    try:
+        w1 = await started(cluster, "w1")
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.hub_port)
+        try:
+            writer.write(b"NAME raw\n")
+            assert (await reader.readline()).startswith(b"SERVER w1")
+            writer.write(b"POSITION events w2 not-a-number 3\nREPLICATE\n")
+            lines: list[bytes] = []
+            async with asyncio.timeout(5):
+                while not any(line.startswith(b"ERROR") for line in lines):
+                    lines.append(await reader.readline())
+                    assert lines[-1], "the hub closed the connection"
+            error = next(line for line in lines if line.startswith(b"ERROR"))
+            assert b"bad prev" in error
+            sid = await write(w1, "after the bad line")
+            async with asyncio.timeout(5):
+                while not (line := await reader.readline()).startswith(b"RDATA events w1"):
+                    assert line, "the hub closed the connection"
+            assert line.split(b" ")[3] == str(sid).encode()
+        finally:
+            writer.close()
+            await writer.wait_closed()
     finally:
         await cluster.close()
