@@ -455,3 +455,51 @@ async def test_a_malformed_line_on_tcp_gets_error_and_the_connection_lives_on(
             await writer.wait_closed()
     finally:
         await cluster.close()
+
+
+async def test_writers_keep_writing_through_a_redis_restart_every_reader_gets_every_row_once(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    """Writes never pause: before, while the server is down, and while everyone
+    reconnects and catches up; live rows and caught-up rows must not overlap or gap."""
+    seen = {name: Seen() for name in ("w1", "w2", "r")}
+    instances = {name: await started(redis_cluster, name, seen[name]) for name in seen}
+    await connected(*instances.values())
+    written: dict[str, list[int]] = {"w1": [], "w2": []}
+    stop = asyncio.Event()
+
+    async def keep_writing(name: str) -> None:
+        n = 0
+        while not stop.is_set():
+            written[name].append(await write(instances[name], f"{name}-{n}"))
+            n += 1
+            await asyncio.sleep(0.003)
+
+    writers = [asyncio.create_task(keep_writing(name)) for name in written]
+    try:
+        await asyncio.sleep(0.3)
+        redis_server.stop()
+        await asyncio.sleep(0.5)
+        redis_server.start()
+        await asyncio.sleep(0.7)
+    finally:
+        stop.set()
+        await asyncio.gather(*writers)
+    assert all(len(ids) > 50 for ids in written.values())
+
+    expected = {
+        "r": sorted(written["w1"] + written["w2"]),
+        "w1": sorted(written["w2"]),  # every writer reads the other one
+        "w2": sorted(written["w1"]),
+    }
+    for name, ids in expected.items():
+        await seen[name].wait(len(ids), within=30)
+    await asyncio.sleep(0.5)
+    for name, ids in expected.items():
+        got = [row[1] for row in seen[name].rows]
+        assert sorted(got) == ids, name  # every row, exactly once
+        for writer in ("w1", "w2"):  # in order per writer
+            mine = [row[1] for row in seen[name].rows if row[2] == writer]
+            assert mine == sorted(mine), (name, writer)
+    # The rows written while the server was down came by catching up.
+    assert metric(instances["r"], "plait_catch_up_rows_total", stream="events") > 0
