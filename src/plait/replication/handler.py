@@ -15,9 +15,11 @@ the stream advances, then `on_position` listeners, then `wait_for_stream_positio
 waiters. Nothing observes a position before the effects of its rows are in place.
 
 Outbound (R-RP-4, R-RP-5): after this instance's own position moves, its rows in
-(sent, position] are read and sent as RDATA plus a trailing POSITION; an announcer
-wakes the senders every `announce_interval` so an idle writer's position still moves
-for everyone. A new connection gets REPLICATE and our positions, never old rows.
+(sent, position] go out as RDATA plus a trailing POSITION: at once, from the write's
+completion, when the rows are known without a query, else after reading them back. An
+announcer wakes the senders every `announce_interval` so an idle writer's position
+still moves for everyone. A new connection gets REPLICATE and our positions, never
+old rows.
 """
 
 from __future__ import annotations
