@@ -22,6 +22,7 @@ EVENTS = {
 }
 TYPING = {"name": "typing", "kind": "memory", "writers": ["w1"]}
 NOTES = {"name": "notes", "tables": [{"name": "notes"}], "writers": ["w1", "w2"]}
+STREAMS = [EVENTS, TYPING, NOTES]
 
 
 class TableRows:
@@ -154,7 +155,7 @@ class Cluster:
         config: dict[str, Any] = {
             "instance_name": name,
             "deployment": self.deployment,
-            "streams": [EVENTS, TYPING, NOTES],
+            "streams": STREAMS,
             "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in self.ports.items()},
             "replication": replication,
             "http": {"port": self.ports[name]},

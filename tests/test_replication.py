@@ -18,7 +18,7 @@ from plait import Database
 from plait.instance import Instance
 from plait.replication.rows import DictRows
 from redis_server import RedisServer
-from replication_helpers import Cluster, Seen, create_tables, until, write, write_many
+from replication_helpers import STREAMS, Cluster, Seen, create_tables, until, write, write_many
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -503,3 +503,51 @@ async def test_writers_keep_writing_through_a_redis_restart_every_reader_gets_ev
             assert mine == sorted(mine), (name, writer)
     # The rows written while the server was down came by catching up.
     assert metric(instances["r"], "plait_catch_up_rows_total", stream="events") > 0
+
+
+async def test_any_writer_streams_replicate_between_instances(cluster: Cluster) -> None:
+    """A stream anyone may write (no configured writers, no position rows): each
+    instance gets every other instance's rows exactly once."""
+    async with cluster.db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE anyone (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT); CREATE INDEX ON anyone (instance_name, stream_id);"
+            " CREATE INDEX ON anyone (stream_id)"
+        )
+    stream = {"name": "anyone", "tables": [{"name": "anyone"}], "writers": []}
+    received: dict[str, list[Any]] = {"w1": [], "w2": [], "r": []}
+    instances = {}
+    if cluster.transport == "tcp":
+        instances["hub"] = await cluster.start(cluster.instance("hub", streams=[*STREAMS, stream]))
+    for name in ("w1", "w2", "r"):
+        inst = cluster.instance(name, streams=[*STREAMS, stream])
+        inst.on_rows("anyone", lambda s, w, t, rows, name=name: received[name].extend(rows))
+        instances[name] = await cluster.start(inst)
+    await connected(*instances.values())
+    written: dict[str, list[int]] = {"w1": [], "w2": []}
+
+    async def write_some(name: str) -> None:
+        # Both at once: one writer's own writes keep completing while the other's rows
+        # are on their way to it.
+        gen = instances[name].generator("anyone")
+        for i in range(40):
+            written[name] += await gen.insert(
+                "INSERT INTO anyone VALUES ({id}, %s, %s) RETURNING *", (name, f"{name}-{i}")
+            )
+
+    await asyncio.gather(write_some("w1"), write_some("w2"))
+    expected = {
+        "r": sorted(written["w1"] + written["w2"]),
+        "w1": written["w2"],
+        "w2": written["w1"],
+    }
+    for name, ids in expected.items():
+        try:
+            await until(lambda name=name, ids=ids: len(received[name]) >= len(ids))
+        except TimeoutError:
+            raise AssertionError(
+                {n: (len(received[n]), len(i)) for n, i in expected.items()}
+            ) from None
+    await asyncio.sleep(0.3)
+    for name, ids in expected.items():
+        assert sorted(row["stream_id"] for row in received[name]) == sorted(ids), name

@@ -121,6 +121,12 @@ class DatabaseStream:
         self._own = gen.instance_name
         spec = gen.spec
         self._writers = frozenset(spec.writers) if spec.writers else None
+        # Any-writer streams: writers come and go, so the generator cannot know them
+        # all; what this process has seen of each is kept here, from where it started
+        # (an unknown writer's position would otherwise be persisted-up-to, which our
+        # own writes move past its rows still on the way).
+        self._anyone: dict[str, int] | None = {} if self._writers is None else None
+        self._start = self._sign * gen.get_persisted_upto_position()
         # Own IDs completed but not sent yet -> their rows, or None when not known.
         self._pending: OwnWrites[StreamRow] | None = None
 
@@ -141,9 +147,15 @@ class DatabaseStream:
         return self._gen
 
     def seen(self, writer: str) -> int:
+        if self._anyone is not None:
+            return self._anyone.get(writer, self._start)
         return self._sign * self._gen.get_current_token_for_writer(writer)
 
     def advance(self, writer: str, token: int) -> None:
+        if self._anyone is not None:
+            if token <= self._anyone.get(writer, self._start):
+                return
+            self._anyone[writer] = token
         self._gen.advance(writer, self._sign * token)
 
     def own_position(self) -> int | None:
