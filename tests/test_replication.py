@@ -5,6 +5,7 @@ through live RDATA or catch-up, across disconnects and restarts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -551,3 +552,28 @@ async def test_any_writer_streams_replicate_between_instances(cluster: Cluster) 
     await asyncio.sleep(0.3)
     for name, ids in expected.items():
         assert sorted(row["stream_id"] for row in received[name]) == sorted(ids), name
+
+
+async def test_a_writer_that_starts_after_a_reader_loses_no_rows(cluster: Cluster) -> None:
+    """The reader starts when only w1 has a position row; w2 starts later, and both
+    write at once: the reader must follow w2 from its first row, although its
+    generator did not know w2 when it started."""
+    seen = Seen()
+    if cluster.transport == "tcp":
+        await started(cluster, "hub")
+    w1 = await started(cluster, "w1")
+    r = await started(cluster, "r", seen)
+    w2 = await started(cluster, "w2")
+    await connected(w1, r, w2)
+    written: dict[str, list[int]] = {"w1": [], "w2": []}
+
+    async def write_some(instance: Instance) -> None:
+        for i in range(40):
+            written[instance.name].append(await write(instance, f"{instance.name}-{i}"))
+
+    await asyncio.gather(write_some(w1), write_some(w2))
+    expected = sorted(written["w1"] + written["w2"])
+    with contextlib.suppress(TimeoutError):  # the assertion below says what is missing
+        await seen.wait(len(expected), within=10)
+    await asyncio.sleep(0.3)
+    assert sorted(row[1] for row in seen.rows) == expected

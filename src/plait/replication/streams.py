@@ -121,12 +121,18 @@ class DatabaseStream:
         self._own = gen.instance_name
         spec = gen.spec
         self._writers = frozenset(spec.writers) if spec.writers else None
-        # Any-writer streams: writers come and go, so the generator cannot know them
-        # all; what this process has seen of each is kept here, from where it started
-        # (an unknown writer's position would otherwise be persisted-up-to, which our
-        # own writes move past its rows still on the way).
-        self._anyone: dict[str, int] | None = {} if self._writers is None else None
-        self._start = self._sign * gen.get_persisted_upto_position()
+        # How far this process has delivered each other writer: where the generator
+        # had it at start-up, then only what the handler advanced. A writer it did not
+        # know (any-writer streams; a configured writer without a position row) starts
+        # where this process started: the generator would answer with persisted-up-to,
+        # which this process's own writes move past that writer's rows still on the way.
+        sign = self._sign
+        self._start = sign * gen.get_persisted_upto_position()
+        self._seen = {
+            writer: sign * position
+            for writer, position in gen.get_positions().items()
+            if writer != self._own
+        }
         # Own IDs completed but not sent yet -> their rows, or None when not known.
         self._pending: OwnWrites[StreamRow] | None = None
 
@@ -147,15 +153,12 @@ class DatabaseStream:
         return self._gen
 
     def seen(self, writer: str) -> int:
-        if self._anyone is not None:
-            return self._anyone.get(writer, self._start)
-        return self._sign * self._gen.get_current_token_for_writer(writer)
+        return self._seen.get(writer, self._start)
 
     def advance(self, writer: str, token: int) -> None:
-        if self._anyone is not None:
-            if token <= self._anyone.get(writer, self._start):
-                return
-            self._anyone[writer] = token
+        if token <= self._seen.get(writer, self._start):
+            return
+        self._seen[writer] = token
         self._gen.advance(writer, self._sign * token)
 
     def own_position(self) -> int | None:
