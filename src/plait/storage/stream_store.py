@@ -37,6 +37,14 @@ _TEXT_TYPES = {"text", "character varying", "character", "name"}
 RowMaker = Callable[[str, list[tuple[str, int]]], Callable[[list[tuple[Any, ...]]], list[Any]]]
 
 
+def _safe_bound(reached: list[int | None]) -> int | None:
+    """The largest ID whose rows every table has returned in full: just below the
+    lowest ID a still-open table has reached (its rows of that ID may go on). None
+    when every table was read to the end."""
+    open_ = [last for last in reached if last is not None]
+    return min(open_) - 1 if open_ else None
+
+
 class StreamRow(NamedTuple):
     """One row of a stream table. `stream_id` is as stored (negative when backwards).
     A named tuple: catch-up builds millions of them."""
@@ -657,7 +665,7 @@ class StreamStore:
         if len(self._tables) != 1:
             if make_row is not None:
                 raise ValueError("make_row needs a stream of one table")
-            async for page in self._pages(writer, from_exclusive, to_inclusive, first, most):
+            async for page in self._merged(writer, from_exclusive, to_inclusive, first, most):
                 yield page
             return
         table, sign = self._tables[0], self._sign
@@ -719,17 +727,65 @@ class StreamStore:
 
         return maker
 
-    async def _pages(
+    async def _merged(
         self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
     ) -> AsyncGenerator[Page[StreamRow], None]:
-        low, size = from_exclusive, first
-        while True:
-            page = await self.read_page(writer, low, to_inclusive, size)
-            yield page
-            if not page.limited:
-                return
-            low = page.upto
-            size = min(2 * size, most)
+        """`scan` for a stream of several tables: one server-side cursor per table, in
+        one transaction, merged in ID order (ties in table order). A row goes out once
+        every table has been read past its ID, so each page ends between IDs."""
+        sign, tables = self._sign, self._tables
+        async with self.db.connection() as conn, conn.transaction():
+            cursors = []
+            makers = []
+            for n, table in enumerate(tables):
+                cur = conn.cursor(name=f"plait_scan_{n}")
+                params = {
+                    "writer": writer,
+                    "lo": table.stored(from_exclusive),
+                    "hi": table.stored(to_inclusive),
+                }
+                await cur.execute(table.range_query(True, limited=False), params)
+                names = [column.name for column in cur.description or ()]
+                id_at = names.index(table.spec.id_column)
+                cursors.append(cur)
+                makers.append(self._stream_rows(table, id_at)(table.name, [(c, 0) for c in names]))
+            # Per table: rows fetched and not yet sent (internal ID, row), and the
+            # largest ID fetched; None once the table is read to the end.
+            buffers: list[list[tuple[int, StreamRow]]] = [[] for _ in tables]
+            reached: list[int | None] = [from_exclusive] * len(tables)
+            size = first
+            try:
+                while True:
+                    # Read on in the tables that hold the next page back (the lowest
+                    # reached); the others are ahead already.
+                    lowest = min(last for last in reached if last is not None)
+                    for n, cur in enumerate(cursors):
+                        if reached[n] != lowest:
+                            continue
+                        records = await cur.fetchmany(size)
+                        rows = makers[n](records)
+                        buffers[n].extend((sign * row.stream_id, row) for row in rows)
+                        reached[n] = None if len(records) < size else buffers[n][-1][0]
+                    size = min(2 * size, most)
+                    bound = _safe_bound(reached)
+                    done = bound is None
+                    upto = to_inclusive if bound is None else bound
+                    out: list[tuple[int, int, int, StreamRow]] = []
+                    for n, buffer in enumerate(buffers):
+                        cut = 0
+                        while cut < len(buffer) and buffer[cut][0] <= upto:
+                            out.append((buffer[cut][0], n, cut, buffer[cut][1]))
+                            cut += 1
+                        del buffer[:cut]
+                    out.sort(key=lambda item: item[:3])
+                    if done:
+                        yield Page([item[3] for item in out], to_inclusive, False)
+                        return
+                    if out:
+                        yield Page([item[3] for item in out], upto, True)
+            finally:
+                for cur in cursors:
+                    await cur.close()
 
     def _warn_scan(self, table: _Table) -> None:
         """Once per table: reads across writers scan a table without an id index."""
