@@ -205,6 +205,9 @@ class StreamStore:
         self._seq_regclass = _regclass(spec.sequence)
         self._head_query = sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
         self._tables = [_Table(t, spec.backwards) for t in spec.tables]
+        self._row_builders: dict[
+            tuple[str, ...], Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None
+        ] = {}
 
     # -- start-up checks ------------------------------------------------------------------
 
@@ -304,14 +307,24 @@ class StreamStore:
     ) -> Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None:
         """How to make `StreamRow`s of tuples with these columns, when they are whole
         rows of this stream's one table; None otherwise."""
-        if len(self._tables) != 1:
-            return None
+        key = tuple(names)
+        if key in self._row_builders:  # one per statement shape: inserts repeat
+            return self._row_builders[key]
+        build = None
         table = self._tables[0]
-        if not table.columns or set(names) != table.columns or len(names) != len(table.columns):
-            return None
-        return self._stream_rows(table, names.index(table.spec.id_column))(
-            table.name, [(name, 0) for name in names]
-        )
+        if (
+            len(self._tables) == 1
+            and table.columns
+            and set(names) == table.columns
+            and len(names) == len(table.columns)
+        ):
+            build = self._stream_rows(table, names.index(table.spec.id_column))(
+                table.name, [(name, 0) for name in names]
+            )
+        if len(self._row_builders) >= 64:
+            self._row_builders.clear()
+        self._row_builders[key] = build
+        return build
 
     async def ensure_sequence(self) -> bool:
         """Create the sequence if missing, then take ID 1 so the first real ID is 2.
