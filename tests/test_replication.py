@@ -577,3 +577,45 @@ async def test_a_writer_that_starts_after_a_reader_loses_no_rows(cluster: Cluste
         await seen.wait(len(expected), within=10)
     await asyncio.sleep(0.3)
     assert sorted(row[1] for row in seen.rows) == expected
+
+
+async def test_a_backwards_stream_replicates_live_and_by_catching_up(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    """Negative IDs on the wire and in the callbacks, positive inside: live rows, a
+    catch-up after a Redis restart, and waiting for a (negative) position."""
+    async with redis_cluster.db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE backfill (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT); CREATE INDEX ON backfill (instance_name, stream_id)"
+        )
+    stream = {
+        "name": "backfill",
+        "tables": [{"name": "backfill"}],
+        "writers": ["w1"],
+        "backwards": True,
+    }
+    calls: list[tuple[int, list[int]]] = []
+    w1 = await redis_cluster.start(redis_cluster.instance("w1", streams=[*STREAMS, stream]))
+    r_instance = redis_cluster.instance("r", streams=[*STREAMS, stream])
+    r_instance.on_rows(
+        "backfill", lambda s, w, t, rows: calls.append((t, [row["stream_id"] for row in rows]))
+    )
+    r = await redis_cluster.start(r_instance)
+    await connected(w1, r)
+    gen = w1.generator("backfill")
+    insert = "INSERT INTO backfill SELECT {id}, 'w1', 'x' FROM generate_series(1, %s) RETURNING *"
+
+    live = await gen.insert(insert, (3,))
+    assert live == sorted(live, reverse=True)
+    assert live[0] < 0
+    assert await r.wait_for_stream_position("w1", "backfill", live[-1], timeout=5)
+
+    redis_server.stop()
+    missed = await gen.insert(insert, (150,))
+    redis_server.start()
+    assert await r.wait_for_stream_position("w1", "backfill", missed[-1], timeout=15)
+    got = [stream_id for _, ids in calls for stream_id in ids]
+    assert got == live + missed  # every row once, in stream order (more negative later)
+    assert all(token < 0 for token, _ in calls)
+    assert r.generator("backfill").get_positions()["w1"] == missed[-1]

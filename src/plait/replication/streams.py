@@ -226,16 +226,15 @@ class DatabaseStream:
     async def catch_up(
         self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
     ) -> AsyncGenerator[CaughtUp, None]:
-        sign, codec = self._sign, self._codec
+        codec = self._codec
         # The default row type builds its rows from the database's tuples directly.
         maker = getattr(codec, "row_maker", None) if len(self._gen.spec.tables) == 1 else None
-        pages = self._gen.store.scan(
-            writer, sign * from_exclusive, sign * to_inclusive, first, most, maker
-        )
+        # The store reads in the internal domain, like this class.
+        pages = self._gen.store.scan(writer, from_exclusive, to_inclusive, first, most, maker)
         async with contextlib.aclosing(pages):
             async for page in pages:
                 rows = page.rows if maker is not None else list(map(codec.from_db, page.rows))
-                yield CaughtUp(rows, sign * page.upto, page.limited)
+                yield CaughtUp(rows, page.upto, page.limited)
 
     def decode(self, value: Any) -> Any:
         return self._codec.from_json(value)
