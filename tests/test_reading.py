@@ -160,3 +160,18 @@ async def test_streaming_read_of_two_tables_merges_them_in_id_order(db: Database
         assert [(r.stream_id, r.table) for r in got] == expected, (first, most)
     part = await scan_all(gen, "a", 30, 50, 2, 2)
     assert [(r.stream_id, r.table) for r in part] == [e for e in expected if 30 < e[0] <= 50]
+
+
+async def test_streaming_read_of_two_tables_of_a_backwards_stream(db: Database) -> None:
+    await create_table(db, "events")
+    await create_table(db, "extra")
+    gen = await create_generator(db, ["a"], "reader", tables=("events", "extra"), backwards=True)
+    rows_events = [(-i, "a") for i in range(2, 40) if i % 3 != 1]
+    rows_extra = [(-i, "a") for i in range(2, 40) if i % 3 != 2 for _ in range(1 + i % 2)]
+    await write(db, "events", rows_events)
+    await write(db, "extra", rows_extra)
+    expected = sorted(
+        [(-i, "events") for i, _ in rows_events] + [(-i, "extra") for i, _ in rows_extra]
+    )
+    got = await scan_all(gen, "a", 1, 39, 2, 5)
+    assert [(-r.stream_id, r.table) for r in got] == expected
