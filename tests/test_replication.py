@@ -619,3 +619,37 @@ async def test_a_backwards_stream_replicates_live_and_by_catching_up(
     assert got == live + missed  # every row once, in stream order (more negative later)
     assert all(token < 0 for token, _ in calls)
     assert r.generator("backfill").get_positions()["w1"] == missed[-1]
+
+
+async def test_any_writer_streams_catch_up_after_a_redis_restart(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    async with redis_cluster.db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE anyone (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT); CREATE INDEX ON anyone (instance_name, stream_id)"
+        )
+    stream = {"name": "anyone", "tables": [{"name": "anyone"}], "writers": []}
+    received: dict[str, list[int]] = {"w1": [], "w2": []}
+    instances = {}
+    for name in ("w1", "w2"):
+        inst = redis_cluster.instance(name, streams=[*STREAMS, stream])
+        inst.on_rows(
+            "anyone",
+            lambda s, w, t, rows, name=name: received[name].extend(r["stream_id"] for r in rows),
+        )
+        instances[name] = await redis_cluster.start(inst)
+    await connected(*instances.values())
+    insert = "INSERT INTO anyone SELECT {id}, %s, 'x' FROM generate_series(1, %s) RETURNING *"
+    before = {n: await instances[n].generator("anyone").insert(insert, (n, 5)) for n in received}
+    await until(lambda: all(len(ids) == 5 for ids in received.values()))
+    redis_server.stop()
+    during = {n: await instances[n].generator("anyone").insert(insert, (n, 120)) for n in received}
+    redis_server.start()
+    after = {n: await instances[n].generator("anyone").insert(insert, (n, 5)) for n in received}
+    other = {"w1": "w2", "w2": "w1"}
+    for name in received:
+        wanted = before[other[name]] + during[other[name]] + after[other[name]]
+        await until(lambda name=name, wanted=wanted: len(received[name]) >= len(wanted), within=15)
+        await asyncio.sleep(0.2)
+        assert received[name] == wanted, name  # every row once, in order
