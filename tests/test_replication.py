@@ -653,3 +653,36 @@ async def test_any_writer_streams_catch_up_after_a_redis_restart(
         await until(lambda name=name, wanted=wanted: len(received[name]) >= len(wanted), within=15)
         await asyncio.sleep(0.2)
         assert received[name] == wanted, name  # every row once, in order
+
+
+async def test_in_memory_stream_of_two_writers_caught_up_in_pages(cluster: Cluster) -> None:
+    """Each writer keeps its own rows; a late reader reads both over HTTP, 250 keys
+    each in growing pages (the first page of each a reset), then follows them live."""
+    stream = {"name": "presence", "kind": "memory", "writers": ["w1", "w2"]}
+    if cluster.transport == "tcp":
+        await cluster.start(cluster.instance("hub", streams=[*STREAMS, stream]))
+    writers = {}
+    for name in ("w1", "w2"):
+        writers[name] = await cluster.start(cluster.instance(name, streams=[*STREAMS, stream]))
+    for name, inst in writers.items():
+        for i in range(250):
+            inst.memory("presence").write(f"user{i}", {"user": f"user{i}", "by": name, "v": 0})
+        inst.memory("presence").write("user0", {"user": "user0", "by": name, "v": 1})
+    state: dict[tuple[str, str], dict[str, Any]] = {}
+    resets: list[str] = []
+    r_instance = cluster.instance("r", streams=[*STREAMS, stream])
+    r_instance.on_rows(
+        "presence",
+        lambda s, w, t, rows: state.update({(w, row["user"]): row for row in rows}),
+    )
+    r_instance.on_reset("presence", lambda s, w: resets.append(w))
+    r = await cluster.start(r_instance)
+    await connected(r, *writers.values())
+    assert sorted(resets) == ["w1", "w2"]  # once per writer, for its first page
+    assert len(state) == 500
+    assert state[("w1", "user0")]["v"] == 1
+    assert state[("w2", "user0")]["v"] == 1
+    assert metric(r, "plait_catch_up_pages_total", stream="presence") >= 4  # 100, then 200
+    token = writers["w2"].memory("presence").write("user7", {"user": "user7", "by": "w2", "v": 2})
+    assert await r.wait_for_stream_position("w2", "presence", token, timeout=5)
+    assert state[("w2", "user7")]["v"] == 2
