@@ -133,7 +133,7 @@ class Cluster:
         self.catch_up_page_max = catch_up_page_max
         self.deployment = f"t{uuid.uuid4().hex[:10]}"
         self.hub_port = free_port()
-        self.ports: dict[str, int] = {}
+        self.ports: dict[str, int] = {name: free_port() for name in ("w1", "w2", "r", "hub")}
         self.instances: list[Instance] = []
 
     def config(self, name: str, **overrides: Any) -> dict[str, Any]:

@@ -686,3 +686,38 @@ async def test_in_memory_stream_of_two_writers_caught_up_in_pages(cluster: Clust
     token = writers["w2"].memory("presence").write("user7", {"user": "user7", "by": "w2", "v": 2})
     assert await r.wait_for_stream_position("w2", "presence", token, timeout=5)
     assert state[("w2", "user7")]["v"] == 2
+
+
+async def test_a_shared_secret_guards_the_internal_api_of_instances(cluster: Cluster) -> None:
+    """Every instance of the deployment shares the secret (catch-up of in-memory
+    streams uses the API too); requests without it get 401, metrics stay open."""
+
+    def http(name: str) -> dict[str, Any]:
+        return {"http": {"port": cluster.ports[name], "secret": "s3cret-token"}}
+
+    if cluster.transport == "tcp":
+        await cluster.start(cluster.instance("hub", **http("hub")))
+    w1_instance = cluster.instance("w1", **http("w1"))
+    w1_instance.register_endpoint("echo", _echo)
+    w1 = await cluster.start(w1_instance)
+    w1.memory("typing").write("room", {"users": ["a"]})
+    r_instance = cluster.instance("r", **http("r"))
+    typing: list[Any] = []
+    r_instance.on_rows("typing", lambda s, w, t, rows: typing.extend(rows))
+    r = await cluster.start(r_instance)
+    await connected(w1, r)
+    assert typing == [{"users": ["a"]}]  # caught up over HTTP, with the secret
+    assert await r.call("w1", "echo", {"x": 1}) == {"x": 1}
+    async with aiohttp.ClientSession() as http:
+        base = w1.http_url
+        async with http.get(f"{base}/_plait/v1/streams/typing/updates?from=0&to=9&limit=5") as rsp:
+            assert rsp.status == 401
+        headers = {"Authorization": "Bearer wrong"}
+        async with http.post(f"{base}/_plait/v1/call/echo/t1", json={}, headers=headers) as rsp:
+            assert rsp.status == 401
+        async with http.get(f"{base}/metrics") as rsp:
+            assert rsp.status == 200
+
+
+async def _echo(args: Any) -> Any:
+    return args
