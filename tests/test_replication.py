@@ -555,9 +555,9 @@ async def test_any_writer_streams_replicate_between_instances(cluster: Cluster) 
 
 
 async def test_a_writer_that_starts_after_a_reader_loses_no_rows(cluster: Cluster) -> None:
-    """The reader starts when only w1 has a position row; w2 starts later, and both
-    write at once: the reader must follow w2 from its first row, although its
-    generator did not know w2 when it started."""
+    """The reader starts when only w1 has a position row (its generator seats w2 at
+    persisted-up-to); w2 starts later, and both write at once: the reader must follow
+    w2 from its first row."""
     seen = Seen()
     if cluster.transport == "tcp":
         await started(cluster, "hub")

@@ -103,22 +103,16 @@ class Instance:
         An `async def` listener is awaited; a plain function is called synchronously
         (live rows then reach it without a task switch) and must not return a
         coroutine."""
-        self._before_start("add a listener")
-        self._stream_config(stream)
-        self._listeners.rows.setdefault(stream, []).append(listener)
+        self._add_listener(self._listeners.rows, stream, listener)
 
     def on_position(self, stream: str, listener: PositionListener) -> None:
         """`listener(stream, writer, token)` whenever another writer's position moves."""
-        self._before_start("add a listener")
-        self._stream_config(stream)
-        self._listeners.positions.setdefault(stream, []).append(listener)
+        self._add_listener(self._listeners.positions, stream, listener)
 
     def on_reset(self, stream: str, listener: ResetListener) -> None:
         """`listener(stream, writer)` when an in-memory stream's writer restarted: drop
         what you kept of it; its whole current state follows through `on_rows`."""
-        self._before_start("add a listener")
-        self._stream_config(stream)
-        self._listeners.resets.setdefault(stream, []).append(listener)
+        self._add_listener(self._listeners.resets, stream, listener)
 
     def on_departure(self, listener: DepartureListener) -> None:
         """`listener(instance)` when another instance shuts down cleanly."""
@@ -286,8 +280,8 @@ class Instance:
                 gen = replicated.generator
                 if gen.is_writer:
                     positions[name] = gen.get_minimal_local_current_token()
-            elif replicated.own_position() is not None:
-                positions[name] = replicated.own_position() or 0
+            elif (position := replicated.own_position()) is not None:
+                positions[name] = position
         return positions
 
     async def await_positions(self, instance: str, positions: Mapping[str, int]) -> None:
@@ -297,6 +291,11 @@ class Instance:
                 await self.wait_for_stream_position(instance, stream, position)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _add_listener(self, kind: dict[str, list[Any]], stream: str, listener: Any) -> None:
+        self._before_start("add a listener")
+        self._stream_config(stream)
+        kind.setdefault(stream, []).append(listener)
 
     def _before_start(self, what: str) -> None:
         if self._started:

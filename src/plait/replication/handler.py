@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,33 +278,36 @@ class ReplicationHandler:
 
     # -- delivering -------------------------------------------------------------------------
 
-    async def deliver(
+    def _delivery(
         self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
-    ) -> None:
-        """Hand rows of `writer` up to `token` (internal) over, in the R-CA-3 order."""
+    ) -> Iterator[tuple[Callable[..., Awaitable[None] | None], tuple[Any, ...]]]:
+        """The steps of handing rows of `writer` up to `token` (internal) over, in the
+        R-CA-3 order: the listeners to call, one by one; the caller runs each before
+        asking for the next, so the stream advances only after every `on_rows`
+        listener ran, and waiters go last."""
         name = stream.name
         signed = stream.sign * token
         if rows:
             for listener in self.listeners.rows.get(name, ()):
-                await _call(listener, name, writer, signed, rows)
+                yield listener, (name, writer, signed, rows)
         stream.advance(writer, token)
         for position_listener in self.listeners.positions.get(name, ()):
-            await _call(position_listener, name, writer, signed)
+            yield position_listener, (name, writer, signed)
         self.waiters.release(name, writer, stream.seen(writer))
+
+    async def deliver(
+        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
+    ) -> None:
+        """Hand rows over, awaiting `async def` listeners."""
+        for listener, args in self._delivery(stream, writer, token, rows):
+            await _call(listener, *args)
 
     def deliver_now(
         self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
     ) -> None:
         """`deliver` for a stream in `sync_streams`, without awaiting anything."""
-        name = stream.name
-        signed = stream.sign * token
-        if rows:
-            for listener in self.listeners.rows.get(name, ()):
-                _call_now(listener, name, writer, signed, rows)
-        stream.advance(writer, token)
-        for position_listener in self.listeners.positions.get(name, ()):
-            _call_now(position_listener, name, writer, signed)
-        self.waiters.release(name, writer, stream.seen(writer))
+        for listener, args in self._delivery(stream, writer, token, rows):
+            _call_now(listener, *args)
 
     async def catch_up(
         self, stream: ReplicatedStream, writer: str, from_exclusive: int, to_inclusive: int
@@ -498,15 +501,12 @@ class _Session:
     def _own_echo(self, line: str | bytes) -> bool:
         """Whether the line is RDATA or POSITION of this instance (without parsing its
         row: echoes are as many as our own writes)."""
-        if isinstance(line, bytes):
-            if not line.startswith((b"RDATA ", b"POSITION ")):
-                return False
-            parts = line.split(b" ", 3)
-            return len(parts) > 3 and parts[2] == self._own_bytes
-        if not line.startswith(("RDATA ", "POSITION ")):
+        if isinstance(line, str):
+            line = line.encode()  # TCP lines; Redis hands bytes, the common case
+        if not line.startswith((b"RDATA ", b"POSITION ")):
             return False
-        fields = line.split(" ", 3)
-        return len(fields) > 3 and fields[2] == self._handler.instance_name
+        fields = line.split(b" ", 3)
+        return len(fields) > 3 and fields[2] == self._own_bytes
 
     async def wait_up(self) -> None:
         await self._up.wait()

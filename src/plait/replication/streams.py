@@ -254,8 +254,8 @@ class CatchUpClient(Protocol):
 
     async def catch_up(
         self, instance: str, stream: str, from_exclusive: int, to_inclusive: int, limit: int
-    ) -> Any:
-        """A page with `rows`, `upto`, `limited` and `reset`, rows as JSON values."""
+    ) -> ReadPage:
+        """A page of the writer's rows as JSON values."""
         ...
 
 
@@ -304,17 +304,14 @@ class InMemoryStream:
         return None if self.memory is None else self.memory.position
 
     def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
-        if self.memory is None:
-            return ReadPage([], to_inclusive, False)
-        page = self.memory.read(from_exclusive, to_inclusive, SEND_PAGE)
-        to_json = self._codec.to_json
-        return ReadPage([(t, to_json(r)) for t, r in page.rows], page.upto, page.limited)
+        return self.read_json(from_exclusive, to_inclusive, SEND_PAGE)
 
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         return self.read_known(from_exclusive, to_inclusive)
 
     def read_json(self, from_exclusive: int, to_inclusive: int, limit: int) -> ReadPage:
-        """Own rows for another instance's catch-up (served over HTTP)."""
+        """Own rows as JSON values: to send them, and for another instance's catch-up
+        (served over HTTP); KeyError when this instance does not write the stream."""
         if self.memory is None:
             raise KeyError(self._name)
         page = self.memory.read(from_exclusive, to_inclusive, limit)
