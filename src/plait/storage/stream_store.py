@@ -37,6 +37,20 @@ _TEXT_TYPES = {"text", "character varying", "character", "name"}
 RowMaker = Callable[[str, list[tuple[str, int]]], Callable[[list[tuple[Any, ...]]], list[Any]]]
 
 
+async def _open_scan(
+    cur: AsyncCursor[Any], table: _Table, writer: str, from_exclusive: int, to_inclusive: int
+) -> list[tuple[str, int]]:
+    """Start `writer`'s rows of (from, to] on a server-side cursor; its columns (name,
+    type oid)."""
+    params = {
+        "writer": writer,
+        "lo": table.stored(from_exclusive),
+        "hi": table.stored(to_inclusive),
+    }
+    await cur.execute(table.range_query(True, limited=False), params)
+    return [(column.name, column.type_code) for column in cur.description or ()]
+
+
 def _safe_bound(reached: list[int | None]) -> int | None:
     """The largest ID whose rows every table has returned in full: just below the
     lowest ID a still-open table has reached (its rows of that ID may go on). None
@@ -318,9 +332,7 @@ class StreamStore:
             and set(names) == table.columns
             and len(names) == len(table.columns)
         ):
-            build = self._stream_rows(table, names.index(table.spec.id_column))(
-                table.name, [(name, 0) for name in names]
-            )
+            build = self._stream_rows(table)(table.name, [(name, 0) for name in names])
         if len(self._row_builders) >= 64:
             self._row_builders.clear()
         self._row_builders[key] = build
@@ -673,8 +685,8 @@ class StreamStore:
 
         One query streamed through a server-side cursor: paging with LIMIT would plan a
         query per page, and on a freshly loaded table without statistics each of those
-        sorts everything above its start. Streams of several tables are read with
-        `read_page` instead."""
+        sorts everything above its start. A stream of several tables gets one cursor per
+        table, merged (`_merged`)."""
         if len(self._tables) != 1:
             if make_row is not None:
                 raise ValueError("make_row needs a stream of one table")
@@ -682,20 +694,14 @@ class StreamStore:
                 yield page
             return
         table, sign = self._tables[0], self._sign
-        params = {
-            "writer": writer,
-            "lo": table.stored(from_exclusive),
-            "hi": table.stored(to_inclusive),
-        }
         async with (
             self.db.connection() as conn,
             conn.transaction(),
             conn.cursor(name="plait_scan") as cur,
         ):
-            await cur.execute(table.range_query(True, limited=False), params)
-            columns = [(column.name, column.type_code) for column in cur.description or ()]
+            columns = await _open_scan(cur, table, writer, from_exclusive, to_inclusive)
             id_at = [name for name, _ in columns].index(table.spec.id_column)
-            make = (make_row or self._stream_rows(table, id_at))(table.name, columns)
+            make = (make_row or self._stream_rows(table))(table.name, columns)
             held: list[tuple[Any, ...]] = []  # rows of an ID that may go on in the next batch
             size = first
             # The next batch is on its way while this one is turned into rows.
@@ -725,14 +731,16 @@ class StreamStore:
                     with contextlib.suppress(asyncio.CancelledError):
                         await fetching
 
-    def _stream_rows(self, table: _Table, id_at: int) -> RowMaker:
-        inst_at_name = table.spec.instance_column
+    @staticmethod
+    def _stream_rows(table: _Table) -> RowMaker:
+        """`StreamRow`s of the table's tuples (the default row maker)."""
+        spec = table.spec
 
         def maker(
             name: str, columns: list[tuple[str, int]]
         ) -> Callable[[list[tuple[Any, ...]]], list[Any]]:
             names = [column for column, _ in columns]
-            inst_at = names.index(inst_at_name)
+            id_at, inst_at = names.index(spec.id_column), names.index(spec.instance_column)
             return lambda records: [
                 StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=False)))
                 for r in records
@@ -752,16 +760,9 @@ class StreamStore:
             makers = []
             for n, table in enumerate(tables):
                 cur = conn.cursor(name=f"plait_scan_{n}")
-                params = {
-                    "writer": writer,
-                    "lo": table.stored(from_exclusive),
-                    "hi": table.stored(to_inclusive),
-                }
-                await cur.execute(table.range_query(True, limited=False), params)
-                names = [column.name for column in cur.description or ()]
-                id_at = names.index(table.spec.id_column)
+                columns = await _open_scan(cur, table, writer, from_exclusive, to_inclusive)
                 cursors.append(cur)
-                makers.append(self._stream_rows(table, id_at)(table.name, [(c, 0) for c in names]))
+                makers.append(self._stream_rows(table)(table.name, columns))
             # Per table: rows fetched and not yet sent (internal ID, row), and the
             # largest ID fetched; None once the table is read to the end.
             buffers: list[list[tuple[int, StreamRow]]] = [[] for _ in tables]
@@ -826,11 +827,6 @@ class StreamStore:
         async with conn.cursor() as cur:
             await cur.execute(query, params)
             records = await cur.fetchall()
-            names = [column.name for column in cur.description or ()]
-        id_at = names.index(table.spec.id_column)
-        inst_at = names.index(table.spec.instance_column)
-        name = table.name
-        return [
-            StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=False)))
-            for r in records
-        ]
+            columns = [(column.name, column.type_code) for column in cur.description or ()]
+        rows: list[StreamRow] = self._stream_rows(table)(table.name, columns)(records)
+        return rows
