@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,6 +19,8 @@ from aiohttp import web
 from plait.errors import ConfigError, RemoteCallError
 from plait.replication.http_api import CatchUpPage, InternalApi, InternalClient
 from plait.replication.metrics import ReplicationMetrics
+from redis_server import free_port
+from replication_helpers import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -113,13 +114,6 @@ class Counter:
 
 def _body(args: Any = None, caller: str = "client", positions: dict[str, int] | None = None) -> Any:
     return {"caller": caller, "positions": positions or {}, "args": args}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def _raw_request(port: int, request: bytes) -> tuple[int, bytes]:
@@ -439,7 +433,9 @@ async def test_concurrent_calls_with_one_txn_id_share_one_run(
     try:
         async with asyncio.timeout(5):
             await handler.started.wait()
-            await asyncio.sleep(0.1)  # the other four arrive while the first still runs
+            # The other four reach the server while the first still runs.
+            await until(lambda: len(api._runner.server.connections) >= 5)  # type: ignore[union-attr]
+            await asyncio.sleep(0.05)  # and are read (each waits on the first run)
             runs_while_held = handler.runs
             handler.gate.set()
             results = await asyncio.gather(*calls)
@@ -590,7 +586,7 @@ async def test_a_retry_after_a_timeout_waits_for_the_run_in_progress(
 async def test_the_client_retries_until_the_server_listens(
     start_api: StartApi, make_client: MakeClient
 ) -> None:
-    port = _free_port()
+    port = free_port()
     client = make_client({"server": f"http://127.0.0.1:{port}"}, retry_for=5.0)
     handler = Counter()
     async with asyncio.timeout(5):
@@ -605,7 +601,7 @@ async def test_the_client_retries_until_the_server_listens(
 
 
 async def test_the_client_gives_up_after_retry_for(make_client: MakeClient) -> None:
-    client = make_client({"server": f"http://127.0.0.1:{_free_port()}"}, retry_for=0.3)
+    client = make_client({"server": f"http://127.0.0.1:{free_port()}"}, retry_for=0.3)
     started = time.monotonic()
     with pytest.raises(RemoteCallError, match=r"gave up after \d+ attempts"):
         await client.call("server", "echo", None)
@@ -690,6 +686,26 @@ async def test_positions_travel_both_ways_and_are_awaited(
     assert client_waited == [("worker", {"events": 12})]  # after the handler's writes
 
 
+async def test_a_failed_wait_for_the_callers_positions_is_retried(
+    start_api: StartApi, make_client: MakeClient
+) -> None:
+    """The handler did not run, so the answer (503) is retried with the same txn id,
+    and the handler then runs exactly once."""
+    failures = [RuntimeError("positions not reachable")]
+
+    async def flaky_await(instance: str, positions: dict[str, int]) -> None:
+        if failures:
+            raise failures.pop()
+
+    api = await start_api(await_positions=flaky_await)
+    handler = Counter()
+    api.register("count", handler)
+    client = make_client({"server": api.url})
+    assert await client.call("server", "count", "x") == {"echo": "x", "run": 1}
+    assert failures == []
+    assert handler.runs == 1
+
+
 # -- 6. handler errors, and stopping ----------------------------------------------------
 
 
@@ -743,9 +759,10 @@ async def test_stop_ends_calls_in_progress_and_closes_the_port(
     start_api: StartApi, http: aiohttp.ClientSession
 ) -> None:
     api = await start_api(shutdown_timeout=0.1)
-    cancelled = asyncio.Event()
+    started, cancelled = asyncio.Event(), asyncio.Event()
 
     async def forever(args: Any) -> Any:
+        started.set()
         try:
             await asyncio.Event().wait()
         finally:
@@ -755,14 +772,15 @@ async def test_stop_ends_calls_in_progress_and_closes_the_port(
     port = api.port
     request = asyncio.create_task(http.post(f"{api.url}/_plait/v1/call/forever/t", json=_body()))
     try:
-        await asyncio.sleep(0.1)
         async with asyncio.timeout(3):
+            await started.wait()
             await api.stop()
-            await cancelled.wait()
+        assert cancelled.is_set()  # stop() returned only after the run ended
     finally:
         with contextlib.suppress(aiohttp.ClientError):
             (await request).release()
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection("127.0.0.1", port)
     assert api._calls == {}
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("plait-call-")]
     await api.stop()  # twice is fine

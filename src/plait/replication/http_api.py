@@ -217,7 +217,10 @@ class InternalApi:
         """Listen on (host, port); returns once connections are accepted."""
         if self._runner is not None:
             raise RuntimeError("InternalApi is already started")
-        app = web.Application(middlewares=[self._errors_middleware, self._auth_middleware])
+        middlewares = [self._errors_middleware]
+        if self._secret is not None:
+            middlewares.append(self._auth_middleware)
+        app = web.Application(middlewares=middlewares)
         app.router.add_get(PREFIX + "/streams/{stream}/updates", self._handle_updates)
         app.router.add_post(PREFIX + "/call/{name}/{txn_id}", self._handle_call)
         if self._metrics is not None:
@@ -236,14 +239,16 @@ class InternalApi:
         """Stop listening, let requests in progress finish (up to `shutdown_timeout`),
         then cancel any call still running. Safe to call twice."""
         runner, self._runner, self._site = self._runner, None, None
-        if runner is not None:
-            await runner.cleanup()
-        runs = [entry.run for entry in self._calls.values() if not entry.run.done()]
-        for run in runs:
-            run.cancel()
-        if runs:
-            await asyncio.gather(*runs, return_exceptions=True)
-        self._calls.clear()
+        try:
+            if runner is not None:
+                await runner.cleanup()
+        finally:
+            runs = [entry.run for entry in self._calls.values() if not entry.run.done()]
+            for run in runs:
+                run.cancel()
+            if runs:
+                await asyncio.gather(*runs, return_exceptions=True)
+            self._calls.clear()
 
     # -- middlewares ---------------------------------------------------------------
 
@@ -276,7 +281,7 @@ class InternalApi:
         # Everything but /metrics needs the secret (not just paths that look like
         # /_plait/: no spelling of a path can slip past).
         open_route = request.match_info.handler == self._handle_metrics
-        if self._secret is not None and not open_route and not self._authorized(request):
+        if not open_route and not self._authorized(request):
             response = _error(401, "missing or wrong bearer secret for the internal API")
             response.headers["WWW-Authenticate"] = 'Bearer realm="plait"'
             return response
@@ -318,7 +323,7 @@ class InternalApi:
             return _error(404, f"instance {self.instance_name!r} does not serve stream {stream!r}")
         return _json_response(
             {
-                "rows": [[token, row] for token, row in page.rows],
+                "rows": page.rows,  # (token, row) pairs: JSON arrays as they are
                 "upto": page.upto,
                 "limited": page.limited,
                 "reset": page.reset,
@@ -387,9 +392,10 @@ class InternalApi:
             logger.exception(
                 "internal API: waiting for %s's positions %s failed", caller, positions
             )
-            # The handler did not run, so a retry may safely try again: forget this one.
+            # The handler did not run, so a retry may safely try again: forget this one,
+            # and answer 503, which the client retries.
             self._calls.pop(key, None)
-            return _Outcome(500, _json_body({"error": f"{type(exc).__name__}: {exc}"}))
+            return _Outcome(503, _json_body({"error": f"{type(exc).__name__}: {exc}"}))
         try:
             result = await handler(args)
             body = _json_body({"result": result, "positions": self._own_positions()})
