@@ -519,7 +519,6 @@ class _Session:
             task.cancel()
         self._inbound.lost()
         self._handler.forget(self)
-        self._handler.metrics.connection_up.labels(self.link.label).set(0)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -663,6 +662,5 @@ class _Session:
             timeout = max(0.0, deadline - loop.time()) if loop.time() < deadline else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout)
+        # The transport sets the connection gauge and logs it (it owns the connection).
         self._up.set()
-        handler.metrics.connection_up.labels(self.link.label).set(1)
-        logger.info("replication: %s is up (every stream caught up)", self.link.label)

@@ -73,4 +73,5 @@ CONNECTION_COMMANDS = frozenset({"PING", "NAME", "SERVER"})
 
 def command_name(line: str) -> str:
     """The command name of a line (cheap: no parsing), for routing in transports."""
-    return line.partition(" ")[0]
+    end = line.find(" ")  # not partition: that would copy the rest (up to 1 MiB)
+    return line if end < 0 else line[:end]

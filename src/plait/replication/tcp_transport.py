@@ -123,6 +123,7 @@ class _Connection:
         self._reason = ""
         self._flush = False
         self._linger = False  # the peer should still read what was written (ERROR)
+        self._draining = False  # the writer waits for the peer to read
         self._last_received = asyncio.get_running_loop().time()
 
     @property
@@ -138,6 +139,13 @@ class _Connection:
             log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
             return
         if len(self._queue) >= self._send_queue:
+            if not self._draining:
+                # The peer keeps up; only our writer task has not run yet (a burst sent
+                # in one go). Hand the lines to the socket now rather than drop the peer.
+                self._queue.append(line)
+                self._write_now(self._queue)
+                self._queue.clear()
+                return
             text = f"send queue full ({self._send_queue} lines): closing; reconnect and catch up"
             log.warning("%s: %s", self._label, text)
             self._write_error(text)
@@ -249,7 +257,14 @@ class _Connection:
                 batch, self._queue = self._queue, []
                 if batch:
                     self._writer.write(_encode(batch))
-                    await self._writer.drain()
+                    # A peer that does not read leaves us waiting here (its window and
+                    # our buffers full): only then does a full queue mean it is too slow.
+                    self._draining = True
+                    try:
+                        async with asyncio.timeout(self._dead_after):
+                            await self._writer.drain()
+                    finally:
+                        self._draining = False
         except Exception as err:  # the connection failed under us
             self._end(f"write failed: {err!r}")
 
@@ -518,7 +533,11 @@ class TcpClient:
 
     async def _run(self) -> None:
         while True:
-            reason = await self._attempt()
+            try:
+                reason = await self._attempt()
+            except Exception as err:  # a bug or an odd failure: never end the loop over it
+                log.exception("tcp client: hub %s:%d: connection failed", self._host, self._port)
+                reason = f"failed: {err!r}"
             first = not self._backoff.failures_pending  # the first failure since up
             delay = self._backoff.next_delay()
             log.log(
