@@ -25,6 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, CommandSet, Error, Name, Ping, Server, to_line
@@ -96,6 +97,22 @@ def _check_options(**values: float) -> None:
             raise ConfigError(f"tcp transport: {name} must be positive, got {value!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """What every connection of the hub and of a client is run with."""
+
+    ping_interval: float
+    dead_after: float
+    send_queue: int
+
+    def __post_init__(self) -> None:
+        _check_options(
+            ping_interval=self.ping_interval,
+            dead_after=self.dead_after,
+            send_queue=self.send_queue,
+        )
+
+
 class _Connection:
     """One established connection, and the `Link` the handler sends through: reads lines,
     drains a bounded send queue with a writer task, pings, and closes a silent peer.
@@ -107,16 +124,14 @@ class _Connection:
         writer: asyncio.StreamWriter,
         *,
         label: str,
-        ping_interval: float,
-        dead_after: float,
-        send_queue: int,
+        options: _Options,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._label = label
-        self._ping_interval = ping_interval
-        self._dead_after = dead_after
-        self._send_queue = send_queue
+        self._ping_interval = options.ping_interval
+        self._dead_after = options.dead_after
+        self._send_queue = options.send_queue
         self._queue: list[str] = []
         self._queued = asyncio.Event()
         self._ended = asyncio.Event()
@@ -315,18 +330,11 @@ class TcpHub:
         handshake_timeout: float = 10.0,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        _check_options(
-            ping_interval=ping_interval,
-            dead_after=dead_after,
-            send_queue=send_queue,
-            handshake_timeout=handshake_timeout,
-        )
+        self._options = _Options(ping_interval, dead_after, send_queue)
+        _check_options(handshake_timeout=handshake_timeout)
         self._handler = handler
         self._host = host
         self._port = port
-        self._ping_interval = ping_interval
-        self._dead_after = dead_after
-        self._send_queue = send_queue
         self._handshake_timeout = handshake_timeout
         self._metrics = metrics
         self._server: asyncio.Server | None = None
@@ -395,9 +403,7 @@ class TcpHub:
                 reader,
                 writer,
                 label=f"tcp:{name}",
-                ping_interval=self._ping_interval,
-                dead_after=self._dead_after,
-                send_queue=self._send_queue,
+                options=self._options,
             )
             session = self._handler.open(conn, reply_errors=True)
             self._peers.add(conn)
@@ -485,18 +491,11 @@ class TcpClient:
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        _check_options(
-            ping_interval=ping_interval,
-            dead_after=dead_after,
-            send_queue=send_queue,
-            connect_timeout=connect_timeout,
-        )
+        self._options = _Options(ping_interval, dead_after, send_queue)
+        _check_options(connect_timeout=connect_timeout)
         self._handler = handler
         self._host = host
         self._port = port
-        self._ping_interval = ping_interval
-        self._dead_after = dead_after
-        self._send_queue = send_queue
         self._connect_timeout = connect_timeout
         self._backoff = backoff if backoff is not None else Backoff()
         self._metrics = metrics
@@ -573,9 +572,7 @@ class TcpClient:
                 reader,
                 writer,
                 label=self.label,
-                ping_interval=self._ping_interval,
-                dead_after=self._dead_after,
-                send_queue=self._send_queue,
+                options=self._options,
             )
             session = self._handler.open(conn, reply_errors=True)
             self._open.set()
