@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
 from redis_server import RedisServer, free_port
+from transport_helpers import RecordingBackoff, eventually
 
 LOGGER = "plait.replication.redis_transport"
 
@@ -85,35 +85,6 @@ class RecordingHandler:
     @property
     def session(self) -> RecordingSession:
         return self.sessions[-1]
-
-
-class RecordingBackoff(Backoff):
-    """A Backoff without jitter that records its delays and resets."""
-
-    def __init__(self, initial: float = 0.05, cap: float = 0.4) -> None:
-        super().__init__(initial=initial, cap=cap, jitter=0.0)
-        self.delays: list[float] = []
-        self.ups = 0
-
-    def next_delay(self) -> float:
-        delay = super().next_delay()
-        self.delays.append(delay)
-        return delay
-
-    def up(self) -> None:
-        self.ups += 1
-        super().up()
-
-
-async def eventually(what: str, condition: Callable[[], bool], within: float = 3.0) -> None:
-    """Returns once `condition()` holds; fails the test after `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    if not condition():
-        pytest.fail(f"timed out after {within} s waiting for {what}")
 
 
 def gauge_up(metrics: ReplicationMetrics) -> float | None:
@@ -179,17 +150,17 @@ async def test_lines_arrive_in_order_at_peers_and_as_echoes(
     assert await tb.wait_open(3)
 
     # Each one's own open() lines come back to it: SUBSCRIBE was confirmed before open().
-    await eventually("a's own open line", lambda: a.open_line(0) in a.session.lines)
-    await eventually("b's own open line", lambda: b.open_line(0) in b.session.lines)
+    await eventually(lambda: a.open_line(0) in a.session.lines, "a's own open line")
+    await eventually(lambda: b.open_line(0) in b.session.lines, "b's own open line")
     assert b.session.lines.index("REPLICATE") < b.session.lines.index(b.open_line(0))
 
     sent = [f'RDATA s a {i} {{"n":{i},"text":"é"}}' for i in range(1, 501)]
     for line in sent:
         a.session.link.send(line)  # never blocks, queued for the publisher
-    await eventually("500 lines at b", lambda: len(rdata(b.session.lines)) >= 500)
+    await eventually(lambda: len(rdata(b.session.lines)) >= 500, "500 lines at b")
     assert rdata(b.session.lines) == sent
     # a gets its own lines back: dropping echoes is the handler's business.
-    await eventually("500 echoes at a", lambda: len(rdata(a.session.lines)) >= 500)
+    await eventually(lambda: len(rdata(a.session.lines)) >= 500, "500 echoes at a")
     assert rdata(a.session.lines) == sent
     assert all(isinstance(x, bytes) for x in b.session.raw)  # bytes, as received
     assert len(a.sessions) == len(b.sessions) == 1
@@ -220,7 +191,7 @@ async def test_pings_go_out_every_interval_and_never_reach_the_session(
         # Someone else's PING is not the session's business either; other lines are.
         await observer.publish(name, b"PING 12345")
         await observer.publish(name, b"RDATA s b 1 {}")
-        await eventually("the RDATA line", lambda: "RDATA s b 1 {}" in handler.session.lines)
+        await eventually(lambda: "RDATA s b 1 {}" in handler.session.lines, "the RDATA line")
     assert not [line for line in handler.session.lines if line.startswith("PING")]
     # 1 s is over 3 ping intervals: the echoes of its own pings kept the connection alive.
     assert len(handler.sessions) == 1
@@ -239,10 +210,10 @@ async def test_a_silent_path_ends_the_connection_and_it_comes_back(
     # PUBLISH waits while the server is paused: no PING comes back.
     await admin.client_pause(700, all=False)  # WRITE only
     paused = time.monotonic()
-    await eventually("the connection to close", lambda: handler.sessions[0].closed_calls == 1)
+    await eventually(lambda: handler.sessions[0].closed_calls == 1, "the connection to close")
     assert time.monotonic() - paused < 0.6  # about 3 ping intervals
     await eventually(
-        "a new session", lambda: len(handler.sessions) >= 2 and bool(handler.session.lines)
+        lambda: len(handler.sessions) >= 2 and bool(handler.session.lines), "a new session"
     )
     assert handler.session.closed_calls == 0
 
@@ -259,26 +230,26 @@ async def test_a_restarted_server_is_reconnected_with_growing_delays(
     await transport.start()
     assert await transport.wait_open(3)
     first = handler.session
-    await eventually("connection_up 1", lambda: gauge_up(metrics) == 1)
+    await eventually(lambda: gauge_up(metrics) == 1, "connection_up 1")
     assert backoff.ups == 1
 
     await asyncio.to_thread(redis_server.stop)
-    await eventually("session.closed()", lambda: first.closed_calls == 1)
+    await eventually(lambda: first.closed_calls == 1, "session.closed()")
     assert gauge_up(metrics) == 0
     assert not await transport.wait_open(0.01)
     first.link.send("RDATA s a 1 old")  # for the dead connection: dropped, not carried over
-    await eventually("4 failed attempts", lambda: len(backoff.delays) >= 4)
+    await eventually(lambda: len(backoff.delays) >= 4, "4 failed attempts")
     assert backoff.delays[:4] == [0.05, 0.1, 0.2, 0.4]
     assert reconnects(metrics) >= 3
     assert len(handler.sessions) == 1
 
     await asyncio.to_thread(redis_server.start)
-    await eventually("a new session", lambda: len(handler.sessions) == 2)
+    await eventually(lambda: len(handler.sessions) == 2, "a new session")
     second = handler.session
-    await eventually("connection_up 1 again", lambda: gauge_up(metrics) == 1)
+    await eventually(lambda: gauge_up(metrics) == 1, "connection_up 1 again")
     assert backoff.ups == 2
     second.link.send("RDATA s a 2 new")
-    await eventually("lines to flow again", lambda: "RDATA s a 2 new" in second.lines)
+    await eventually(lambda: "RDATA s a 2 new" in second.lines, "lines to flow again")
     assert "RDATA s a 1 old" not in second.lines
     assert first.closed_calls == 1
     assert second.closed_calls == 0
@@ -297,10 +268,10 @@ async def test_failures_before_catch_up_keep_backing_off(
     )
     await transport.start()
     for opened in range(1, 5):
-        await eventually(f"session {opened}", lambda: len(handler.sessions) == opened)  # noqa: B023
+        await eventually(lambda: len(handler.sessions) == opened, f"session {opened}")  # noqa: B023
         await admin.client_kill_filter(_type="pubsub")
-        await eventually("session.closed()", lambda: handler.session.closed_calls == 1)
-    await eventually("session 5", lambda: len(handler.sessions) == 5)
+        await eventually(lambda: handler.session.closed_calls == 1, "session.closed()")
+    await eventually(lambda: len(handler.sessions) == 5, "session 5")
 
     assert backoff.delays == [0.05, 0.1, 0.2, 0.4]  # growing: never a tight loop
     assert backoff.ups == 0
@@ -311,10 +282,10 @@ async def test_failures_before_catch_up_keep_backing_off(
     assert gauge_up(metrics) == 0
 
     handler.may_be_up.set()  # caught up: now the backoff starts over
-    await eventually("backoff.up()", lambda: backoff.ups == 1)
-    await eventually("connection_up 1", lambda: gauge_up(metrics) == 1)
+    await eventually(lambda: backoff.ups == 1, "backoff.up()")
+    await eventually(lambda: gauge_up(metrics) == 1, "connection_up 1")
     await admin.client_kill_filter(_type="pubsub")
-    await eventually("session 5", lambda: len(handler.sessions) == 6)
+    await eventually(lambda: len(handler.sessions) == 6, "session 5")
     assert backoff.delays[4:] == [0.05]
 
 
@@ -330,7 +301,7 @@ async def test_bad_lines_cost_a_log_line_never_the_connection(
     link.send("RDATA s a 1 \ud800")  # not encodable as UTF-8
     link.send("RDATA s a 2 " + "x" * MAX_LINE_BYTES)  # over the line limit
     link.send("RDATA s a 3 {}")
-    await eventually("the good line", lambda: "RDATA s a 3 {}" in handler.session.lines)
+    await eventually(lambda: "RDATA s a 3 {}" in handler.session.lines, "the good line")
     assert rdata(handler.session.lines) == ["RDATA s a 3 {}"]
     assert "BOOM" in handler.session.lines
     assert len(handler.sessions) == 1
@@ -370,7 +341,7 @@ async def test_failing_to_connect_retries_with_growing_delays_and_stops_promptly
             handler, url, channel(), backoff=backoff, metrics=metrics, connect_timeout=0.1
         )
         await transport.start()
-        await eventually("4 failed attempts", lambda: len(backoff.delays) >= 4)
+        await eventually(lambda: len(backoff.delays) >= 4, "4 failed attempts")
         assert backoff.delays[:4] == [0.05, 0.1, 0.2, 0.2]
         assert not handler.sessions
         assert not await transport.wait_open(0.01)
@@ -411,7 +382,7 @@ async def test_stop_while_connected_flushes_and_ends_every_task(
     transport = make_transport(handler, redis_url, name, metrics=metrics)
     await transport.start()
     assert await transport.wait_open(3)
-    await eventually("connection_up 1", lambda: gauge_up(metrics) == 1)
+    await eventually(lambda: gauge_up(metrics) == 1, "connection_up 1")
     sent = [f"RDATA s a {i} {{}}" for i in range(1, 201)]
     for line in sent:
         handler.session.link.send(line)
@@ -422,7 +393,7 @@ async def test_stop_while_connected_flushes_and_ends_every_task(
     assert handler.session.closed_calls == 1
     assert gauge_up(metrics) == 0
     assert not await transport.wait_open(0.01)
-    await eventually("the flushed lines", lambda: len(rdata(observer.session.lines)) >= 200)
+    await eventually(lambda: len(rdata(observer.session.lines)) >= 200, "the flushed lines")
     assert rdata(observer.session.lines) == sent
     handler.session.link.send("RDATA s a 999 {}")  # after stop: dropped, never raises
     await transport.stop()  # again: nothing to do
@@ -438,8 +409,8 @@ async def test_stop_while_disconnected_ends_every_task(
     await transport.start()
     assert await transport.wait_open(3)
     await asyncio.to_thread(redis_server.stop)
-    await eventually("session.closed()", lambda: handler.session.closed_calls == 1)
-    await eventually("a backoff delay", lambda: len(backoff.delays) == 1)
+    await eventually(lambda: handler.session.closed_calls == 1, "session.closed()")
+    await eventually(lambda: len(backoff.delays) == 1, "a backoff delay")
     started = time.monotonic()
     await transport.stop()
     assert time.monotonic() - started < 0.5

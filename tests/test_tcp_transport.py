@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -19,6 +19,7 @@ from plait.core.commands import MAX_LINE_BYTES
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.tcp_transport import TcpClient, TcpHub
+from transport_helpers import RecordingBackoff, eventually
 
 HOST = "127.0.0.1"
 WAIT = 3.0  # how long any one expected event may take before the test fails
@@ -82,35 +83,7 @@ class RecordingHandler:
             session.link.send(line)
 
 
-class RecordingBackoff(Backoff):
-    """No jitter, and a record of every delay asked for and every `up()`."""
-
-    def __init__(self, events: list[str], *, initial: float = 0.02, cap: float = 1.0) -> None:
-        super().__init__(initial=initial, cap=cap, factor=2.0, jitter=0.0)
-        self.events = events
-        self.delays: list[float] = []
-        self.ups = 0
-
-    def next_delay(self) -> float:
-        delay = super().next_delay()
-        self.delays.append(delay)
-        return delay
-
-    def up(self) -> None:
-        self.ups += 1
-        self.events.append("backoff up")
-        super().up()
-
-
 # -- helpers -----------------------------------------------------------------------------
-
-
-async def eventually(check: Callable[[], bool], what: str, within: float = WAIT) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {within}s: {what}")
-        await asyncio.sleep(0.005)
 
 
 @asynccontextmanager
@@ -562,7 +535,7 @@ async def test_client_reconnects_with_growing_delays_and_resets_only_when_up() -
     events: list[str] = []
     hub_handler = RecordingHandler("hub")
     handler = RecordingHandler("c1", up=False, events=events)
-    backoff = RecordingBackoff(events)
+    backoff = RecordingBackoff(events, initial=0.02, cap=1.0)
     metrics = ReplicationMetrics()
 
     def gauge() -> float | None:
@@ -608,7 +581,7 @@ async def test_client_reconnects_with_growing_delays_and_resets_only_when_up() -
 async def test_a_connection_that_fails_before_it_is_up_keeps_growing_the_delay() -> None:
     events: list[str] = []
     handler = RecordingHandler("c1", up=False, events=events)
-    backoff = RecordingBackoff(events)
+    backoff = RecordingBackoff(events, initial=0.02, cap=1.0)
     async with FakeHub() as fake, running_client(handler, fake.port, backoff=backoff):
         for _ in range(5):  # handshake, then hang up at once: never up
             hub_end = await fake.accept()
@@ -623,7 +596,7 @@ async def test_a_connection_that_fails_before_it_is_up_keeps_growing_the_delay()
 
 async def test_client_treats_error_in_the_handshake_as_a_failure() -> None:
     handler = RecordingHandler("c1")
-    backoff = RecordingBackoff([])
+    backoff = RecordingBackoff([], initial=0.02, cap=1.0)
     async with FakeHub() as fake, running_client(handler, fake.port, backoff=backoff):
         hub_end = await fake.accept()
         assert await hub_end.line() == "NAME c1"
