@@ -96,10 +96,12 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 class Counter:
-    """An endpoint handler that counts its runs and can be held at a gate."""
+    """An endpoint handler that counts its runs, can be held at a gate, and can take
+    `delay` seconds."""
 
-    def __init__(self, *, hold: bool = False) -> None:
+    def __init__(self, *, hold: bool = False, delay: float = 0.0) -> None:
         self.runs = 0
+        self.delay = delay
         self.gate = asyncio.Event()
         self.started = asyncio.Event()
         if not hold:
@@ -109,6 +111,8 @@ class Counter:
         self.runs += 1
         self.started.set()
         await self.gate.wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
         return {"echo": args, "run": self.runs}
 
 
@@ -539,20 +543,14 @@ async def test_a_lost_answer_is_retried_with_the_same_txn_id_and_runs_once(
     start_api: StartApi, make_client: MakeClient
 ) -> None:
     api = await start_api()
-    runs = 0
-
-    async def transfer(args: Any) -> Any:
-        nonlocal runs
-        runs += 1
-        return {"moved": args["amount"]}
-
+    transfer = Counter()
     api.register("transfer", transfer)
     async with LosingProxy(api.port) as proxy:
         client = make_client({"server": f"http://127.0.0.1:{proxy.port}"})
         async with asyncio.timeout(5):
             result = await client.call("server", "transfer", {"amount": 5})
-    assert result == {"moved": 5}
-    assert runs == 1
+    assert result == {"echo": {"amount": 5}, "run": 1}
+    assert transfer.runs == 1
     assert proxy.answers_to_lose == 0  # the first answer really was lost
     assert proxy.connections == 2  # ...and the client came back on a new connection
     # Both attempts named the same call: the second found the first's answer.
@@ -565,19 +563,12 @@ async def test_a_retry_after_a_timeout_waits_for_the_run_in_progress(
     start_api: StartApi, make_client: MakeClient
 ) -> None:
     api = await start_api()
-    runs = 0
-
-    async def slow(args: Any) -> Any:
-        nonlocal runs
-        runs += 1
-        await asyncio.sleep(0.5)
-        return "done"
-
+    slow = Counter(delay=0.5)
     api.register("slow", slow)
     client = make_client({"server": api.url}, request_timeout=0.2, retry_for=3.0)
     async with asyncio.timeout(5):
-        assert await client.call("server", "slow", None) == "done"
-    assert runs == 1
+        assert await client.call("server", "slow", None) == {"echo": None, "run": 1}
+    assert slow.runs == 1
 
 
 # -- 4. retries of transient failures ----------------------------------------------------
