@@ -69,6 +69,17 @@ async def until(condition: Callable[[], bool], within: float = 10.0, step: float
             await asyncio.sleep(step)
 
 
+async def connected(*instances: Instance) -> None:
+    """Until every instance's connections are up (every stream caught up)."""
+    await until(lambda: all(_up(i) for i in instances))
+
+
+def _up(instance: Instance) -> bool:
+    text = instance.metrics.render().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("plait_connection_up{")]
+    return bool(lines) and all(ln.endswith(" 1.0") for ln in lines)
+
+
 async def create_tables(db: Database) -> None:
     async with db.connection() as conn:
         for table in ("events", "events_extra"):

@@ -78,3 +78,73 @@ async def test_insert_misuse_is_explained_and_never_stalls(db: Database) -> None
     rows, _, _ = await gen.get_updates_since("w", 0, 5)
     assert [r.stream_id for r in rows] == [2, 3, 4, 5]
     assert gen._tracker.fetches_in_flight() == 0
+
+
+async def test_insert_with_commit_travels_with_commit_and_completes_after_it(
+    db: Database,
+) -> None:
+    """Rows gathered during the transaction go out in one statement, in the round trip
+    of COMMIT; their IDs are taken and completed only then."""
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    many = (
+        "INSERT INTO events (stream_id, instance_name, payload)"
+        " SELECT {id}, 'w', p FROM unnest(%s::text[]) AS p RETURNING *"
+    )
+    payloads: list[str] = []
+    written: list[tuple[list[int], int]] = []
+    gen.capture_writes(lambda ids, rows: written.append((ids, len(rows or []))))
+    async with db.transaction() as txn:
+        await txn.execute("SELECT 1")
+        gen.insert_with_commit(txn, many, lambda: (payloads,))
+        payloads += ["a", "b"]  # read when COMMIT is sent
+        assert gen._tracker.fetches_in_flight() == 0  # nothing sent yet
+        payloads.append("c")
+    assert written == [([2, 3, 4], 3)]  # whole rows came back with the IDs
+    assert gen.get_current_token() == 4
+    assert gen.get_last_completed_token() == 4
+    # Without any other statement, the transaction is BEGIN, the insert, COMMIT.
+    async with db.transaction() as txn:
+        gen.insert_with_commit(txn, many, lambda: (["d"],))
+    rows, _, _ = await gen.get_updates_since("w", 0, 5)
+    assert [(r.stream_id, r.data["payload"]) for r in rows] == [
+        (2, "a"),
+        (3, "b"),
+        (4, "c"),
+        (5, "d"),
+    ]
+    with pytest.raises(psycopg.ProgrammingError, match="ended already"):
+        gen.insert_with_commit(txn, many, lambda: (["late"],))
+
+
+async def test_insert_with_commit_that_fails_or_is_cut_off_leaves_nothing_in_flight(
+    db: Database,
+) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    bad = "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, 'w', %s)" + (
+        " RETURNING stream_id"
+    )
+    async with db.connection() as conn:
+        await conn.execute("ALTER TABLE events ADD CONSTRAINT short CHECK (length(payload) < 5)")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        async with db.transaction() as txn:
+            gen.insert_with_commit(txn, bad, lambda: ("too long",))
+    # The connection breaks before COMMIT answers: plait waits until its server process
+    # is gone (then nothing of it can still commit) and moves on.
+
+    async def cut_off() -> None:
+        async with db.transaction() as txn:
+            cursor = await txn.execute("SELECT pg_backend_pid()")
+            pid = (await cursor.fetchone() or (0,))[0]
+            gen.insert_with_commit(txn, bad, lambda: ("cut",))
+            async with db.connection() as other:
+                await other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    with pytest.raises(psycopg.OperationalError):
+        await cut_off()
+    assert gen._tracker.fetches_in_flight() == 0
+    (last,) = await gen.insert(bad, ("ok",))
+    assert gen.get_current_token() == last  # past the IDs the failed statements took
+    rows, _, _ = await gen.get_updates_since("w", 0, last)
+    assert [r.data["payload"] for r in rows] == ["ok"]

@@ -334,6 +334,10 @@ class TrackerNetwork(RuleBasedStateMachine):
                 assert own < min(pending), (name, own, sorted(pending))
                 assert tracker.last_local_write < min(pending)
             assert tracker.unfinished() == sorted(self.unfinished[name])
+            # Read-your-writes: the largest of this writer's completed IDs (or where
+            # the writer started, when it completed none).
+            mine = [i for i in self.completed & self.returned if self.owner.get(i) == name]
+            assert tracker.last_completed == max([*mine, tracker.last_local_write])
             assert tracker.fetches_in_flight() == sum(f.writer == name for f in self.fetches)
             if tracker.is_idle:
                 # An idle writer reports the largest completed ID it has seen anywhere.

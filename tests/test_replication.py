@@ -19,7 +19,16 @@ from plait import Database
 from plait.instance import Instance
 from plait.replication.rows import DictRows
 from redis_server import RedisServer
-from replication_helpers import STREAMS, Cluster, Seen, create_tables, until, write, write_many
+from replication_helpers import (
+    STREAMS,
+    Cluster,
+    Seen,
+    connected,
+    create_tables,
+    until,
+    write,
+    write_many,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,17 +61,6 @@ async def started(cluster: Cluster, name: str, seen: Seen | None = None) -> Inst
     if seen is not None:
         instance.on_rows("events", seen.on_rows)
     return await cluster.start(instance)
-
-
-async def connected(*instances: Instance) -> None:
-    """Until every instance's connections are up (every stream caught up)."""
-    await until(lambda: all(_up(i) for i in instances))
-
-
-def _up(instance: Instance) -> bool:
-    text = instance.metrics.render().decode()
-    lines = [ln for ln in text.splitlines() if ln.startswith("plait_connection_up{")]
-    return bool(lines) and all(ln.endswith(" 1.0") for ln in lines)
 
 
 def metric(instance: Instance, name: str, **labels: str) -> float:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from plait.caches.invalidations import CACHES_STREAM
 from plait.errors import ConfigError
 from plait.streams.spec import StreamSpec, TableSpec
 
@@ -107,6 +108,18 @@ class HttpConfig(_Model):
     secret: SecretStr | None = None
 
 
+class CachesConfig(_Model):
+    """The `caches` stream and its cleanup (SPEC §7)."""
+
+    enabled: bool = True
+    # Invalidation rows older than this are deleted (seconds; default 7 days).
+    retention: float = Field(7 * 24 * 3600.0, gt=0)
+    cleanup: bool = True  # run the cleanup job on this instance
+    cleanup_batch: int = Field(1000, ge=1, le=100_000)
+    cleanup_interval: float = Field(3600.0, gt=0)  # between runs when there is no backlog
+    cleanup_pause: float = Field(0.1, ge=0)  # between batches while there is one
+
+
 class InstanceConfig(_Model):
     instance_name: str = Field(pattern=_NAME_PATTERN)
     deployment: str = Field("plait", pattern=_NAME_PATTERN)
@@ -117,6 +130,7 @@ class InstanceConfig(_Model):
     instance_map: dict[str, str] = Field(default_factory=dict)
     replication: ReplicationConfig = Field(default_factory=ReplicationConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
+    caches: CachesConfig = Field(default_factory=CachesConfig)
     position_flush_interval: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
@@ -124,6 +138,11 @@ class InstanceConfig(_Model):
         names = [s.name for s in self.streams]
         if len(set(names)) != len(names):
             raise ValueError("a stream is listed twice")
+        if self.caches.enabled and CACHES_STREAM in names:
+            raise ValueError(
+                f"the stream name {CACHES_STREAM!r} belongs to plait's cache invalidation "
+                "stream; rename your stream, or set caches.enabled to false"
+            )
         return self
 
     @property

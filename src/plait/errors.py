@@ -47,3 +47,8 @@ class CommandParseError(PlaitError, ValueError):
 class RemoteCallError(PlaitError):
     """A call to another instance's internal HTTP API failed (refused, timed out after
     its retries, or answered with an error)."""
+
+
+class CacheKeyError(PlaitError, TypeError):
+    """A cache key cannot be used: unhashable, or not a value that survives the trip to
+    other instances as JSON (so it could never be invalidated there)."""

@@ -15,12 +15,16 @@ arrived before it was registered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypedDict
 
+from plait.caches.cleanup import InvalidationCleanup
+from plait.caches.invalidations import CACHES_STREAM, InvalidationRows, caches_stream_spec
+from plait.caches.registry import CacheRegistry
 from plait.config import InstanceConfig, StreamConfig
 from plait.core.backoff import Backoff
 from plait.core.commands import Command, CommandSet
@@ -82,6 +86,9 @@ class Instance:
         self._transport: RedisTransport | TcpHub | TcpClient | None = None
         self._api: InternalApi | None = None
         self._client: InternalClient | None = None
+        # Caches can be declared (`@instance.caches.cached()`) before start().
+        self.caches = CacheRegistry(self.name, self.metrics)
+        self._cleanup: asyncio.Task[None] | None = None
         self._started = False
         self._stopped = False
 
@@ -148,6 +155,8 @@ class Instance:
                 await self._db.migrate()
             for stream_config in config.streams:
                 self._streams[stream_config.name] = await self._open_stream(stream_config)
+            if config.caches.enabled:
+                await self._open_caches()
             if config.http.enabled:
                 await self._start_http()
             if config.replication.transport != "none":
@@ -162,6 +171,10 @@ class Instance:
         if self._stopped:
             return
         self._stopped = True
+        if self._cleanup is not None:
+            self._cleanup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._cleanup
         if self._handler is not None:
             await self._handler.stop()
         if self._transport is not None:
@@ -273,13 +286,15 @@ class Instance:
 
     def own_positions(self) -> dict[str, int]:
         """Signed positions of what this instance wrote, per stream it writes: what a
-        peer must have seen to see our writes."""
+        peer must have seen to see every write that completed here (including writes
+        that finished while an earlier one is still running: the peer then waits for
+        that one too, as the stream's order demands)."""
         positions: dict[str, int] = {}
         for name, replicated in self._streams.items():
             if isinstance(replicated, DatabaseStream):
                 gen = replicated.generator
                 if gen.is_writer:
-                    positions[name] = gen.get_minimal_local_current_token()
+                    positions[name] = gen.get_last_completed_token()
             elif (position := replicated.own_position()) is not None:
                 positions[name] = position
         return positions
@@ -294,7 +309,8 @@ class Instance:
 
     def _add_listener(self, kind: dict[str, list[Any]], stream: str, listener: Any) -> None:
         self._before_start("add a listener")
-        self._stream_config(stream)
+        if not (stream == CACHES_STREAM and self.config.caches.enabled):
+            self._stream_config(stream)
         kind.setdefault(stream, []).append(listener)
 
     def _before_start(self, what: str) -> None:
@@ -332,6 +348,36 @@ class Instance:
         if replicated and gen.is_writer:
             stream.track_own_writes()  # from the start: nothing is in flight yet
         return stream
+
+    async def _open_caches(self) -> None:
+        """The `caches` stream: every instance writes it; its rows reach the registry
+        before any other listener, and before its position moves (R-CA-3)."""
+        config = self.config
+        gen = await MultiWriterIdGenerator.create(
+            self.db,
+            caches_stream_spec(),
+            self.name,
+            position_flush_interval=config.position_flush_interval,
+            follow_database=False,  # no position rows to follow (any-writer stream)
+        )
+        self._generators[CACHES_STREAM] = gen
+        stream = DatabaseStream(gen, InvalidationRows(), self.metrics)
+        if config.replication.transport != "none":
+            stream.track_own_writes()
+        self._streams[CACHES_STREAM] = stream
+        self._listeners.rows.setdefault(CACHES_STREAM, []).insert(0, self.caches.on_rows)
+        self.caches.bind(gen, self.db)
+        if config.caches.cleanup:
+            metrics = self.metrics
+            cleanup = InvalidationCleanup(
+                self.db,
+                retention=config.caches.retention,
+                batch=config.caches.cleanup_batch,
+                interval=config.caches.cleanup_interval,
+                pause=config.caches.cleanup_pause,
+                on_deleted=metrics.invalidation_rows_deleted.inc,
+            )
+            self._cleanup = asyncio.create_task(cleanup.run(), name=f"plait-cleanup-{self.name}")
 
     def _http_client(self) -> InternalClient:
         if self._client is None:

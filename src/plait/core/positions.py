@@ -282,6 +282,7 @@ class PositionTracker:
         # Local IDs completed while a smaller local ID was still unfinished.
         self._finished_above: list[int] = []
         self._in_flight = _MinMultiset()
+        self._last_completed = 0
         self._open_tickets: set[int] = set()
         self._next_serial = 0
 
@@ -415,6 +416,13 @@ class PositionTracker:
         return self._positions.get(self._instance, self._persisted)
 
     @property
+    def last_completed(self) -> int:
+        """The largest local ID completed so far (others below it may still be running):
+        a reader that has seen this writer reach it has seen every completed local
+        write, which is what read-your-writes needs."""
+        return max(self._last_completed, self.last_local_write)
+
+    @property
     def is_idle(self) -> bool:
         # The sets' insides, not len(): this runs several times per write.
         return not self._unfinished._live and not self._in_flight._size
@@ -453,6 +461,8 @@ class PositionTracker:
             heapq.heapify(finished)
         if done:
             self._max_seen = max(self._max_seen, done[-1])
+            if done[-1] > self._last_completed:
+                self._last_completed = done[-1]
         self._recompute_local()
         self._settle(done)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
@@ -59,6 +59,46 @@ class _StreamCollector(Collector):
             gap.add_metric([snap.stream], max(values) - min(values) if values else 0)
             queue.add_metric([snap.stream], snap.queue_length)
         yield from (position, persisted, gap, queue)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """What the collector reports of one cache at scrape time."""
+
+    cache: str
+    size: int
+    max_entries: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+class _CacheCollector(Collector):
+    def __init__(self, snapshots: Callable[[], Iterable[CacheSnapshot]]) -> None:
+        self._snapshots = snapshots
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["cache"]
+        size = GaugeMetricFamily("plait_cache_size", "Entries in the cache.", labels=labels)
+        limit = GaugeMetricFamily(
+            "plait_cache_max_entries", "The cache's entry limit.", labels=labels
+        )
+        hits = CounterMetricFamily(
+            "plait_cache_hits", "Lookups answered from the cache.", labels=labels
+        )
+        misses = CounterMetricFamily(
+            "plait_cache_misses", "Lookups that had to load the value.", labels=labels
+        )
+        evictions = CounterMetricFamily(
+            "plait_cache_evictions", "Entries dropped to stay within the limit.", labels=labels
+        )
+        for snap in self._snapshots():
+            size.add_metric([snap.cache], snap.size)
+            limit.add_metric([snap.cache], snap.max_entries)
+            hits.add_metric([snap.cache], snap.hits)
+            misses.add_metric([snap.cache], snap.misses)
+            evictions.add_metric([snap.cache], snap.evictions)
+        yield from (size, limit, hits, misses, evictions)
 
 
 class ReplicationMetrics:
@@ -112,6 +152,32 @@ class ReplicationMetrics:
             registry=r,
         )
 
+        self.invalidations_sent = Counter(
+            "plait_cache_invalidations_sent",
+            "Invalidation rows this instance committed, by cache (or pseudo-cache) name.",
+            ["cache"],
+            registry=r,
+        )
+        self.invalidations_applied = Counter(
+            "plait_cache_invalidations_applied",
+            "Invalidations applied to a cache here (local and remote, pseudo-caches "
+            "expanded), by cache name.",
+            ["cache"],
+            registry=r,
+        )
+        self.invalidations_ignored = Counter(
+            "plait_cache_invalidations_ignored",
+            "Invalidations received for a cache this instance does not have.",
+            ["cache"],
+            registry=r,
+        )
+
+        self.invalidation_rows_deleted = Counter(
+            "plait_cache_invalidation_rows_deleted",
+            "Old invalidation rows deleted by this instance's cleanup job.",
+            registry=r,
+        )
+
     def child(self, counter: Counter, label: str) -> Any:
         """`counter.labels(label)`, cached: the hot path counts every command, and a
         labels() lookup takes a lock and builds a key each time."""
@@ -124,6 +190,10 @@ class ReplicationMetrics:
     def watch_streams(self, snapshots: Callable[[], Iterable[StreamSnapshot]]) -> None:
         """Report positions and queue lengths read from `snapshots` at scrape time."""
         self.registry.register(_StreamCollector(snapshots))
+
+    def watch_caches(self, snapshots: Callable[[], Iterable[CacheSnapshot]]) -> None:
+        """Report cache sizes, hits and misses read from `snapshots` at scrape time."""
+        self.registry.register(_CacheCollector(snapshots))
 
     def render(self) -> bytes:
         """The text exposition format, for the `/metrics` endpoint."""

@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor, pq
@@ -29,6 +30,31 @@ logger = logging.getLogger(__name__)
 MIN_SERVER_VERSION = 140000
 T = TypeVar("T")
 _IDLE = pq.TransactionStatus.IDLE
+Params = Sequence[Any] | Mapping[str, Any] | None
+
+
+class CommitStatement(Protocol):
+    """A statement sent in the same round trip as a transaction's COMMIT
+    (`Transaction.send_with_commit`), so writing it costs no round trip of its own."""
+
+    def statement(self) -> tuple[str, Params]:
+        """The statement and its parameters, built when COMMIT is sent."""
+        ...
+
+    def sending(self) -> None:
+        """Called just before the statement leaves, after `statement()`."""
+        ...
+
+    def committed(self, cursor: AsyncCursor[TupleRow], records: list[TupleRow] | None) -> None:
+        """COMMIT succeeded: the statement's rows (None when it returned none). Runs
+        with the transaction's other after-commit callbacks, after them."""
+        ...
+
+    def failed(self) -> None:
+        """The transaction ended without committing this statement, or how it ended is
+        unknown and the server has finished it since (also called when the statement
+        was never sent)."""
+        ...
 
 
 class Transaction:
@@ -38,17 +64,24 @@ class Transaction:
     query when that has no parameters, else in psycopg's pipeline mode), so a
     transaction costs one round trip less. `call_after` callbacks run after
     COMMIT succeeded, `call_on_exception` callbacks after it rolled back or failed; both
-    run only once the server has finished the transaction.
+    run only once the server has finished the transaction. Statements given to
+    `send_with_commit` travel with COMMIT itself.
     """
 
     def __init__(self, conn: AsyncConnection[TupleRow]) -> None:
         self._conn = conn
         self._begun = False
+        self._ended = False
+        self._first_after_commit: list[Callable[[], None]] = []
         self._after_commit: list[Callable[[], None]] = []
         self._after_rollback: list[Callable[[], None]] = []
+        self._with_commit: list[CommitStatement] = []
         # Set when something in the transaction learned its xid (see `allocate_in`), so
         # an interrupted COMMIT can be waited out instead of guessed.
         self.xid: str | None = None
+        # The server process that ran COMMIT with statements: when the connection broke
+        # meanwhile, plait waits until that process is gone (its work is then final).
+        self.backend_pid: int | None = None
 
     async def execute(
         self, query: Any, params: Sequence[Any] | Mapping[str, Any] | None = None
@@ -84,22 +117,64 @@ class Transaction:
             self._begun = True  # from here on, ending it sends ROLLBACK or COMMIT
             await self._conn.execute("BEGIN")
 
-    def call_after(self, callback: Callable[[], None]) -> None:
-        self._after_commit.append(callback)
+    def call_after(self, callback: Callable[[], None], *, first: bool = False) -> None:
+        """Run `callback` once COMMIT succeeded; with `first`, before every callback
+        registered without it (cache invalidations run before any stream ID of the
+        transaction completes, so nothing sees the new position with stale caches)."""
+        (self._first_after_commit if first else self._after_commit).append(callback)
 
     def call_on_exception(self, callback: Callable[[], None]) -> None:
         self._after_rollback.append(callback)
 
+    def send_with_commit(self, statement: CommitStatement) -> None:
+        """Send `statement` in the same round trip as COMMIT (pipelined), built only
+        then: writes gathered during the transaction cost no round trip of their own."""
+        if self._ended:
+            raise psycopg.ProgrammingError(
+                "this transaction has ended already; write inside the `async with "
+                "db.transaction()` block"
+            )
+        self._with_commit.append(statement)
+        self._after_rollback.append(statement.failed)
+
     async def _end(self, command: str) -> None:
+        self._ended = True
+        if command == "COMMIT" and self._with_commit:
+            await self._commit_with_statements()
+            return
         if not self._begun:
             return
         cursor = await self._conn.execute(command)
         if command == "COMMIT" and cursor.statusmessage != "COMMIT":
-            # The server answers COMMIT with ROLLBACK when a statement failed earlier.
-            raise psycopg.errors.InFailedSqlTransaction(
-                "the transaction was rolled back at COMMIT because a statement in it failed "
-                "earlier (and the error was caught); nothing was committed"
-            )
+            raise _rolled_back_at_commit()
+
+    async def _commit_with_statements(self) -> None:
+        """[BEGIN,] the statements and COMMIT in one pipeline: one round trip."""
+        conn, statements = self._conn, self._with_commit
+        built = [statement.statement() for statement in statements]
+        self.backend_pid = conn.info.backend_pid
+        for statement in statements:
+            statement.sending()
+        try:
+            async with conn.pipeline() as pipeline:
+                await self._begin()
+                cursors = [await conn.execute(query, params) for query, params in built]
+                commit = await conn.execute("COMMIT")
+                await pipeline.sync()
+                results = [
+                    (cursor, await cursor.fetchall() if cursor.description else None)
+                    for cursor in cursors
+                ]
+        except psycopg.errors.InFailedSqlTransaction:
+            raise _rolled_back_at_commit() from None
+        if commit.statusmessage != "COMMIT":
+            raise _rolled_back_at_commit()
+        for statement, (cursor, records) in zip(statements, results, strict=True):
+            self._after_commit.append(functools.partial(statement.committed, cursor, records))
+
+    def _run_after_commit(self) -> None:
+        self._run(self._first_after_commit)
+        self._run(self._after_commit)
 
     def _run(self, callbacks: list[Callable[[], None]]) -> None:
         for callback in callbacks:
@@ -107,6 +182,14 @@ class Transaction:
                 callback()
             except Exception:
                 logger.exception("transaction callback %r failed", callback)
+
+
+def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:
+    # The server answers COMMIT with ROLLBACK when a statement failed earlier.
+    return psycopg.errors.InFailedSqlTransaction(
+        "the transaction was rolled back at COMMIT because a statement in it failed "
+        "earlier (and the error was caught); nothing was committed"
+    )
 
 
 class _Lease:
@@ -292,11 +375,14 @@ class Database:
             try:
                 _, cancelled = await _finish(txn._end("COMMIT"))
             except BaseException as exc:
-                if txn.xid is not None and isinstance(exc, psycopg.OperationalError):
-                    await self._wait_out(txn.xid)
+                if isinstance(exc, psycopg.OperationalError):  # did it commit? wait it out
+                    if txn.xid is not None:
+                        await self._wait_out(txn.xid)
+                    elif txn.backend_pid:
+                        await self._wait_gone(txn.backend_pid)
                 txn._run(txn._after_rollback)
                 raise
-            txn._run(txn._after_commit)
+            txn._run_after_commit()
             if cancelled:
                 raise asyncio.CancelledError
 
@@ -316,6 +402,27 @@ class Database:
             await asyncio.sleep(0.05)
         logger.error(
             "transaction %s still in progress after %.0f s; giving up waiting", xid, patience
+        )
+
+    async def _wait_gone(self, pid: int, patience: float = 60.0) -> None:
+        """Wait until server process `pid` has exited (its connection broke during a
+        COMMIT whose xid is unknown): its transaction is then committed or aborted for
+        good."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience
+        while loop.time() < deadline:
+            try:
+                async with self.connection() as conn:
+                    row = await (
+                        await conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,))
+                    ).fetchone()
+                if row is None:
+                    return
+            except psycopg.Error:
+                pass
+            await asyncio.sleep(0.05)
+        logger.error(
+            "server process %d still running after %.0f s; giving up waiting", pid, patience
         )
 
     async def migrate(self) -> None:

@@ -32,6 +32,26 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         );
         """,
     ),
+    (
+        2,
+        "cache invalidation stream: table and sequence",
+        # The `caches` stream (SPEC R-CA-1): any writer, so no position rows. The
+        # sequence hands out ID 1 here, so the first real ID is 2 (R-ST-1). The primary
+        # key serves the start-up MAX(stream_id) and the cleanup's oldest-first batches.
+        """
+        CREATE TABLE IF NOT EXISTS cache_invalidations (
+            stream_id BIGINT PRIMARY KEY,
+            instance_name TEXT NOT NULL,
+            cache_name TEXT NOT NULL,
+            keys JSONB,
+            invalidation_ts TIMESTAMPTZ NOT NULL DEFAULT statement_timestamp()
+        );
+        CREATE INDEX IF NOT EXISTS cache_invalidations_instance_id
+            ON cache_invalidations (instance_name, stream_id);
+        CREATE SEQUENCE IF NOT EXISTS cache_invalidations_seq;
+        SELECT nextval('cache_invalidations_seq');
+        """,
+    ),
 )
 
 LATEST = MIGRATIONS[-1][0]

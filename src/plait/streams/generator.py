@@ -13,11 +13,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
-from psycopg.rows import scalar_row, tuple_row
+from psycopg import AsyncCursor
+from psycopg.rows import TupleRow, scalar_row, tuple_row
 
-from plait.core.positions import PositionTracker
+from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
 from plait.errors import ConfigError, NotAWriterError
-from plait.storage.database import Database, Transaction
+from plait.storage.database import Database, Params, Transaction
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import IdAllocator, take_ids
 from plait.streams.position_writer import PositionWriter
@@ -251,6 +252,17 @@ class MultiWriterIdGenerator:
         self._complete_after(txn, ids, rows)
         return self._signed(ids)
 
+    def insert_with_commit(
+        self, txn: Transaction, query: str, params: Callable[[], Params] | None = None
+    ) -> None:
+        """Like `insert_txn`, but the statement travels in the same round trip as the
+        transaction's COMMIT, so it costs no round trip of its own (cache invalidation
+        rows). `params()` is called when COMMIT is sent: rows gathered during the
+        transaction go out in one statement. The IDs complete once COMMIT succeeded;
+        they are not known before."""
+        self._check_writer()
+        txn.send_with_commit(_InsertAtCommit(self, self._with_ids(query), params))
+
     async def _take_ids(
         self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
     ) -> list[int]:
@@ -373,6 +385,12 @@ class MultiWriterIdGenerator:
         """This writer's position from its own completed writes only."""
         return self._sign * self._tracker.last_local_write
 
+    def get_last_completed_token(self) -> int:
+        """The largest ID this writer has completed, although smaller ones may still be
+        running: what another process must have seen of this writer to see every write
+        that returned here (read-your-writes)."""
+        return self._sign * self._tracker.last_completed
+
     def get_positions(self) -> dict[str, int]:
         return {w: self._sign * p for w, p in self._tracker.positions().items()}
 
@@ -485,6 +503,56 @@ class _Reservation(Generic[T]):
 
     async def __aexit__(self, *exc: object) -> None:
         self._gen._finish(self._ids)
+
+
+class _InsertAtCommit:
+    """`insert_with_commit`: the statement's IDs are on their way (a fetch ticket holds
+    the position) from the moment it is sent until COMMIT answered."""
+
+    __slots__ = ("_before", "_gen", "_params", "_text", "_ticket")
+
+    def __init__(
+        self, gen: MultiWriterIdGenerator, text: str, params: Callable[[], Params] | None
+    ) -> None:
+        self._gen = gen
+        self._text = text
+        self._params = params
+        self._ticket: FetchTicket | None = None
+        self._before = 0
+
+    def statement(self) -> tuple[str, Params]:
+        return self._text, None if self._params is None else self._params()
+
+    def sending(self) -> None:
+        tracker = self._gen._tracker
+        self._before = tracker.local_position
+        self._ticket = tracker.begin_fetch()
+
+    def committed(self, cursor: AsyncCursor[TupleRow], records: list[TupleRow] | None) -> None:
+        gen, ticket = self._gen, self._ticket
+        if ticket is None:
+            return
+        self._ticket = None
+        try:
+            ids = gen._returned_ids(None if records is None else [r[0] for r in records])
+        except ConfigError as err:
+            # Committed, but plait cannot tell which IDs it took: readers still get the
+            # rows, as the position moves past them and they read them back.
+            logger.error("stream %s: %s", gen.stream_name, err)
+            ids = []
+        if ids and gen._written is not None:
+            gen._written(ids, gen._rows_of(cursor, records))
+        try:
+            gen._tracker.end_fetch(ticket, ids, completed=True)
+        except SequenceWentBackwardsError as err:
+            logger.error("stream %s: %s", gen.stream_name, err)
+        gen._poke_if_moved(self._before)
+
+    def failed(self) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            self._gen._tracker.end_fetch(ticket, [])
+            self._gen._poke_if_moved(self._before)
 
 
 def _check_count(n: int) -> None:
