@@ -427,3 +427,41 @@ async def test_one_cleaner_at_a_time(db: Database) -> None:
         await txn.execute("SELECT pg_advisory_xact_lock(%s)", (0x706C616974_02,))
         assert await first.clean_once() is None  # someone else holds the lock
     assert await first.clean_once() is not None
+
+
+async def test_a_starting_instance_waits_for_an_invalidation_on_its_way_to_commit(
+    db: Database, redis_url: str
+) -> None:
+    """A caches row with a smaller ID than the table's largest is still committing when
+    an instance starts. Starting past it would lose that invalidation; the instance
+    waits for it instead, so what it caches afterwards is read after that commit."""
+    await create_tables(db)
+    await create_kv(db)
+    cluster = Cluster(db, "redis", redis_url=redis_url)
+    try:
+        a, _ = await start(cluster, "w1")
+        async with await psycopg.AsyncConnection.connect(db.dsn) as slow:
+            # The change and its invalidation, taken before the next one but not
+            # committed yet (as inside COMMIT's round trip).
+            await slow.execute("UPDATE kv SET value = 1 WHERE key = 'k0'")
+            await slow.execute(
+                "INSERT INTO cache_invalidations (stream_id, instance_name, cache_name, keys)"
+                " VALUES (nextval('cache_invalidations_seq'), 'w1', 'value', '[\"k0\"]')"
+            )
+            await a.caches.invalidate(None, "value", ("k1",))  # a larger ID, committed
+            b_instance = cluster.instance("w2")
+            app_b = App(b_instance)
+
+            async def start_and_read() -> int:
+                await cluster.start(b_instance)
+                return await app_b.value("k0")  # as soon as it can
+
+            starting = asyncio.create_task(start_and_read())
+            await asyncio.sleep(0.5)
+            assert not starting.done()  # waiting for the row in flight
+            await slow.commit()
+        assert await starting == 1
+        await seen_by(b_instance, a)
+        assert await app_b.value("k0") == 1
+    finally:
+        await cluster.close()

@@ -419,6 +419,19 @@ async def test_stop_while_disconnected_ends_every_task(
         await transport.start()
 
 
+async def test_stop_while_connecting_ends_every_task(redis_url: str) -> None:
+    """stop() at any moment of connecting and subscribing (redis-py may swallow a
+    cancellation that arrives then) still ends the transport promptly."""
+    before = asyncio.all_tasks()
+    for i in range(30):
+        transport = RedisTransport(RecordingHandler("a"), url=redis_url, channel=channel())
+        await transport.start()
+        await asyncio.sleep(i * 0.0005)  # from before the first byte to subscribed
+        async with asyncio.timeout(2):
+            await transport.stop()
+    await assert_no_tasks_left(before)
+
+
 async def test_stop_before_start_and_bad_settings() -> None:
     handler = RecordingHandler("a")
     transport = RedisTransport(handler, url="redis://127.0.0.1:1/0", channel="c")

@@ -25,6 +25,7 @@ from typing import Any, TypedDict
 from plait.caches.cleanup import InvalidationCleanup
 from plait.caches.invalidations import CACHES_STREAM, InvalidationRows, caches_stream_spec
 from plait.caches.registry import CacheRegistry
+from plait.caches.start import fenced
 from plait.config import InstanceConfig, StreamConfig
 from plait.core.backoff import Backoff
 from plait.core.commands import Command, CommandSet
@@ -353,13 +354,7 @@ class Instance:
         """The `caches` stream: every instance writes it; its rows reach the registry
         before any other listener, and before its position moves (R-CA-3)."""
         config = self.config
-        gen = await MultiWriterIdGenerator.create(
-            self.db,
-            caches_stream_spec(),
-            self.name,
-            position_flush_interval=config.position_flush_interval,
-            follow_database=False,  # no position rows to follow (any-writer stream)
-        )
+        gen = await fenced(self.db, self._open_caches_generator)
         self._generators[CACHES_STREAM] = gen
         stream = DatabaseStream(gen, InvalidationRows(), self.metrics)
         if config.replication.transport != "none":
@@ -378,6 +373,15 @@ class Instance:
                 on_deleted=metrics.invalidation_rows_deleted.inc,
             )
             self._cleanup = asyncio.create_task(cleanup.run(), name=f"plait-cleanup-{self.name}")
+
+    async def _open_caches_generator(self) -> MultiWriterIdGenerator:
+        return await MultiWriterIdGenerator.create(
+            self.db,
+            caches_stream_spec(),
+            self.name,
+            position_flush_interval=self.config.position_flush_interval,
+            follow_database=False,  # no position rows to follow (any-writer stream)
+        )
 
     def _http_client(self) -> InternalClient:
         if self._client is None:

@@ -189,10 +189,13 @@ class RedisTransport:
                     await outbox.drained()
             except TimeoutError:
                 logger.warning("redis transport: stopping with unpublished lines")
-        task.cancel()
         # asyncio.wait, unlike awaiting the task, lets its CancelledError end with it and
-        # still passes on a cancellation of stop() itself.
-        await asyncio.wait({task})
+        # still passes on a cancellation of stop() itself. Cancel again until it ends:
+        # redis-py can swallow a cancellation that arrives while it connects, and the
+        # task would then run on into the connection's task group.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
         self._up_gauge.set(0)
 
     async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (False on timeout)
