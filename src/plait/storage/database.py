@@ -45,9 +45,10 @@ class CommitStatement(Protocol):
         """Called just before the statement leaves, after `statement()`."""
         ...
 
-    def committed(self, cursor: AsyncCursor[TupleRow], records: list[TupleRow] | None) -> None:
-        """COMMIT succeeded: the statement's rows (None when it returned none). Runs
-        with the transaction's other after-commit callbacks, after them."""
+    def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
+        """COMMIT succeeded: the statement's column names and rows (None when it
+        returned none). Runs with the transaction's other after-commit callbacks, after
+        them."""
         ...
 
     def failed(self) -> None:
@@ -149,28 +150,31 @@ class Transaction:
             raise _rolled_back_at_commit()
 
     async def _commit_with_statements(self) -> None:
-        """[BEGIN,] the statements and COMMIT in one pipeline: one round trip."""
+        """[BEGIN,] the statements and COMMIT in one pipeline: one round trip, and the
+        statements stay prepared (psycopg prepares repeated ones)."""
         conn, statements = self._conn, self._with_commit
         built = [statement.statement() for statement in statements]
         self.backend_pid = conn.info.backend_pid
         for statement in statements:
             statement.sending()
         try:
-            async with conn.pipeline() as pipeline:
+            # Leaving the pipeline block sends the one Sync and reads every result.
+            async with conn.pipeline():
                 await self._begin()
                 cursors = [await conn.execute(query, params) for query, params in built]
                 commit = await conn.execute("COMMIT")
-                await pipeline.sync()
-                results = [
-                    (cursor, await cursor.fetchall() if cursor.description else None)
-                    for cursor in cursors
-                ]
         except psycopg.errors.InFailedSqlTransaction:
             raise _rolled_back_at_commit() from None
         if commit.statusmessage != "COMMIT":
             raise _rolled_back_at_commit()
-        for statement, (cursor, records) in zip(statements, results, strict=True):
-            self._after_commit.append(functools.partial(statement.committed, cursor, records))
+        for statement, cursor in zip(statements, cursors, strict=True):
+            description = cursor.description
+            if description is None:
+                columns, records = None, None
+            else:
+                columns = [column.name for column in description]
+                records = await cursor.fetchall()
+            self._after_commit.append(functools.partial(statement.committed, columns, records))
 
     def _run_after_commit(self) -> None:
         self._run(self._first_after_commit)

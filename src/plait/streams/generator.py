@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
-from psycopg import AsyncCursor
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
@@ -528,7 +527,7 @@ class _InsertAtCommit:
         self._before = tracker.local_position
         self._ticket = tracker.begin_fetch()
 
-    def committed(self, cursor: AsyncCursor[TupleRow], records: list[TupleRow] | None) -> None:
+    def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
         gen, ticket = self._gen, self._ticket
         if ticket is None:
             return
@@ -540,8 +539,11 @@ class _InsertAtCommit:
             # rows, as the position moves past them and they read them back.
             logger.error("stream %s: %s", gen.stream_name, err)
             ids = []
-        if ids and gen._written is not None:
-            gen._written(ids, gen._rows_of(cursor, records))
+        if ids and gen._written is not None and columns is not None and records is not None:
+            build = gen._store.row_builder(columns)
+            gen._written(ids, None if build is None else build(records))
+        elif ids and gen._written is not None:
+            gen._written(ids, None)
         try:
             gen._tracker.end_fetch(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
