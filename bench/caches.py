@@ -3,7 +3,8 @@ same run.
 
 - write_cost: one transaction (an UPDATE of one row, then COMMIT) on one connection,
   against the same transaction that also invalidates the row's cache entry
-  (`caches.invalidate`, sent in COMMIT's round trip), and against the same with the
+  (`caches.invalidate`, sent in COMMIT's round trip), or 100 entries
+  (`invalidate_bulk`), and against the same with the
   invalidation row written by a statement of its own (`insert_txn`: what a plain
   stream write costs). Round trips per transaction are counted, not guessed.
 - end_to_end: instance A commits transactions that each change a row and invalidate
@@ -80,6 +81,14 @@ async def write_cost(db: Database, reps: int, per_rep: int) -> None:
             await txn.execute(UPDATE, (key,))
             await a.caches.invalidate(txn, "value", (key,))
 
+    async def bulk(i: int) -> None:
+        key = f"k{i % KEYS}"
+        async with db.transaction() as txn:
+            await txn.execute(UPDATE, (key,))
+            await a.caches.invalidate_bulk(
+                txn, "value", [(f"k{(i + j) % KEYS}",) for j in range(100)]
+            )
+
     async def own_statement(i: int) -> None:
         key = f"k{i % KEYS}"
         async with db.transaction() as txn:
@@ -89,6 +98,7 @@ async def write_cost(db: Database, reps: int, per_rep: int) -> None:
     variants: dict[str, Callable[[int], Awaitable[None]]] = {
         "plain": plain,
         "with_invalidation": invalidated,
+        "with_100_invalidations": bulk,
         "invalidation_as_own_statement": own_statement,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -312,3 +312,13 @@ def test_cleanup_runs_again_soon_only_while_there_is_a_backlog() -> None:
     assert next_delay(Batch(1000, more=True), pause=0.1, interval=3600) == 0.1
     assert next_delay(Batch(10, more=False), pause=0.1, interval=3600) == 3600
     assert next_delay(None, pause=0.1, interval=3600) == 3600
+
+
+@given(st.lists(st.text(max_size=3000) | st.integers() | st.floats(allow_nan=False), max_size=6))
+def test_only_keys_that_may_be_long_are_measured(parts: list[Any]) -> None:
+    from plait.caches.invalidations import MAX_ROW_BYTES, row_size
+    from plait.caches.registry import _may_be_long
+
+    key = tuple(parts)
+    if row_size("c", key) > MAX_ROW_BYTES // 2:
+        assert _may_be_long(key)

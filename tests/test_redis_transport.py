@@ -166,6 +166,40 @@ async def test_lines_arrive_in_order_at_peers_and_as_echoes(
     assert len(a.sessions) == len(b.sessions) == 1
 
 
+async def test_a_burst_travels_in_few_messages_and_arrives_as_its_lines(
+    redis_url: str, make_transport: Callable[..., RedisTransport]
+) -> None:
+    """Lines queued together share Redis messages (up to 64 KiB each); receivers split
+    them back into the same lines, in order. A line with a break in it never travels."""
+    name = channel()
+    a, b = RecordingHandler("a"), RecordingHandler("b")
+    ta, tb = make_transport(a, redis_url, name), make_transport(b, redis_url, name)
+    await ta.start()
+    await tb.start()
+    assert await ta.wait_open(3)
+    assert await tb.wait_open(3)
+    watcher = Redis.from_url(redis_url)
+    pubsub = watcher.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(name)
+    await asyncio.sleep(0.1)
+    sent = [f'RDATA s a {i} {{"n":{i},"pad":"{"x" * 200}"}}' for i in range(1, 1001)]
+    a.session.link.send('RDATA s a 0 {"broken":"line\nbreak"}')
+    for line in sent:
+        a.session.link.send(line)
+    await eventually(lambda: len(rdata(b.session.lines)) >= 1000, "1000 lines at b")
+    assert rdata(b.session.lines) == sent
+    messages: list[bytes] = []
+    async with asyncio.timeout(5):
+        while sum(m.count(b"\n") + 1 for m in messages) < 1000:
+            message = await pubsub.get_message(timeout=1)
+            if message is not None and message["data"].startswith(b"RDATA"):
+                messages.append(message["data"])
+    assert 4 <= len(messages) <= 10  # ~230 KB of lines in messages of at most 64 KiB
+    assert all(len(m) <= 64 * 1024 for m in messages)
+    await pubsub.aclose()
+    await watcher.aclose()
+
+
 async def test_pings_go_out_every_interval_and_never_reach_the_session(
     redis_url: str, make_transport: Callable[..., RedisTransport]
 ) -> None:

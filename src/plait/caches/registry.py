@@ -16,6 +16,7 @@ invalidations took effect.
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -187,7 +188,7 @@ class CacheRegistry:
                 f"has {len(key)}: it would never match an entry"
             )
         check_key(key, cache_name)
-        if row_size(cache_name, key) > MAX_ROW_BYTES:
+        if _may_be_long(key) and row_size(cache_name, key) > MAX_ROW_BYTES:
             raise CacheKeyError(
                 f"cache {cache_name!r}: a key of {row_size(cache_name, key)} bytes is over "
                 f"the {MAX_ROW_BYTES}-byte row limit"
@@ -255,7 +256,9 @@ class CacheRegistry:
 
     def apply(self, invalidations: Iterable[Invalidation]) -> None:
         """Invalidate the caches these rows name; expand pseudo-caches; ignore the rest."""
-        caches, metrics = self._caches, self._metrics
+        caches = self._caches
+        applied: collections.Counter[str] = collections.Counter()
+        ignored: collections.Counter[str] = collections.Counter()
         for invalidation in invalidations:
             name = invalidation.cache_name
             cache = caches.get(name)
@@ -264,11 +267,16 @@ class CacheRegistry:
                     cache.invalidate_all()
                 else:
                     cache.invalidate(invalidation.keys)
-                metrics.child(metrics.invalidations_applied, name).inc()
+                applied[name] += 1
             elif name in self._expanders:
                 self._expand(invalidation)
             else:
-                metrics.child(metrics.invalidations_ignored, name).inc()
+                ignored[name] += 1
+        metrics = self._metrics
+        for name, count in applied.items():
+            metrics.child(metrics.invalidations_applied, name).inc(count)
+        for name, count in ignored.items():
+            metrics.child(metrics.invalidations_ignored, name).inc(count)
 
     def _expand(self, row: Invalidation) -> None:
         name, keys = row
@@ -308,6 +316,21 @@ class CacheRegistry:
         ]
 
 
+def _may_be_long(key: Key) -> bool:
+    """Whether the key's JSON could reach the row limit (worth measuring exactly): JSON
+    writes a character as at most 12 bytes (a surrogate pair of \\uXXXX escapes), a
+    number or literal in at most 24."""
+    estimate = 0
+    for part in key:
+        if isinstance(part, str):
+            estimate += 12 * len(part) + 3
+        elif isinstance(part, tuple):
+            return True
+        else:
+            estimate += 25
+    return estimate > MAX_ROW_BYTES // 2
+
+
 class _Pending:
     """The invalidation rows of one transaction: written with its COMMIT, applied here
     once it committed (or, when its outcome is unknown, anyway: an extra invalidation
@@ -328,8 +351,9 @@ class _Pending:
         registry = self._registry
         registry.apply(self.rows)
         metrics = registry._metrics
-        for row in self.rows:
-            metrics.child(metrics.invalidations_sent, row.cache_name).inc()
+        sent = collections.Counter(row.cache_name for row in self.rows)
+        for name, count in sent.items():
+            metrics.child(metrics.invalidations_sent, name).inc(count)
 
     def failed(self) -> None:
         if self.sent:

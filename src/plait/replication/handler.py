@@ -25,6 +25,7 @@ old rows.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -251,8 +252,11 @@ class ReplicationHandler:
     def send_lines(self, lines: list[str]) -> None:
         """Send command lines on every open connection, in order."""
         metrics = self.metrics
-        for line in lines:
-            metrics.child(metrics.commands_out, command_name(line)).inc()
+        if len(lines) == 1:
+            metrics.child(metrics.commands_out, command_name(lines[0])).inc()
+        else:  # a page of rows: one increment per command name
+            for name, count in collections.Counter(map(command_name, lines)).items():
+                metrics.child(metrics.commands_out, name).inc(count)
         for session in self._sessions:
             for line in lines:
                 session.link.send(line)

@@ -5,7 +5,10 @@ Rules:
   publishes. `Handler.open` is called only once SUBSCRIBE is confirmed, so the answers
   to the REPLICATE it sends at once cannot be missed.
 - `Link.send` never blocks: lines wait in the connection's own queue, which one task
-  publishes in order, a pipeline per round trip. Lines sent while no connection is open,
+  publishes in order, a pipeline per round trip. Lines queued together travel in one
+  message, separated by newlines (a command line never holds one), up to
+  `_MESSAGE_BYTES`: a burst of 100 invalidations or rows is a few messages for Redis and
+  for every subscriber to handle, not 100. Lines sent while no connection is open,
   or for a connection that has ended, are dropped (peers catch up after reconnecting);
   they never leak into the next connection.
 - Every message on the channel reaches the session, our own echoes included (the handler
@@ -53,6 +56,10 @@ _FLUSH_PATIENCE = 1.0
 _CLOSE_PATIENCE = 1.0
 # Most lines in one pipeline, so that one round trip's buffer stays bounded.
 _BATCH_LINES = 10_000
+# Lines are packed into messages of at most this many bytes (a longer line travels
+# alone): large enough to carry a burst, small enough that no subscriber's read of one
+# message holds its event loop for long.
+_MESSAGE_BYTES = 64 * 1024
 # The receiver lets the other tasks run after this many messages read back to back (a
 # read from a full buffer does not yield to the event loop).
 _YIELD_EVERY = 100
@@ -278,17 +285,13 @@ class RedisTransport:
     async def _publish(self, publisher: Redis, outbox: _Outbox) -> None:
         channel = self._channel
         while True:
-            lines = await outbox.take()
-            if len(lines) == 1:  # the common case after a write: no pipeline to build
-                data = _encoded(lines[0])
-                if data is not None:
-                    await publisher.publish(channel, data)
-            else:
+            messages = _packed(await outbox.take())
+            if len(messages) == 1:  # the common case after a write: no pipeline to build
+                await publisher.publish(channel, messages[0])
+            elif messages:
                 async with publisher.pipeline(transaction=False) as pipe:
-                    for line in lines:
-                        data = _encoded(line)
-                        if data is not None:
-                            pipe.publish(channel, data)
+                    for message in messages:
+                        pipe.publish(channel, message)
                     await pipe.execute()
             outbox.published()
 
@@ -304,13 +307,14 @@ class RedisTransport:
             if message is None or message["type"] != "message":
                 continue
             data: bytes = message["data"]
-            name = command_name(data[:_NAME_BYTES].decode(errors="replace"))
-            if name in CONNECTION_COMMANDS:  # PING: liveness only, noted above
-                continue
-            try:
-                session.received(data)
-            except Exception:  # the session promises not to raise: a bug, not a failure
-                logger.exception("redis transport: the session failed on a %s line", name)
+            for line in data.split(b"\n") if b"\n" in data else (data,):
+                name = command_name(line[:_NAME_BYTES].decode(errors="replace"))
+                if name in CONNECTION_COMMANDS:  # PING: liveness only, noted above
+                    continue
+                try:
+                    session.received(line)
+                except Exception:  # the session promises not to raise: a bug
+                    logger.exception("redis transport: the session failed on a %s line", name)
 
     async def _keep_alive(self, outbox: _Outbox, liveness: _Liveness) -> None:
         loop = asyncio.get_running_loop()
@@ -360,6 +364,27 @@ class RedisTransport:
 # -- helpers -----------------------------------------------------------------------------
 
 
+def _packed(lines: list[str]) -> list[bytes]:
+    """The lines as messages: consecutive lines joined by newlines, each message at
+    most `_MESSAGE_BYTES` unless one line alone is longer; lines no receiver could
+    take are dropped (logged)."""
+    messages: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for line in lines:
+        data = _encoded(line)
+        if data is None:
+            continue
+        if current and size + 1 + len(data) > _MESSAGE_BYTES:
+            messages.append(b"\n".join(current))
+            current, size = [], 0
+        current.append(data)
+        size += len(data) + (1 if size else 0)
+    if current:
+        messages.append(b"\n".join(current))
+    return messages
+
+
 def _encoded(line: str) -> bytes | None:
     """`line` as UTF-8, or None (logged) when no receiver could take it: a bad line
     costs a log line, never the connection."""
@@ -367,6 +392,9 @@ def _encoded(line: str) -> bytes | None:
         data = line.encode()
     except UnicodeEncodeError as err:  # a lone surrogate
         logger.error("redis transport: dropped a %s line: %s", command_name(line), err)
+        return None
+    if b"\n" in data:  # would split into two lines at the receiver
+        logger.error("redis transport: dropped a %s line holding a line break", command_name(line))
         return None
     if len(data) > MAX_LINE_BYTES:
         logger.error(
