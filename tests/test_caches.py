@@ -226,7 +226,11 @@ async def test_rollback_writes_and_invalidates_nothing(db: Database, redis_url: 
             await violate_at_commit()
         async with a.db.connection() as conn:
             cur = await conn.execute("SELECT count(*) FROM cache_invalidations")
-            assert await cur.fetchone() == (0,)
+            assert await cur.fetchone() == (0,)  # neither was written
+        async with a.db.transaction() as ended:
+            await a.caches.invalidate(ended, "value", ("k2",))
+        with pytest.raises(psycopg.ProgrammingError, match="ended already"):
+            await a.caches.invalidate(ended, "value", ("k3",))  # would be lost
         # Nothing is left in flight: the next invalidation completes and moves on.
         gen = a.generator(CACHES_STREAM)
         await a.caches.invalidate(None, "value", ("k0",))

@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from plait.core.positions import PositionTracker
 from plait.core.tokens import StreamToken
 from plait.errors import (
+    CacheKeyError,
     CommandParseError,
     ConfigError,
     DatabaseUnavailableError,
@@ -33,6 +34,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "CacheKeyError",
     "CommandParseError",
     "ConfigError",
     "Database",

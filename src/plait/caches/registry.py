@@ -224,6 +224,7 @@ class CacheRegistry:
         self._add_rows(txn, rows)
 
     def _add_rows(self, txn: Transaction, rows: list[Invalidation]) -> None:
+        txn.check_open()
         pending = self._pending.get(txn)
         if pending is None:
             gen = self._generator()

@@ -127,14 +127,22 @@ class Transaction:
     def call_on_exception(self, callback: Callable[[], None]) -> None:
         self._after_rollback.append(callback)
 
-    def send_with_commit(self, statement: CommitStatement) -> None:
-        """Send `statement` in the same round trip as COMMIT (pipelined), built only
-        then: writes gathered during the transaction cost no round trip of their own."""
+    @property
+    def ended(self) -> bool:
+        """Whether COMMIT or ROLLBACK was sent (nothing more can join the transaction)."""
+        return self._ended
+
+    def check_open(self) -> None:
         if self._ended:
             raise psycopg.ProgrammingError(
                 "this transaction has ended already; write inside the `async with "
                 "db.transaction()` block"
             )
+
+    def send_with_commit(self, statement: CommitStatement) -> None:
+        """Send `statement` in the same round trip as COMMIT (pipelined), built only
+        then: writes gathered during the transaction cost no round trip of their own."""
+        self.check_open()
         self._with_commit.append(statement)
         self._after_rollback.append(statement.failed)
 
