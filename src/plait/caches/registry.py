@@ -154,7 +154,7 @@ class CacheRegistry:
 
     async def invalidate_all(self, txn: Transaction | None, cache_name: str) -> None:
         """Drop every entry of `cache_name`, here and on every instance."""
-        self._check_name(cache_name, pseudo_ok=False)
+        self._check_name(cache_name)
         await self._write(txn, [Invalidation(cache_name, None)])
 
     async def invalidate_batch(
@@ -167,6 +167,7 @@ class CacheRegistry:
         """One change that invalidates many entries: rows `(*shared, items)` under a
         pseudo-cache name, which every instance expands with its expander. Items are
         split over several rows when one would be too long."""
+        self._check_name(pseudo_cache, pseudo=True)
         if pseudo_cache in self._caches:
             raise ConfigError(
                 f"{pseudo_cache!r} is a cache, not a pseudo-cache: use invalidate or "
@@ -179,7 +180,7 @@ class CacheRegistry:
         await self._write(txn, [Invalidation(pseudo_cache, row) for row in rows])
 
     def _key(self, cache_name: str, keys: Key) -> Key:
-        self._check_name(cache_name, pseudo_ok=False)
+        self._check_name(cache_name)
         key = self._tuple(cache_name, keys, "key")
         arity = self._arity.get(cache_name)
         if arity is not None and len(key) != arity:
@@ -195,10 +196,11 @@ class CacheRegistry:
             )
         return key
 
-    def _check_name(self, cache_name: str, *, pseudo_ok: bool) -> None:
+    def _check_name(self, cache_name: str, *, pseudo: bool = False) -> None:
+        """A name `invalidate*` may write: a pseudo-cache's only when `pseudo`."""
         if not isinstance(cache_name, str) or not cache_name:
             raise ConfigError(f"a cache name must be a non-empty string, not {cache_name!r}")
-        if not pseudo_ok and cache_name in self._expanders:
+        if not pseudo and cache_name in self._expanders:
             raise ConfigError(
                 f"{cache_name!r} is a pseudo-cache: invalidate it with invalidate_batch"
             )
