@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -106,3 +107,16 @@ def own_redis_server() -> RedisServer:
     server = RedisServer(binary)
     server.start()
     return server
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local SparkSession for the whole test session (starting one takes seconds),
+    quiet, with the plait source registered."""
+    from plait.spark.session import quiet_session
+
+    session = quiet_session("plait-tests", master="local[2]")
+    try:
+        yield session
+    finally:
+        session.stop()

@@ -1,0 +1,55 @@
+"""plait streams in Spark (SPEC §8).
+
+`register(spark)` adds the `plait` data source to a SparkSession; `batch(...)` and
+`stream(...)` check the options first (a bad one raises `ConfigError` with one clear
+line, instead of Spark's wrapped traceback) and load the DataFrame.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def register(spark: Any) -> None:
+    """Make `spark.read.format("plait")` and `spark.readStream.format("plait")` work in
+    this SparkSession."""
+    from plait.spark.source import PlaitSource
+
+    spark.dataSource.register(PlaitSource)
+
+
+def batch(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
+    """`spark.read.format("plait")...load()`, options checked first (startToken,
+    endToken, table, maxIdsPerPartition)."""
+    reader = spark.read.format("plait")
+    return _with(reader, _checked(dsn, stream, options, batch=True)).load()
+
+
+def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
+    """`spark.readStream.format("plait")...load()`, options checked first
+    (startingToken, maxRowsPerTrigger, table, maxIdsPerPartition)."""
+    reader = spark.readStream.format("plait")
+    return _with(reader, _checked(dsn, stream, options, batch=False)).load()
+
+
+def _checked(dsn: str, stream: str, options: dict[str, Any], *, batch: bool) -> dict[str, str]:
+    from plait.spark.source import Options, Plan
+
+    given = {"dsn": dsn, "stream": stream, **{k: str(v) for k, v in options.items()}}
+    parsed = Options.parse(given)
+    plan = Plan.load(parsed)
+    if batch:
+        plan.token(parsed.start, "startToken")
+        plan.token(parsed.end, "endToken")
+    else:
+        plan.token(parsed.starting, "startingToken")
+    return given
+
+
+def _with(reader: Any, options: dict[str, str]) -> Any:
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader
+
+
+__all__ = ["batch", "register", "stream"]

@@ -1,0 +1,194 @@
+"""What the Spark source learns from the database, on the driver: the stream's spec
+(recorded in `plait_streams` when a writer creates it), its tables' columns, the
+writers' positions (`stream_positions`), and where a read limit cuts. Plain psycopg
+(Spark calls the source synchronously)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from plait.core.tokens import StreamToken, decode_text
+from plait.errors import ConfigError, TokenParseError
+from plait.spark.offsets import WriterRange
+from plait.streams.spec import StreamSpec, TableSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    name: str
+    pg_type: str  # format_type(): "bigint", "numeric(10,2)", "timestamp with time zone", ...
+
+
+def connect(dsn: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.Error as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"plait source: cannot connect to the database ({reason})") from None
+
+
+def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:
+    try:
+        row = conn.execute(
+            "SELECT stream_name, sequence_name, backwards, writers, tables FROM plait_streams"
+            " WHERE stream_name = %s",
+            (stream,),
+        ).fetchone()
+    except psycopg.errors.UndefinedTable:
+        raise ConfigError(
+            "plait source: this database has no plait streams (no plait_streams table in "
+            "its search_path): check the DSN's database and schema"
+        ) from None
+    if row is None:
+        known = [r[0] for r in conn.execute("SELECT stream_name FROM plait_streams ORDER BY 1")]
+        raise ConfigError(
+            f"plait source: unknown stream {stream!r}; streams in this database: {known} "
+            "(a stream is recorded when its first writer starts)"
+        )
+    name, sequence, backwards, writers, tables = row
+    spec = StreamSpec.from_json(
+        {
+            "name": name,
+            "sequence": sequence,
+            "backwards": backwards,
+            "writers": writers,
+            "tables": tables,
+        }
+    )
+    if spec.any_writer:
+        raise ConfigError(
+            f"plait source: stream {stream!r} lets any instance write and records no "
+            "positions, so there is nothing to read it exactly once by; the source reads "
+            "streams with configured writers"
+        )
+    return spec
+
+
+def pick_table(spec: StreamSpec, table: str | None) -> TableSpec:
+    names = [t.name for t in spec.tables]
+    if table is None:
+        if len(spec.tables) == 1:
+            return spec.tables[0]
+        raise ConfigError(
+            f"plait source: stream {spec.name!r} spans tables {names}; choose one with "
+            '.option("table", ...)'
+        )
+    for candidate in spec.tables:
+        if candidate.name == table:
+            return candidate
+    raise ConfigError(
+        f"plait source: stream {spec.name!r} has no table {table!r}; its tables: {names}"
+    )
+
+
+def columns(conn: psycopg.Connection[Any], table: TableSpec) -> list[Column]:
+    rows = conn.execute(
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+        (table.name,),
+    ).fetchall()
+    if not rows:
+        raise ConfigError(f"plait source: table {table.name!r} does not exist or has no columns")
+    return [Column(name, pg_type) for name, pg_type in rows]
+
+
+def latest(conn: psycopg.Connection[Any], spec: StreamSpec) -> StreamToken:
+    """The offset every writer has persisted up to: each writer's row in
+    `stream_positions` (never past what it completed), `min` the lowest of them."""
+    sign = spec.sign
+    positions = {
+        writer: sign * position
+        for writer, position in conn.execute(
+            "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
+            (spec.name,),
+        )
+        if not spec.writers or writer in spec.writers
+    }
+    if not positions:
+        return StreamToken(1)  # nothing written yet: ID 1 is taken when the sequence is made
+    return StreamToken.normalised(min(positions.values()), positions)
+
+
+def parse_token(conn: psycopg.Connection[Any], spec: StreamSpec, value: str) -> StreamToken:
+    """A starting or ending point: "earliest", "latest", a token's text form (s5,
+    m3~1.5) or its JSON form."""
+    text = value.strip()
+    if text == "earliest":
+        return StreamToken(0)
+    if text == "latest":
+        return latest(conn, spec)
+    if text.startswith("{"):
+        from plait.spark.offsets import from_json
+
+        return from_json(text)
+    low, by_id = decode_text(text)
+    if not by_id:
+        return StreamToken(low)
+    names = dict(
+        conn.execute(
+            "SELECT instance_id, instance_name FROM instance_map WHERE instance_id = ANY(%s)",
+            (sorted(by_id),),
+        ).fetchall()
+    )
+    missing = sorted(set(by_id) - set(names))
+    if missing:
+        raise TokenParseError(
+            f"token {text!r} names instance id {missing[0]}, which this database's "
+            "instance_map does not know: the token comes from another deployment"
+        )
+    return StreamToken(low, {names[i]: p for i, p in by_id.items()})
+
+
+def range_condition(table: TableSpec, backwards: bool, r: WriterRange) -> sql.Composed:
+    """The WHERE clause of one range, in the table's stored form."""
+    ident, inst = sql.Identifier(table.id_column), sql.Identifier(table.instance_column)
+    if backwards:  # stored IDs are negative: internal (low, high] is [-high, -low)
+        ids = sql.SQL("{i} >= {a} AND {i} < {b}").format(
+            i=ident, a=sql.Literal(-r.high), b=sql.Literal(-r.low)
+        )
+    else:
+        ids = sql.SQL("{i} > {a} AND {i} <= {b}").format(
+            i=ident, a=sql.Literal(r.low), b=sql.Literal(r.high)
+        )
+    who: sql.Composable
+    if r.writer is not None:
+        who = sql.SQL("{} = {}").format(inst, sql.Literal(r.writer))
+    elif r.others_than:
+        who = sql.SQL("{} <> ALL({}::text[])").format(inst, sql.Literal(list(r.others_than)))
+    else:
+        who = sql.SQL("TRUE")
+    return sql.SQL("{} AND {}").format(who, ids)
+
+
+def cutoff(
+    conn: psycopg.Connection[Any],
+    spec: StreamSpec,
+    tables: Sequence[TableSpec],
+    ranges_: list[WriterRange],
+    max_rows: int,
+) -> int | None:
+    """The internal ID of the `max_rows`-th row in these ranges (all tables), or None
+    when they hold fewer rows: cut there to read at most about `max_rows`."""
+    if not ranges_:
+        return None
+    sign = spec.sign
+    parts = [
+        sql.SQL("SELECT {s} * {i} AS id FROM {t} WHERE {c}").format(
+            s=sql.Literal(sign),
+            i=sql.Identifier(t.id_column),
+            t=sql.Identifier(*t.name.split(".")),
+            c=range_condition(t, spec.backwards, r),
+        )
+        for t in tables
+        for r in ranges_
+    ]
+    query = sql.SQL("SELECT id FROM ({}) AS pending ORDER BY id LIMIT 1 OFFSET {}").format(
+        sql.SQL(" UNION ALL ").join(parts), sql.Literal(max_rows - 1)
+    )
+    row = conn.execute(query).fetchone()
+    return None if row is None else int(row[0])

@@ -1,0 +1,271 @@
+"""The `plait` data source for PySpark: any plait stream, in batch or as a Structured
+Streaming source, exactly once (SPEC §8).
+
+    plait.spark.register(spark)
+    spark.readStream.format("plait").option("dsn", dsn).option("stream", "events").load()
+
+Options: `dsn` and `stream` (required); `table` (streams over several tables);
+`startingToken` (streaming: "earliest", the default, "latest", a token or an offset);
+`startToken` / `endToken` (batch: default earliest and latest); `maxRowsPerTrigger`;
+`maxIdsPerPartition` (default 1 000 000: a writer's range is read by one task per that
+many IDs).
+
+Offsets come from `stream_positions` (never past what a writer persisted), so an idle
+writer or one holding a transaction open never holds back the others. Rows reach Spark
+as Arrow record batches straight from the ADBC PostgreSQL driver (libpq and binary
+COPY), cast to the schema's Arrow types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from plait.core.tokens import StreamToken
+from plait.errors import ConfigError
+from plait.spark import catalog, offsets
+from plait.spark.schema import infer, text_columns
+from plait.streams.spec import StreamSpec, TableSpec
+
+NAME = "plait"
+DEFAULT_MAX_IDS = 1_000_000
+# Rows per Arrow batch handed to Spark (ADBC returns larger ones).
+BATCH_ROWS = 65_536
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    dsn: str
+    stream: str
+    table: str | None
+    starting: str
+    start: str
+    end: str
+    max_rows: int | None
+    max_ids: int
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, str]) -> Options:
+        options = {str(k).lower(): str(v) for k, v in raw.items()}
+        for required in ("dsn", "stream"):
+            if not options.get(required):
+                raise ConfigError(f'plait source: .option("{required}", ...) is required')
+        return cls(
+            dsn=options["dsn"],
+            stream=options["stream"],
+            table=options.get("table") or None,
+            starting=options.get("startingtoken", "earliest"),
+            start=options.get("starttoken", "earliest"),
+            end=options.get("endtoken", "latest"),
+            max_rows=_positive(options, "maxrowspertrigger"),
+            max_ids=_positive(options, "maxidsperpartition") or DEFAULT_MAX_IDS,
+        )
+
+
+def _positive(options: Mapping[str, str], key: str) -> int | None:
+    value = options.get(key)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"plait source: option {key} must be a positive integer, not {value!r}")
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What every reader needs, resolved on the driver once (plain data: picklable)."""
+
+    options: Options
+    spec: StreamSpec
+    table: TableSpec
+    columns: tuple[catalog.Column, ...]
+
+    @classmethod
+    def load(cls, options: Options) -> Plan:
+        with catalog.connect(options.dsn) as conn:
+            spec = catalog.load_spec(conn, options.stream)
+            table = catalog.pick_table(spec, options.table)
+            columns = tuple(catalog.columns(conn, table))
+        return cls(options, spec, table, columns)
+
+    def token(self, value: str, what: str) -> StreamToken:
+        with catalog.connect(self.options.dsn) as conn:
+            try:
+                return catalog.parse_token(conn, self.spec, value)
+            except ConfigError:
+                raise
+            except ValueError as err:
+                raise ConfigError(f"plait source: bad {what} {value!r}: {err}") from None
+
+    def latest(self) -> StreamToken:
+        with catalog.connect(self.options.dsn) as conn:
+            return catalog.latest(conn, self.spec)
+
+    def partitions(
+        self, schema: StructType, start: StreamToken, end: StreamToken
+    ) -> list[RangePartition]:
+        as_text = set(text_columns(list(self.columns), schema))
+        pieces = offsets.split(offsets.ranges(start, end), self.options.max_ids)
+        return [RangePartition(self.query(schema, as_text, r)) for r in pieces]
+
+    def query(self, schema: StructType, as_text: set[str], r: offsets.WriterRange) -> str:
+        from psycopg import sql
+
+        select = sql.SQL(", ").join(
+            sql.SQL("{c}::text AS {c}" if f.name in as_text else "{c}").format(
+                c=sql.Identifier(f.name)
+            )
+            for f in schema.fields
+        )
+        condition = catalog.range_condition(self.table, self.spec.backwards, r)
+        return (
+            sql.SQL("SELECT {} FROM {} WHERE {}")
+            .format(select, sql.Identifier(*self.table.name.split(".")), condition)
+            .as_string(None)
+        )
+
+
+class RangePartition(InputPartition):
+    """One task's rows: a SELECT over one writer's ID range."""
+
+    def __init__(self, query: str) -> None:
+        super().__init__(query)
+        self.query = query
+
+
+def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
+    """The rows of `query` as Arrow record batches of `schema`'s types."""
+    import adbc_driver_postgresql.dbapi as adbc
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
+    with adbc.connect(dsn) as conn, conn.cursor() as cursor:
+        cursor.execute(query)
+        for batch in cursor.fetch_record_batch():
+            for offset in range(0, batch.num_rows, BATCH_ROWS):
+                part = batch.slice(offset, BATCH_ROWS)
+                yield part.cast(target, safe=False)
+
+
+class PlaitSource(DataSource):
+    """`spark.read.format("plait")` and `spark.readStream.format("plait")`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        self._options = Options.parse(options)
+        self._plan: Plan | None = None
+
+    def _loaded(self) -> Plan:
+        if self._plan is None:
+            self._plan = Plan.load(self._options)
+        return self._plan
+
+    def schema(self) -> StructType:
+        return infer(list(self._loaded().columns))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        plan = self._loaded()
+        text_columns(list(plan.columns), schema)  # a bad user schema fails here
+        return BatchReader(plan, schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        plan = self._loaded()
+        text_columns(list(plan.columns), schema)
+        return StreamReader(plan, schema)
+
+
+class BatchReader(DataSourceReader):
+    """The rows between two tokens (default: everything persisted now)."""
+
+    def __init__(self, plan: Plan, schema: StructType) -> None:
+        self._plan = plan
+        self._schema = schema
+        start = plan.token(plan.options.start, "startToken")
+        end = plan.token(plan.options.end, "endToken")
+        if not start.is_before_or_eq(end):
+            raise ConfigError(
+                f"plait source: endToken {offsets.to_json(end)} is before startToken "
+                f"{offsets.to_json(start)} for some writer"
+            )
+        self._start, self._end = start, end
+
+    def partitions(self) -> list[InputPartition]:
+        return list(self._plan.partitions(self._schema, self._start, self._end))
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, RangePartition)
+        return read_arrow(self._plan.options.dsn, partition.query, self._schema)
+
+
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches of per-writer ranges between offsets read from stream_positions."""
+
+    def __init__(self, plan: Plan, schema: StructType) -> None:
+        self._plan = plan
+        self._schema = schema
+        self._target: StreamToken | None = None  # Trigger.AvailableNow: stop here
+
+    def initialOffset(self) -> dict[str, Any]:
+        return self._plan.token(self._plan.options.starting, "startingToken").to_json_dict()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        max_rows = self._plan.options.max_rows
+        return ReadAllAvailable() if max_rows is None else ReadMaxRows(max_rows)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._plan.latest()
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        begin = offsets.from_json(start)
+        latest = self._target if self._target is not None else self._plan.latest()
+        end = offsets.advance(begin, latest)
+        if isinstance(limit, ReadMaxRows):
+            plan = self._plan
+            with catalog.connect(plan.options.dsn) as conn:
+                cut = catalog.cutoff(
+                    conn, plan.spec, plan.spec.tables, offsets.ranges(begin, end), limit.max_rows
+                )
+            if cut is not None:
+                end = offsets.limited(begin, end, cut)
+        return end.to_json_dict()
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return self._plan.latest().to_json_dict()
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
+        return list(
+            self._plan.partitions(self._schema, offsets.from_json(start), offsets.from_json(end))
+        )
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, RangePartition)
+        return read_arrow(self._plan.options.dsn, partition.query, self._schema)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        pass  # nothing is kept per offset
+
+    def stop(self) -> None:
+        pass

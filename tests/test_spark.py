@@ -1,0 +1,231 @@
+"""The plait data source in a real local Spark, on a real PostgreSQL (SPEC §8): batch
+reads between tokens, streaming reads that no idle or slow writer holds back, exactly
+once across a restart, and clear errors for bad options. One SparkSession serves every
+test (the `spark` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import plait.spark
+from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
+from stream_helpers import spec_for
+
+pytestmark = pytest.mark.timeout(240)
+
+INSERT = (
+    "INSERT INTO events (stream_id, instance_name, payload, amount)"
+    " SELECT {id}, %s, %s || g, g * 1.25 FROM generate_series(1, %s) g RETURNING stream_id"
+)
+
+
+async def create_events(db: Database) -> None:
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT, amount NUMERIC(12,2), at TIMESTAMPTZ NOT NULL DEFAULT now(),"
+            " extra JSONB); CREATE INDEX ON events (instance_name, stream_id)"
+        )
+
+
+@contextlib.asynccontextmanager
+async def writers(
+    db: Database, *names: str, all_writers: list[str]
+) -> AsyncIterator[dict[str, MultiWriterIdGenerator]]:
+    gens = {
+        name: await MultiWriterIdGenerator.create(
+            db, spec_for(all_writers), name, position_flush_interval=0.2
+        )
+        for name in names
+    }
+    try:
+        yield gens
+    finally:
+        for gen in gens.values():
+            await gen.close()
+
+
+async def write(gen: MultiWriterIdGenerator, prefix: str, count: int) -> list[int]:
+    ids = await gen.insert(INSERT, (gen.instance_name, prefix, count))
+    await gen.flush_position()  # what database-only readers (Spark) go by
+    return ids
+
+
+def reader(spark: Any, dsn: str, **options: Any) -> Any:
+    read = spark.read.format("plait").option("dsn", dsn).option("stream", "events")
+    for key, value in options.items():
+        read = read.option(key, value)
+    return read
+
+
+async def test_a_batch_read_between_two_tokens_returns_exactly_those_rows(
+    db: Database, spark: Any
+) -> None:
+    await create_events(db)
+    async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
+        before = await write(gens["w1"], "a", 5) + await write(gens["w2"], "b", 3)
+        t1 = await _token(db, gens)
+        between = await write(gens["w2"], "c", 4) + await write(gens["w1"], "d", 6)
+        t2 = await _token(db, gens)
+        after = await write(gens["w1"], "e", 2)
+
+        def ids(df: Any) -> list[int]:
+            return sorted(row.stream_id for row in df.select("stream_id").collect())
+
+        got = await asyncio.to_thread(ids, reader(spark, db.dsn, startToken=t1, endToken=t2).load())
+        assert got == sorted(between)
+        everything = reader(spark, db.dsn).load()
+        assert await asyncio.to_thread(ids, everything) == sorted(before + between + after)
+        row = (await asyncio.to_thread(everything.where("stream_id = 2").collect))[0]
+        assert (row.instance_name, row.payload, str(row.amount)) == ("w1", "a1", "1.25")
+        fields = {f.name: f.dataType.simpleString() for f in everything.schema.fields}
+        assert fields == {
+            "stream_id": "bigint",
+            "instance_name": "string",
+            "payload": "string",
+            "amount": "decimal(12,2)",
+            "at": "timestamp",
+            "extra": "string",
+        }
+
+
+async def _token(db: Database, gens: dict[str, MultiWriterIdGenerator]) -> str:
+    """The text form of the token of everything written so far."""
+    positions = {name: gen.get_current_token_for_writer(name) for name, gen in gens.items()}
+    token = StreamToken.normalised(min(positions.values()), positions)
+    return await token.to_string(db)
+
+
+async def until(condition: Callable[[], bool], within: float = 60.0) -> None:
+    async with asyncio.timeout(within):
+        while not await asyncio.to_thread(condition):  # noqa: ASYNC110 - Spark's state
+            await asyncio.sleep(0.2)
+
+
+async def test_a_stream_is_never_held_back_by_a_slow_idle_or_late_writer(
+    db: Database, spark: Any
+) -> None:
+    """w2 holds a transaction open for seconds, w3 never writes, w4 starts after the
+    query did: w1's rows flow meanwhile, and every row arrives once."""
+    await create_events(db)
+    names = ["w1", "w2", "w3", "w4"]
+    async with writers(db, "w1", "w2", "w3", all_writers=names) as gens:
+        first = await write(gens["w1"], "a", 3)
+        query = (
+            spark.readStream.format("plait")
+            .option("dsn", db.dsn)
+            .option("stream", "events")
+            .option("startingToken", "earliest")
+            .load()
+            .writeStream.format("memory")
+            .queryName("never_held_back")
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+
+            def seen() -> list[int]:
+                rows = spark.sql("SELECT stream_id FROM never_held_back").collect()
+                return [row.stream_id for row in rows]
+
+            await until(lambda: len(seen()) >= 3)
+            held: list[int] = []
+            async with db.transaction() as txn:
+                stream_id = await gens["w2"].get_next_txn(txn)
+                await txn.execute(
+                    "INSERT INTO events (stream_id, instance_name, payload)"
+                    " VALUES (%s, 'w2', 'held')",
+                    (stream_id,),
+                )
+                held.append(stream_id)
+                flowing = await write(gens["w1"], "b", 4)  # above the held ID
+                await until(lambda: set(flowing) <= set(seen()))
+                assert stream_id not in seen()
+            await gens["w2"].flush_position()
+            await until(lambda: stream_id in seen())
+            async with writers(db, "w4", all_writers=names) as late:
+                latecomer = await write(late["w4"], "z", 2)
+                await until(lambda: set(latecomer) <= set(seen()))
+            got = seen()
+            assert sorted(got) == sorted(first + held + flowing + latecomer)  # each once
+        finally:
+            query.stop()
+
+
+async def test_exactly_once_across_a_restart_of_the_query(
+    db: Database, spark: Any, tmp_path: Path
+) -> None:
+    """A Parquet sink with a checkpoint, run with Trigger.AvailableNow and a read limit,
+    stopped, written to, and run again: every row once."""
+    await create_events(db)
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+
+    def run() -> list[int]:
+        query = (
+            spark.readStream.format("plait")
+            .option("dsn", db.dsn)
+            .option("stream", "events")
+            .option("maxRowsPerTrigger", 40)
+            .load()
+            .writeStream.format("parquet")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        return [p.numInputRows for p in query.recentProgress]
+
+    async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
+        written = await write(gens["w1"], "a", 70) + await write(gens["w2"], "b", 30)
+        batches = await asyncio.to_thread(run)
+        assert sum(batches) == 100
+        assert max(batches) <= 40  # the read limit held
+        written += await write(gens["w2"], "c", 25) + await write(gens["w1"], "d", 5)
+        assert sum(await asyncio.to_thread(run)) == 30
+        assert sum(await asyncio.to_thread(run)) == 0  # nothing new: nothing read again
+    rows = await asyncio.to_thread(lambda: spark.read.parquet(str(out)).collect())
+    assert sorted(row.stream_id for row in rows) == sorted(written)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stream": "nope"}, "unknown stream 'nope'; streams in this database: ['events']"),
+        ({"startToken": "m1~x"}, "bad startToken 'm1~x': malformed token"),
+        ({"endToken": '{"min": 1'}, "bad endToken '{\"min\": 1': offset is not valid JSON"),
+        ({"startToken": "m1~999.5"}, "instance id 999, which this database's instance_map"),
+        ({"table": "other"}, "has no table 'other'; its tables: ['events']"),
+        ({"maxIdsPerPartition": "-5"}, "maxidsperpartition must be a positive integer"),
+    ],
+)
+async def test_bad_options_fail_with_one_clear_message(
+    db: Database, spark: Any, options: dict[str, str], message: str
+) -> None:
+    await create_events(db)
+    async with writers(db, "w1", all_writers=["w1"]):
+        pass
+    given = {"stream": "events", **options}
+    stream = given.pop("stream")
+    with pytest.raises(ConfigError) as caught:
+        await asyncio.to_thread(plait.spark.batch, spark, db.dsn, stream, **given)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+    # Through Spark's own reader the same text arrives, inside Spark's error.
+    read = spark.read.format("plait").option("dsn", db.dsn).option("stream", stream)
+    for key, value in given.items():
+        read = read.option(key, value)
+    with pytest.raises(Exception, match=re.escape(message)):  # Spark wraps it
+        await asyncio.to_thread(lambda: read.load().collect())
+
+
+async def test_a_database_without_plait_says_so(dsn: str, spark: Any) -> None:
+    with pytest.raises(ConfigError, match="has no plait streams"):
+        await asyncio.to_thread(plait.spark.batch, spark, dsn, "events")

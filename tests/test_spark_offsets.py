@@ -1,0 +1,109 @@
+"""Spark offsets and the ranges they plan, without Spark or I/O."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.core.tokens import StreamToken
+from plait.errors import TokenParseError
+from plait.spark import offsets
+from plait.spark.offsets import WriterRange
+
+WRITERS = ["a", "b", "c"]
+
+
+@st.composite
+def tokens(draw: st.DrawFn, low: int = 0) -> StreamToken:
+    minimum = draw(st.integers(low, low + 50))
+    ahead = draw(st.dictionaries(st.sampled_from(WRITERS), st.integers(1, 30)))
+    return StreamToken(minimum, {w: minimum + d for w, d in ahead.items()})
+
+
+@st.composite
+def pairs(draw: st.DrawFn) -> tuple[StreamToken, StreamToken]:
+    start = draw(tokens())
+    latest = offsets.advance(start, draw(tokens(low=0)))
+    return start, latest
+
+
+def covered(rs: list[WriterRange], writer: str) -> set[int]:
+    """IDs of `writer` the ranges read."""
+    out: set[int] = set()
+    for r in rs:
+        if r.writer == writer or (r.writer is None and writer not in r.others_than):
+            out |= set(range(r.low + 1, r.high + 1))
+    return out
+
+
+@given(pairs(), st.sampled_from([*WRITERS, "late"]))
+def test_ranges_read_each_writers_ids_between_the_offsets_once(
+    pair: tuple[StreamToken, StreamToken], writer: str
+) -> None:
+    start, end = pair
+    rs = offsets.ranges(start, end)
+    assert covered(rs, writer) == set(range(start.get(writer) + 1, end.get(writer) + 1))
+    # No writer is read by two ranges.
+    for r in rs:
+        for other in rs:
+            if r is not other and r.writer is not None:
+                assert other.writer != r.writer
+
+
+@given(pairs(), st.integers(1, 7))
+def test_split_pieces_cover_each_range_exactly(
+    pair: tuple[StreamToken, StreamToken], max_ids: int
+) -> None:
+    rs = offsets.ranges(*pair)
+    pieces = offsets.split(rs, max_ids)
+    assert all(0 < p.ids <= max_ids for p in pieces)
+    for writer in [*WRITERS, "late"]:
+        assert covered(pieces, writer) == covered(rs, writer)
+
+
+@given(pairs(), st.integers(0, 120))
+def test_a_read_limit_cuts_at_the_cutoff_without_going_back(
+    pair: tuple[StreamToken, StreamToken], cutoff: int
+) -> None:
+    start, latest = pair
+    cut = offsets.limited(start, latest, cutoff)
+    for writer in [*WRITERS, "late"]:
+        position = cut.get(writer)
+        assert start.get(writer) <= position <= latest.get(writer)
+        assert position <= max(cutoff, start.get(writer))
+        if latest.get(writer) <= cutoff:
+            assert position == latest.get(writer)  # nothing held back below the cutoff
+
+
+@given(tokens())
+def test_offsets_round_trip_through_their_canonical_json(token: StreamToken) -> None:
+    text = offsets.to_json(token)
+    assert "\n" not in text
+    assert " " not in text
+    assert offsets.from_json(text) == token
+    assert offsets.from_json(token.to_json_dict()) == token
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("{", "not valid JSON"),
+        ('{"min": -1}', "non-negative"),
+        ('{"min": 3, "writers": {"a": 2}}', "not ahead of min"),
+        ('{"min": 3, "extra": 1}', "unknown keys"),
+        ("[1]", "must be an object"),
+    ],
+)
+def test_malformed_offsets_are_refused_with_the_reason(bad: str, reason: str) -> None:
+    with pytest.raises(TokenParseError, match=reason):
+        offsets.from_json(bad)
+
+
+def test_a_writer_first_seen_later_is_read_from_the_previous_min() -> None:
+    start = StreamToken(10, {"a": 15})
+    end = StreamToken(12, {"a": 20, "new": 30})
+    rs = offsets.ranges(start, end)
+    assert WriterRange("new", 10, 30) in rs
+    assert WriterRange("a", 15, 20) in rs
+    assert WriterRange(None, 10, 12, ("a", "new")) in rs
