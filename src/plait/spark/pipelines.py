@@ -1,0 +1,294 @@
+"""Ready pipelines on the `plait` source, each exactly once across restarts through a
+Spark checkpoint (SPEC §8):
+
+- `export`: a stream to a Parquet dataset (Spark's file sink, whose log in the output
+  folder lists only committed batches) or to a Delta Lake table (the `deltalake`
+  package inside `foreachBatch`, every commit carrying the batch id as an application
+  transaction: a replayed batch finds its id recorded and writes nothing).
+- `derive`: a PostgreSQL table kept from a stream, the latest row per key or counts per
+  key and hour, each batch applied in one transaction together with a marker row
+  `(job, batch_id)`: a replayed batch finds its marker and changes nothing.
+
+Each prints one line per batch (rows, offsets, seconds) through a query listener.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO
+
+import psycopg
+from psycopg import sql
+
+import plait.spark
+from plait.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    dsn: str
+    stream: str
+    table: str | None = None
+    starting: str = "earliest"
+    max_rows: int | None = None
+
+    def frame(self, spark: Any) -> Any:
+        options: dict[str, Any] = {"startingToken": self.starting}
+        if self.table:
+            options["table"] = self.table
+        if self.max_rows:
+            options["maxRowsPerTrigger"] = self.max_rows
+        return plait.spark.stream(spark, self.dsn, self.stream, **options)
+
+
+def progress_printer(spark: Any, out: TextIO = sys.stderr) -> None:
+    """One line per micro-batch of every query of this session."""
+    from pyspark.sql.streaming.listener import StreamingQueryListener
+
+    class Printer(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            pass
+
+        def onQueryProgress(self, event: Any) -> None:
+            p = event.progress
+            if not p.numInputRows and not p.sources:
+                return
+            end = p.sources[0].endOffset if p.sources else None
+            seconds = (p.durationMs or {}).get("triggerExecution", 0) / 1000
+            print(
+                f"batch {p.batchId}: {p.numInputRows} rows in {seconds:.2f} s, up to {end}",
+                file=out,
+                flush=True,
+            )
+
+        def onQueryIdle(self, event: Any) -> None:
+            pass
+
+        def onQueryTerminated(self, event: Any) -> None:
+            if event.exception:
+                print(f"query failed: {event.exception.splitlines()[0]}", file=out, flush=True)
+
+    spark.streams.addListener(Printer())
+
+
+def _trigger(writer: Any, once: bool) -> Any:
+    return writer.trigger(availableNow=True) if once else writer.trigger(processingTime="1 second")
+
+
+def _partitioned(frame: Any, by: str | None, by_date: str | None) -> tuple[Any, list[str]]:
+    if by and by_date:
+        raise ConfigError("partition by a column or by the date of a column, not both")
+    if by_date:
+        from pyspark.sql import functions as f
+
+        if by_date not in frame.columns:
+            raise ConfigError(
+                f"no column {by_date!r} to take the date of; columns: {frame.columns}"
+            )
+        return frame.withColumn("date", f.to_date(f.col(by_date))), ["date"]
+    if by:
+        if by not in frame.columns:
+            raise ConfigError(f"no column {by!r} to partition by; columns: {frame.columns}")
+        return frame, [by]
+    return frame, []
+
+
+def export(
+    spark: Any,
+    source: Source,
+    *,
+    to: Literal["parquet", "delta"],
+    path: str,
+    checkpoint: str,
+    partition_by: str | None = None,
+    partition_by_date: str | None = None,
+    once: bool = False,
+) -> Any:
+    """Start exporting `source` to `path`; returns the StreamingQuery."""
+    frame, partitions = _partitioned(source.frame(spark), partition_by, partition_by_date)
+    if to == "parquet":
+        writer = frame.writeStream.format("parquet").option("path", path)
+        if partitions:
+            writer = writer.partitionBy(*partitions)
+    elif to == "delta":
+        writer = frame.writeStream.foreachBatch(DeltaBatches(path, checkpoint, partitions))
+    else:
+        raise ConfigError(f"unknown export target {to!r}: parquet or delta")
+    writer = writer.option("checkpointLocation", checkpoint).queryName(f"export-{source.stream}")
+    return _trigger(writer, once).start()
+
+
+class DeltaBatches:
+    """`foreachBatch` into a Delta table with `deltalake`; the batch id is recorded in
+    the same commit (an application transaction of this checkpoint), so a batch Spark
+    replays after a crash is skipped."""
+
+    def __init__(self, path: str, checkpoint: str, partitions: list[str]) -> None:
+        self.path = path
+        self.app_id = f"plait-export:{checkpoint}"
+        self.partitions = partitions
+
+    def done_upto(self) -> int:
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        try:
+            version = DeltaTable(self.path).transaction_version(self.app_id)
+        except TableNotFoundError:
+            return -1
+        return -1 if version is None else int(version)
+
+    def __call__(self, frame: Any, batch_id: int) -> None:
+        from deltalake import CommitProperties, Transaction, write_deltalake
+
+        if batch_id <= self.done_upto():
+            return  # committed before a crash: Spark replays it, Delta has it
+        table = frame.toArrow()
+        write_deltalake(
+            self.path,
+            table,
+            mode="append",
+            partition_by=self.partitions or None,
+            commit_properties=CommitProperties(
+                app_transactions=[Transaction(self.app_id, batch_id, int(time.time() * 1000))]
+            ),
+        )
+
+
+# -- derived tables --------------------------------------------------------------------------
+
+
+MARKERS = "plait_spark_batches"
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """A table kept from a stream: `latest` (the last row of each key, as JSON, with
+    its stream ID) or `counts` (rows per key and hour of `time_column`)."""
+
+    dsn: str
+    table: str
+    key: str
+    kind: Literal["latest", "counts"] = "latest"
+    time_column: str = "at"
+    job: str = ""
+
+    @property
+    def job_name(self) -> str:
+        return self.job or f"derive:{self.table}"
+
+    def create(self) -> None:
+        name = sql.Identifier(*self.table.split("."))
+        if self.kind == "latest":
+            ddl = sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (key TEXT PRIMARY KEY, stream_id BIGINT NOT NULL,"
+                " instance_name TEXT NOT NULL, row JSONB NOT NULL)"
+            ).format(name)
+        else:
+            ddl = sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (key TEXT NOT NULL, hour TIMESTAMPTZ NOT NULL,"
+                " count BIGINT NOT NULL, PRIMARY KEY (key, hour))"
+            ).format(name)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(ddl)
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {MARKERS} (job TEXT NOT NULL,"
+                " batch_id BIGINT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now(),"
+                " PRIMARY KEY (job, batch_id))"
+            )
+
+    def batch_rows(self, frame: Any) -> list[tuple[Any, ...]]:
+        """What this batch changes, computed by Spark: (key, stream_id, instance, json)
+        for `latest`, (key, hour, count) for `counts`."""
+        from pyspark.sql import functions as f
+
+        if self.key not in frame.columns:
+            raise ConfigError(f"no key column {self.key!r}; columns: {frame.columns}")
+        if self.kind == "latest":
+            row = f.to_json(f.struct(*[f.col(c) for c in frame.columns]))
+            latest = frame.groupBy(f.col(self.key).cast("string").alias("key")).agg(
+                f.max_by(
+                    f.struct(f.col("stream_id"), f.col("instance_name"), row.alias("row")),
+                    f.col("stream_id"),
+                ).alias("last")
+            )
+            rows = latest.select("key", "last.stream_id", "last.instance_name", "last.row")
+        else:
+            if self.time_column not in frame.columns:
+                raise ConfigError(f"no time column {self.time_column!r}; columns: {frame.columns}")
+            rows = frame.groupBy(
+                f.col(self.key).cast("string").alias("key"),
+                f.date_trunc("hour", f.col(self.time_column)).alias("hour"),
+            ).count()
+        return [tuple(r) for r in rows.collect()]
+
+    def apply(self, rows: list[tuple[Any, ...]], batch_id: int) -> bool:
+        """Apply one batch's rows with its marker, in one transaction; False when the
+        marker was there already (a replayed batch)."""
+        name = sql.Identifier(*self.table.split("."))
+        with psycopg.connect(self.dsn) as conn, conn.transaction():
+            fresh = conn.execute(
+                f"INSERT INTO {MARKERS} (job, batch_id) VALUES (%s, %s)"
+                " ON CONFLICT DO NOTHING RETURNING 1",
+                (self.job_name, batch_id),
+            ).fetchone()
+            if fresh is None:
+                return False
+            if not rows:
+                return True
+            with conn.cursor() as cursor:
+                if self.kind == "latest":
+                    cursor.executemany(
+                        sql.SQL(
+                            "INSERT INTO {} (key, stream_id, instance_name, row)"
+                            " VALUES (%s, %s, %s, %s::jsonb) ON CONFLICT (key) DO UPDATE SET"
+                            " stream_id = EXCLUDED.stream_id,"
+                            " instance_name = EXCLUDED.instance_name, row = EXCLUDED.row"
+                            " WHERE {}.stream_id < EXCLUDED.stream_id"
+                        ).format(name, name),
+                        rows,
+                    )
+                else:
+                    cursor.executemany(
+                        sql.SQL(
+                            "INSERT INTO {} (key, hour, count) VALUES (%s, %s, %s)"
+                            " ON CONFLICT (key, hour) DO UPDATE"
+                            " SET count = {}.count + EXCLUDED.count"
+                        ).format(name, name),
+                        rows,
+                    )
+        return True
+
+    def __call__(self, frame: Any, batch_id: int) -> None:
+        self.apply(self.batch_rows(frame), batch_id)
+
+
+def derive(
+    spark: Any, source: Source, target: Derived, *, checkpoint: str, once: bool = False
+) -> Any:
+    """Start keeping `target` from `source`; returns the StreamingQuery."""
+    target.create()
+    writer = (
+        source.frame(spark)
+        .writeStream.foreachBatch(target)
+        .option("checkpointLocation", checkpoint)
+        .queryName(f"derive-{target.table}")
+    )
+    return _trigger(writer, once).start()
+
+
+def run(query: Any, on_stop: Callable[[], None] | None = None) -> None:
+    """Wait for a query to end (Ctrl-C stops it cleanly), then `on_stop` (stopping the
+    session there lets the last progress lines reach the listener first)."""
+    try:
+        query.awaitTermination()
+    except KeyboardInterrupt:
+        query.stop()
+    finally:
+        if on_stop is not None:
+            on_stop()
+    if query.exception() is not None:
+        raise RuntimeError(str(query.exception()).splitlines()[0])

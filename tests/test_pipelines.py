@@ -1,0 +1,143 @@
+"""The Spark pipelines (`plait export`, `plait derive`) exactly once: across kill -9 of
+the query process in the middle of a batch, and across replayed batches."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from plait import Database, MultiWriterIdGenerator
+from plait.spark import pipelines
+from stream_helpers import spec_for
+
+pytestmark = pytest.mark.timeout(300)
+
+INSERT = (
+    "INSERT INTO events (stream_id, instance_name, payload, at)"
+    " SELECT {id}, %s, %s || (g %% 7), now() - g * interval '10 minutes'"
+    " FROM generate_series(1, %s) g RETURNING stream_id"
+)
+
+
+async def prepare(db: Database, per_writer: int) -> list[int]:
+    """`per_writer` rows from each of w1 and w2 (in statements of 500)."""
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT, at TIMESTAMPTZ NOT NULL); CREATE INDEX ON events"
+            " (instance_name, stream_id)"
+        )
+    ids: list[int] = []
+    for name in ("w1", "w2"):
+        gen = await MultiWriterIdGenerator.create(db, spec_for(["w1", "w2"]), name)
+        for _ in range(per_writer // 500):
+            ids += await gen.insert(INSERT, (name, f"k{name}-", 500))
+        await gen.close()  # stores its final position
+    return ids
+
+
+def cli(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # kill -9 takes Spark's JVM down with it
+    )
+
+
+@pytest.mark.slow
+async def test_export_is_exactly_once_across_kill_9_in_the_middle_of_a_batch(
+    db: Database, spark: Any, tmp_path: Path
+) -> None:
+    written = await prepare(db, 3000)
+    args = [
+        "export",
+        "--dsn", db.dsn,
+        "--stream", "events",
+        "--checkpoint", str(tmp_path / "checkpoint"),
+        "--path", str(tmp_path / "out"),
+        "--partition-by-date", "at",
+        "--max-rows-per-trigger", "250",
+    ]  # fmt: skip
+    first = cli(*args)
+    assert first.stderr is not None
+    batches = 0
+    for line in first.stderr:
+        if line.startswith("batch "):
+            batches += 1
+            if batches == 3:  # the next batch is under way
+                break
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert batches == 3
+    second = cli(*args, "--once")
+    _, errors = await asyncio.to_thread(second.communicate, timeout=240)
+    assert second.returncode == 0, errors
+    lines = [line for line in errors.splitlines() if line.startswith("batch ")]
+    assert lines  # the rest, in batches of at most 250 rows
+    assert all(int(line.split()[2]) <= 250 for line in lines)
+    rows = await asyncio.to_thread(
+        lambda: spark.read.parquet(str(tmp_path / "out")).select("stream_id", "date").collect()
+    )
+    ids = [row.stream_id for row in rows]
+    assert len(ids) == len(set(ids)) == len(written)  # every committed row once
+    assert sorted(ids) == sorted(written)
+    assert len({row.date for row in rows}) >= 2  # partitioned by the date of `at`
+
+
+async def test_a_replayed_batch_changes_no_derived_table_and_no_delta_table(
+    db: Database, spark: Any, tmp_path: Path
+) -> None:
+    await prepare(db, 1000)
+    source = pipelines.Source(db.dsn, "events", max_rows=300)
+    latest = pipelines.Derived(db.dsn, "latest_payload", key="payload", kind="latest")
+    counts = pipelines.Derived(db.dsn, "payload_counts", key="payload", kind="counts")
+    for target in (latest, counts):
+        query = pipelines.derive(
+            spark, source, target, checkpoint=str(tmp_path / target.table), once=True
+        )
+        await asyncio.to_thread(query.awaitTermination, 120)
+    async with db.connection() as conn:
+        cur = await conn.execute("SELECT key, stream_id FROM latest_payload ORDER BY key")
+        newest = await cur.fetchall()
+        cur = await conn.execute("SELECT key, sum(count) FROM payload_counts GROUP BY 1")
+        totals = dict(await cur.fetchall())
+        cur = await conn.execute("SELECT payload, max(stream_id) FROM events GROUP BY 1 ORDER BY 1")
+        assert newest == await cur.fetchall()
+        cur = await conn.execute("SELECT payload, count(*) FROM events GROUP BY 1")
+        assert totals == dict(await cur.fetchall())
+        cur = await conn.execute("SELECT job, max(batch_id) FROM plait_spark_batches GROUP BY 1")
+        markers = dict(await cur.fetchall())
+    # 2 000 rows in batches of at most 300: batches 0 to 6.
+    assert markers == {"derive:latest_payload": 6, "derive:payload_counts": 6}
+
+    # Spark replays batch 2 after a crash: its marker is there, nothing changes.
+    frame = spark.read.format("plait").option("dsn", db.dsn).option("stream", "events").load()
+    rows = await asyncio.to_thread(counts.batch_rows, frame)
+    assert counts.apply(rows, 2) is False
+    assert counts.apply([], 7) is True  # a new batch is applied
+    async with db.connection() as conn:
+        cur = await conn.execute("SELECT key, sum(count) FROM payload_counts GROUP BY 1")
+        assert dict(await cur.fetchall()) == totals
+
+    # The Delta export: a batch id already committed writes nothing the second time.
+    delta = pipelines.DeltaBatches(str(tmp_path / "delta"), "ckpt", [])
+    batch = await asyncio.to_thread(lambda: frame.limit(10))
+    await asyncio.to_thread(delta, batch, 0)
+    await asyncio.to_thread(delta, batch, 0)  # replayed
+    await asyncio.to_thread(delta, batch, 1)
+    from deltalake import DeltaTable
+
+    table = DeltaTable(str(tmp_path / "delta"))
+    assert table.to_pyarrow_table().num_rows == 20
+    assert table.transaction_version("plait-export:ckpt") == 1
+    assert isinstance(table.to_pyarrow_table(), pa.Table)
