@@ -44,8 +44,6 @@ from plait.streams.spec import StreamSpec, TableSpec
 
 NAME = "plait"
 DEFAULT_MAX_IDS = 1_000_000
-# Rows per Arrow batch handed to Spark (ADBC returns larger ones).
-BATCH_ROWS = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +159,9 @@ def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
     with adbc.connect(dsn) as conn, conn.cursor() as cursor:
         cursor.execute(query)
         for batch in cursor.fetch_record_batch():
-            for offset in range(0, batch.num_rows, BATCH_ROWS):
-                part = batch.slice(offset, BATCH_ROWS)
-                yield part.cast(target, safe=False)
+            if not batch.schema.equals(target, check_metadata=False):
+                batch = batch.cast(target, safe=False)  # numeric text to decimal, and such
+            yield batch
 
 
 class PlaitSource(DataSource):

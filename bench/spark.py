@@ -1,0 +1,220 @@
+"""Spark benchmarks (issue 5), each against a baseline measured in the same run.
+
+- read: 1 M rows from 2 writers read by the plait source and by Spark's own JDBC source
+  (the PostgreSQL JDBC driver from Debian's `libpostgresql-jdbc-java`, installed for
+  the benchmark only), on the same table, with the same number of partitions, into the
+  same sink (`noop`: read everything, write nothing). Target: plait >= 1.0x JDBC.
+  Repetitions alternate which source goes first.
+- micro_batches: a streaming query with Trigger.AvailableNow and a small
+  `maxRowsPerTrigger`: seconds per micro-batch, against one batch read of the same rows.
+
+    apt-get install -y libpostgresql-jdbc-java    # once: the JDBC driver
+    python bench/spark.py [--rows N] [--reps N] [--partitions N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
+
+JDBC_JAR = Path("/usr/share/java/postgresql.jar")
+INSERT = (
+    "INSERT INTO events (stream_id, instance_name, room, payload, amount)"
+    " SELECT {id}, %s, 'room' || (g %% 100), repeat('x', 60) || g, g * 0.01"
+    " FROM generate_series(1, %s::int) g RETURNING stream_id"
+)
+
+
+async def prepare(dsn: str, rows: int) -> None:
+    db = await Database.connect(dsn, min_size=1, max_size=4)
+    await db.migrate()
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " room TEXT NOT NULL, payload TEXT, amount NUMERIC(12,2),"
+            " at TIMESTAMPTZ NOT NULL DEFAULT now());"
+            " CREATE INDEX ON events (instance_name, stream_id);"
+            " CREATE INDEX ON events (stream_id)"
+        )
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1", "w2"])
+    gens = [await MultiWriterIdGenerator.create(db, spec, name) for name in ("w1", "w2")]
+    chunk = 50_000
+    for start in range(0, rows, chunk):  # the two writers take turns: interleaved IDs
+        gen = gens[(start // chunk) % 2]
+        await gen.insert(INSERT, (gen.instance_name, min(chunk, rows - start)))
+    for gen in gens:
+        await gen.close()
+    async with db.connection() as conn:
+        await conn.execute("VACUUM ANALYZE events")
+    await db.close()
+
+
+def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(dsn)
+    host, port, name = params.get("host", "127.0.0.1"), params.get("port", "5432"), params["dbname"]
+    options = str(params.get("options", ""))
+    schema = options.split("search_path=")[-1].split()[0] if "search_path=" in options else ""
+    url = f"jdbc:postgresql://{host}:{port}/{name}"
+    if schema:
+        url += f"?currentSchema={schema}"
+    return url, {"user": str(params.get("user", "postgres")), "driver": "org.postgresql.Driver"}
+
+
+def timed_read(frame: Any) -> float:
+    started = time.perf_counter()
+    frame.write.format("noop").mode("overwrite").save()
+    return time.perf_counter() - started
+
+
+def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> None:
+    import plait.spark
+
+    url, props = jdbc_url(dsn)
+    with Database_bounds(dsn) as (low, high):
+        pass
+    # Two ranges to read (the writer ahead of min, and everyone else up to min), each
+    # spanning about the whole table: split each into partitions / 2 pieces.
+    per_partition = max(1, (high - low) // max(1, partitions // 2) + 1)
+
+    def plait_frame() -> Any:
+        return plait.spark.batch(spark, dsn, "events", maxIdsPerPartition=per_partition)
+
+    def jdbc_frame() -> Any:
+        return spark.read.jdbc(
+            url,
+            "events",
+            column="stream_id",
+            lowerBound=low,
+            upperBound=high + 1,
+            numPartitions=partitions,
+            properties={**props, "fetchsize": "10000"},
+        )
+
+    plait_parts = plait_frame().rdd.getNumPartitions()
+    jdbc_parts = jdbc_frame().rdd.getNumPartitions()
+    assert plait_frame().count() == jdbc_frame().count() == rows
+    timed_read(plait_frame())  # warm both up (JIT, Python workers)
+    timed_read(jdbc_frame())
+    plait_s: list[float] = []
+    jdbc_s: list[float] = []
+    for rep in range(reps):
+        order = [("plait", plait_frame), ("jdbc", jdbc_frame)]
+        for name, make in common.rotated(order, rep):
+            (plait_s if name == "plait" else jdbc_s).append(timed_read(make()))
+    p, j = common.median(plait_s), common.median(jdbc_s)
+    common.emit(
+        {
+            "figure": "read_1m_rows",
+            "rows": rows,
+            "writers": 2,
+            "partitions": {"plait": plait_parts, "jdbc": jdbc_parts},
+            "plait_s": common.rnd(p, 3),
+            "jdbc_s": common.rnd(j, 3),
+            "plait_rows_per_s": round(rows / p),
+            "jdbc_rows_per_s": round(rows / j),
+            "plait_vs_jdbc_speed": common.rnd(j / p, 3),
+            "samples_plait_s": [common.rnd(v, 3) for v in plait_s],
+            "samples_jdbc_s": [common.rnd(v, 3) for v in jdbc_s],
+            "target": "plait >= 1.0x JDBC",
+        }
+    )
+
+
+class Database_bounds:
+    """The smallest and largest stream ID of the table."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    def __enter__(self) -> tuple[int, int]:
+        import psycopg
+
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute("SELECT min(stream_id), max(stream_id) FROM events").fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> None:
+    import plait.spark
+
+    with tempfile.TemporaryDirectory() as folder:
+        query = (
+            plait.spark.stream(spark, dsn, "events", maxRowsPerTrigger=rows_per_batch)
+            .limit(10**9)
+            .writeStream.format("noop")
+            .option("checkpointLocation", str(Path(folder) / "ck"))
+            .trigger(processingTime="0 seconds")
+            .start()
+        )
+        started = time.perf_counter()
+        while len(query.recentProgress) < batches + 2:
+            time.sleep(0.05)
+        query.stop()
+        elapsed = time.perf_counter() - started
+    progress = query.recentProgress[2 : batches + 2]  # past the first (start-up) batches
+    per_batch = [p.durationMs["triggerExecution"] / 1000 for p in progress]
+    rows = sum(p.numInputRows for p in progress)
+    started = time.perf_counter()
+    plait.spark.batch(spark, dsn, "events").limit(rows_per_batch).write.format("noop").mode(
+        "overwrite"
+    ).save()
+    one_read = time.perf_counter() - started
+    common.emit(
+        {
+            "figure": "micro_batch_overhead",
+            "rows_per_batch": rows_per_batch,
+            "batches": len(per_batch),
+            "rows": rows,
+            "median_s_per_batch": common.rnd(common.median(per_batch), 3),
+            "p90_s_per_batch": common.rnd(sorted(per_batch)[int(0.9 * len(per_batch))], 3),
+            "batch_read_of_as_many_rows_s": common.rnd(one_read, 3),
+            "wall_s": common.rnd(elapsed, 2),
+        }
+    )
+
+
+async def main(args: argparse.Namespace) -> None:
+    if not JDBC_JAR.exists():  # noqa: ASYNC240 - once, before anything runs
+        common.log(f"no {JDBC_JAR}: apt-get install -y libpostgresql-jdbc-java")
+        raise SystemExit(2)
+    async with (
+        common.server(args.dsn) as server_dsn,
+        common.bench_schema(server_dsn, "spark") as dsn,
+    ):
+        common.log(f"writing {args.rows} rows from 2 writers")
+        await prepare(dsn, args.rows)
+        from plait.spark.session import quiet_session
+
+        spark = quiet_session(
+            "plait-bench", master=f"local[{args.cores}]", conf={"spark.jars": str(JDBC_JAR)}
+        )
+        try:
+            common.log("read: plait vs JDBC")
+            await asyncio.to_thread(read_figure, spark, dsn, args.rows, args.reps, args.partitions)
+            common.log("micro-batches")
+            await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
+        finally:
+            spark.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--cores", type=int, default=2)
+    common.run(main, parser.parse_args())
