@@ -229,3 +229,43 @@ async def test_bad_options_fail_with_one_clear_message(
 async def test_a_database_without_plait_says_so(dsn: str, spark: Any) -> None:
     with pytest.raises(ConfigError, match="has no plait streams"):
         await asyncio.to_thread(plait.spark.batch, spark, dsn, "events")
+
+
+async def test_a_backwards_stream_reads_its_negative_ids_in_batch_and_streaming(
+    db: Database, spark: Any
+) -> None:
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE backfill (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT); CREATE INDEX ON backfill (instance_name, stream_id)"
+        )
+    spec = spec_for(["w1"], tables=("backfill",), backwards=True, name="backfill")
+    gen = await MultiWriterIdGenerator.create(db, spec, "w1")
+    try:
+        ids = await gen.insert(
+            "INSERT INTO backfill SELECT {id}, 'w1', 'old' || g FROM generate_series(1, 30) g"
+            " RETURNING stream_id"
+        )
+        await gen.flush_position()
+    finally:
+        await gen.close()
+    assert all(i < 0 for i in ids)
+
+    def read_all() -> list[int]:
+        frame = plait.spark.batch(spark, db.dsn, "backfill")
+        return sorted(row.stream_id for row in frame.collect())
+
+    assert await asyncio.to_thread(read_all) == sorted(ids)
+
+    def stream_all() -> list[int]:
+        query = (
+            plait.spark.stream(spark, db.dsn, "backfill", maxRowsPerTrigger=7)
+            .writeStream.format("memory")
+            .queryName("backfill_rows")
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        return sorted(r.stream_id for r in spark.sql("SELECT * FROM backfill_rows").collect())
+
+    assert await asyncio.to_thread(stream_all) == sorted(ids)
