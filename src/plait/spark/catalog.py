@@ -114,27 +114,30 @@ def latest(conn: psycopg.Connection[Any], spec: StreamSpec) -> StreamToken:
     return StreamToken.normalised(min(positions.values()), positions)
 
 
-def parse_token(conn: psycopg.Connection[Any], spec: StreamSpec, value: str) -> StreamToken:
+def parse_token(dsn: str, spec: StreamSpec, value: str) -> StreamToken:
     """A starting or ending point: "earliest", "latest", a token's text form (s5,
-    m3~1.5) or its JSON form."""
+    m3~1.5) or its JSON form. Connects only when it has to ("latest", and writer names
+    of a multi-writer token)."""
+    from plait.spark.offsets import from_json
+
     text = value.strip()
     if text == "earliest":
         return StreamToken(0)
     if text == "latest":
-        return latest(conn, spec)
+        with connect(dsn) as conn:
+            return latest(conn, spec)
     if text.startswith("{"):
-        from plait.spark.offsets import from_json
-
         return from_json(text)
     low, by_id = decode_text(text)
     if not by_id:
         return StreamToken(low)
-    names = dict(
-        conn.execute(
-            "SELECT instance_id, instance_name FROM instance_map WHERE instance_id = ANY(%s)",
-            (sorted(by_id),),
-        ).fetchall()
-    )
+    with connect(dsn) as conn:
+        names = dict(
+            conn.execute(
+                "SELECT instance_id, instance_name FROM instance_map WHERE instance_id = ANY(%s)",
+                (sorted(by_id),),
+            ).fetchall()
+        )
     missing = sorted(set(by_id) - set(names))
     if missing:
         raise TokenParseError(

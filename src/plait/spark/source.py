@@ -106,13 +106,12 @@ class Plan:
         return cls(options, spec, table, columns)
 
     def token(self, value: str, what: str) -> StreamToken:
-        with catalog.connect(self.options.dsn) as conn:
-            try:
-                return catalog.parse_token(conn, self.spec, value)
-            except ConfigError:
-                raise
-            except ValueError as err:
-                raise ConfigError(f"plait source: bad {what} {value!r}: {err}") from None
+        try:
+            return catalog.parse_token(self.options.dsn, self.spec, value)
+        except ConfigError:
+            raise
+        except ValueError as err:
+            raise ConfigError(f"plait source: bad {what} {value!r}: {err}") from None
 
     def latest(self) -> StreamToken:
         with catalog.connect(self.options.dsn) as conn:
