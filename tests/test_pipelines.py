@@ -141,3 +141,28 @@ async def test_a_replayed_batch_changes_no_derived_table_and_no_delta_table(
     assert table.to_pyarrow_table().num_rows == 20
     assert table.transaction_version("plait-export:ckpt") == 1
     assert isinstance(table.to_pyarrow_table(), pa.Table)
+
+
+async def test_export_to_delta_resumes_from_its_checkpoint_with_each_row_once(
+    db: Database, spark: Any, tmp_path: Path
+) -> None:
+    written = await prepare(db, 500)
+    source = pipelines.Source(db.dsn, "events", max_rows=400)
+    target = {"to": "delta", "path": str(tmp_path / "delta"), "checkpoint": str(tmp_path / "ck")}
+
+    def export_once() -> None:
+        query = pipelines.export(spark, source, partition_by="instance_name", once=True, **target)
+        query.awaitTermination(120)
+
+    await asyncio.to_thread(export_once)
+    gen = await MultiWriterIdGenerator.create(db, spec_for(["w1", "w2"]), "w2")
+    written += await gen.insert(INSERT, ("w2", "late-", 300))
+    await gen.close()
+    await asyncio.to_thread(export_once)
+    from deltalake import DeltaTable
+
+    table = DeltaTable(str(tmp_path / "delta"))
+    ids = table.to_pyarrow_table(columns=["stream_id"])["stream_id"].to_pylist()
+    assert sorted(ids) == sorted(written)  # 1 300 rows, each once
+    assert table.metadata().partition_columns == ["instance_name"]
+    assert table.transaction_version(f"plait-export:{tmp_path / 'ck'}") == 3  # batches 0-3
