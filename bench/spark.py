@@ -83,7 +83,7 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> 
         pass
     # Two ranges to read (the writer ahead of min, and everyone else up to min), each
     # spanning about the whole table: split each into partitions / 2 pieces.
-    per_partition = max(1, (high - low) // max(1, partitions // 2) + 1)
+    per_partition = max(1, high // max(1, partitions // 2) + 1)
 
     def plait_frame() -> Any:
         return plait.spark.batch(spark, dsn, "events", maxIdsPerPartition=per_partition)
