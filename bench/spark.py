@@ -166,6 +166,11 @@ def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> No
         elapsed = time.perf_counter() - started
     progress = query.recentProgress[2 : batches + 2]  # past the first (start-up) batches
     per_batch = [p.durationMs["triggerExecution"] / 1000 for p in progress]
+    phases = {
+        key: common.rnd(common.median([p.durationMs.get(key, 0) / 1000 for p in progress]), 3)
+        for key in progress[0].durationMs
+        if key != "triggerExecution"
+    }
     rows = sum(p.numInputRows for p in progress)
     started = time.perf_counter()
     plait.spark.batch(spark, dsn, "events").limit(rows_per_batch).write.format("noop").mode(
@@ -181,6 +186,7 @@ def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> No
             "median_s_per_batch": common.rnd(common.median(per_batch), 3),
             "p90_s_per_batch": common.rnd(sorted(per_batch)[int(0.9 * len(per_batch))], 3),
             "batch_read_of_as_many_rows_s": common.rnd(one_read, 3),
+            "median_s_by_phase": phases,
             "wall_s": common.rnd(elapsed, 2),
         }
     )

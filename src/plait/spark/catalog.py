@@ -179,19 +179,24 @@ def cutoff(
     when they hold fewer rows: cut there to read at most about `max_rows`."""
     if not ranges_:
         return None
-    sign = spec.sign
+    # The raw column, ordered the way its indexes are (descending for a backwards
+    # stream's negative IDs), each range limited on its own: PostgreSQL reads at most
+    # `max_rows` entries of an index per range instead of sorting every pending row
+    # (from "earliest", that is the whole table at every trigger).
+    order = sql.SQL("DESC" if spec.backwards else "ASC")
     parts = [
-        sql.SQL("SELECT {s} * {i} AS id FROM {t} WHERE {c}").format(
-            s=sql.Literal(sign),
+        sql.SQL("(SELECT {i} AS id FROM {t} WHERE {c} ORDER BY {i} {o} LIMIT {n})").format(
             i=sql.Identifier(t.id_column),
             t=sql.Identifier(*t.name.split(".")),
             c=range_condition(t, spec.backwards, r),
+            o=order,
+            n=sql.Literal(max_rows),
         )
         for t in tables
         for r in ranges_
     ]
-    query = sql.SQL("SELECT id FROM ({}) AS pending ORDER BY id LIMIT 1 OFFSET {}").format(
-        sql.SQL(" UNION ALL ").join(parts), sql.Literal(max_rows - 1)
+    query = sql.SQL("SELECT id FROM ({}) AS pending ORDER BY id {} LIMIT 1 OFFSET {}").format(
+        sql.SQL(" UNION ALL ").join(parts), order, sql.Literal(max_rows - 1)
     )
     row = conn.execute(query).fetchone()
-    return None if row is None else int(row[0])
+    return None if row is None else spec.sign * int(row[0])

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -256,12 +257,38 @@ class BatchReader(DataSourceReader):
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Micro-batches of per-writer ranges between offsets read from stream_positions."""
+    """Micro-batches of per-writer ranges between offsets read from stream_positions.
+
+    Spark keeps this object on the driver for the whole query and asks it for offsets
+    every trigger: it keeps one database connection for that (never pickled: the
+    copies sent to the tasks read with ADBC)."""
 
     def __init__(self, plan: Plan, schema: StructType) -> None:
         self._plan = plan
         self._schema = schema
         self._target: StreamToken | None = None  # Trigger.AvailableNow: stop here
+        self._latest: StreamToken | None = None
+        self._conn: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_conn"] = None
+        return state
+
+    def _query(self, work: Any) -> Any:
+        """`work(conn)` on the kept connection; once more on a new one if it broke."""
+        for attempt in (1, 2):
+            if self._conn is None or self._conn.closed:
+                self._conn = catalog.connect(self._plan.options.dsn)
+            try:
+                return work(self._conn)
+            except psycopg.OperationalError:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
+                self._conn = None
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def initialOffset(self) -> dict[str, Any]:
         return self._plan.token(self._plan.options.starting, "startingToken").to_json_dict()
@@ -271,24 +298,29 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable() if max_rows is None else ReadMaxRows(max_rows)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = self._plan.latest()
+        self._target = self._now()
+
+    def _now(self) -> StreamToken:
+        spec = self._plan.spec
+        self._latest = self._query(lambda conn: catalog.latest(conn, spec))
+        return self._latest
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = offsets.from_json(start)
-        latest = self._target if self._target is not None else self._plan.latest()
+        latest = self._target if self._target is not None else self._now()
         end = offsets.advance(begin, latest)
         if isinstance(limit, ReadMaxRows):
-            plan = self._plan
-            with catalog.connect(plan.options.dsn) as conn:
-                cut = catalog.cutoff(
-                    conn, plan.spec, plan.spec.tables, offsets.ranges(begin, end), limit.max_rows
-                )
+            spec, pending = self._plan.spec, offsets.ranges(begin, end)
+            cut = self._query(
+                lambda conn: catalog.cutoff(conn, spec, spec.tables, pending, limit.max_rows)
+            )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
         return end.to_json_dict()
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
-        return self._plan.latest().to_json_dict()
+        """What the last trigger found (for the query's status; no query of its own)."""
+        return None if self._latest is None else self._latest.to_json_dict()
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
         return list(
@@ -303,4 +335,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         pass  # nothing is kept per offset
 
     def stop(self) -> None:
-        pass
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
