@@ -115,10 +115,6 @@ class Plan:
         except ValueError as err:
             raise ConfigError(f"plait source: bad {what} {value!r}: {err}") from None
 
-    def latest(self) -> StreamToken:
-        with catalog.connect(self.options.dsn) as conn:
-            return catalog.latest(conn, self.spec)
-
     def partitions(
         self, schema: StructType, start: StreamToken, end: StreamToken
     ) -> list[RangePartition]:
@@ -310,9 +306,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         latest = self._target if self._target is not None else self._now()
         end = offsets.advance(begin, latest)
         if isinstance(limit, ReadMaxRows):
-            spec, pending = self._plan.spec, offsets.ranges(begin, end)
+            spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
             cut = self._query(
-                lambda conn: catalog.cutoff(conn, spec, spec.tables, pending, limit.max_rows)
+                lambda conn: catalog.cutoff(conn, spec, (table,), pending, limit.max_rows)
             )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
