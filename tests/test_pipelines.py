@@ -166,3 +166,45 @@ async def test_export_to_delta_resumes_from_its_checkpoint_with_each_row_once(
     assert sorted(ids) == sorted(written)  # 1 300 rows, each once
     assert table.metadata().partition_columns == ["instance_name"]
     assert table.transaction_version(f"plait-export:{tmp_path / 'ck'}") == 3  # batches 0-3
+
+
+@pytest.mark.slow
+async def test_plait_derive_keeps_counts_per_key_and_hour_across_runs(
+    db: Database, tmp_path: Path
+) -> None:
+    """The command itself, twice on one checkpoint with rows written in between: the
+    table holds the counts of every row once."""
+    await prepare(db, 500)
+    args = [
+        "derive",
+        "--dsn", db.dsn,
+        "--stream", "events",
+        "--checkpoint", str(tmp_path / "checkpoint"),
+        "--target-table", "counts_by_hour",
+        "--key", "payload",
+        "--kind", "counts",
+        "--time-column", "at",
+        "--once",
+    ]  # fmt: skip
+
+    async def derive() -> list[str]:
+        process = cli(*args)
+        _, errors = await asyncio.to_thread(process.communicate, timeout=240)
+        assert process.returncode == 0, errors
+        return [line for line in errors.splitlines() if line.strip()]
+
+    first = await derive()
+    assert first
+    assert all(line.startswith("batch ") for line in first)  # nothing else on the console
+    gen = await MultiWriterIdGenerator.create(db, spec_for(["w1", "w2"]), "w1")
+    await gen.insert(INSERT, ("w1", "kw1-", 100))
+    await gen.close()
+    await derive()
+    async with db.connection() as conn:
+        cur = await conn.execute("SELECT key, hour, count FROM counts_by_hour ORDER BY 1, 2")
+        got = await cur.fetchall()
+        cur = await conn.execute(
+            "SELECT payload, date_trunc('hour', at), count(*) FROM events GROUP BY 1, 2"
+            " ORDER BY 1, 2"
+        )
+        assert got == await cur.fetchall()
