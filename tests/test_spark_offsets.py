@@ -24,7 +24,7 @@ def tokens(draw: st.DrawFn, low: int = 0) -> StreamToken:
 @st.composite
 def pairs(draw: st.DrawFn) -> tuple[StreamToken, StreamToken]:
     start = draw(tokens())
-    latest = offsets.advance(start, draw(tokens(low=0)))
+    latest = start.copy_and_advance(draw(tokens(low=0)))
     return start, latest
 
 

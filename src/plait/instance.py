@@ -344,9 +344,12 @@ class Instance:
             # delivered; following the database as well would skip rows.
             follow_database=not replicated,
         )
-        self._generators[config.name] = gen
-        stream = DatabaseStream(gen, self._codecs.get(config.name, DictRows()), self.metrics)
-        if replicated and gen.is_writer:
+        return self._database_stream(gen, self._codecs.get(config.name, DictRows()))
+
+    def _database_stream(self, gen: MultiWriterIdGenerator, codec: RowCodec[Any]) -> DatabaseStream:
+        self._generators[gen.stream_name] = gen
+        stream = DatabaseStream(gen, codec, self.metrics)
+        if self.config.replication.transport != "none" and gen.is_writer:
             stream.track_own_writes()  # from the start: nothing is in flight yet
         return stream
 
@@ -355,11 +358,7 @@ class Instance:
         before any other listener, and before its position moves (R-CA-3)."""
         config = self.config
         gen = await fenced(self.db, self._open_caches_generator)
-        self._generators[CACHES_STREAM] = gen
-        stream = DatabaseStream(gen, InvalidationRows(), self.metrics)
-        if config.replication.transport != "none":
-            stream.track_own_writes()
-        self._streams[CACHES_STREAM] = stream
+        self._streams[CACHES_STREAM] = self._database_stream(gen, InvalidationRows())
         self._listeners.rows.setdefault(CACHES_STREAM, []).insert(0, self.caches.on_rows)
         self.caches.bind(gen, self.db)
         if config.caches.cleanup:

@@ -41,7 +41,6 @@ class Cache(Generic[V]):
         self.hits = 0
         self.misses = 0
         self.evictions = 0
-        self.invalidations = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -115,7 +114,6 @@ class Cache(Generic[V]):
 
     def invalidate(self, key: Key) -> None:
         """Drop `key`, and the result of a load of it now running."""
-        self.invalidations += 1
         try:
             self._entries.pop(key, None)
             self._loading.pop(key, None)
@@ -124,7 +122,6 @@ class Cache(Generic[V]):
 
     def invalidate_all(self) -> None:
         """Drop every entry, and the results of every load now running."""
-        self.invalidations += 1
         self._entries.clear()
         self._loading.clear()
 

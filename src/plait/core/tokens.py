@@ -185,13 +185,21 @@ class StreamToken:
         if not by_id:
             return cls(low)
         found = await names.get_instance_names(sorted(by_id))
-        unknown = sorted(set(by_id) - set(found))
+        return cls.named(text, low, by_id, found)
+
+    @classmethod
+    def named(
+        cls, text: str, low: int, by_id: Mapping[int, int], names: Mapping[int, str]
+    ) -> StreamToken:
+        """The token `decode_text(text)` gave (`low`, `by_id`), with writer ids turned
+        into names from `instance_map` (`names`); `TokenParseError` for an unknown id."""
+        unknown = sorted(set(by_id) - set(names))
         if unknown:
             raise TokenParseError(
                 f"token {_shorten(text)!r} names instance id {unknown[0]}, which this "
                 "database's instance_map does not know: the token comes from another deployment"
             )
-        return cls(low, {found[i]: p for i, p in by_id.items()})
+        return cls(low, {names[i]: p for i, p in by_id.items()})
 
     # -- JSON form (Spark offsets) ------------------------------------------------------
 

@@ -12,6 +12,7 @@ and returns at once, so a slow peer can never block the handler.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 
@@ -75,3 +76,13 @@ def command_name(line: str) -> str:
     """The command name of a line (cheap: no parsing), for routing in transports."""
     end = line.find(" ")  # not partition: that would copy the rest (up to 1 MiB)
     return line if end < 0 else line[:end]
+
+
+async def wait_set(event: asyncio.Event, timeout: float) -> bool:  # noqa: ASYNC109
+    """Whether `event` is set within `timeout` seconds (a transport's `wait_open`)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

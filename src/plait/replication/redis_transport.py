@@ -40,7 +40,13 @@ from redis.exceptions import RedisError
 
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, Ping, to_line
-from plait.replication.link import CONNECTION_COMMANDS, Handler, Session, command_name
+from plait.replication.link import (
+    CONNECTION_COMMANDS,
+    Handler,
+    Session,
+    command_name,
+    wait_set,
+)
 from plait.replication.metrics import ReplicationMetrics
 
 logger = logging.getLogger(__name__)
@@ -207,12 +213,7 @@ class RedisTransport:
 
     async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (False on timeout)
         """Whether a connection is open (its session opened) within `timeout` seconds."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._open.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._open, timeout)
 
     # -- the run loop ------------------------------------------------------------------
 
@@ -307,7 +308,7 @@ class RedisTransport:
             if message is None or message["type"] != "message":
                 continue
             data: bytes = message["data"]
-            for line in data.split(b"\n") if b"\n" in data else (data,):
+            for line in data.split(b"\n"):
                 name = command_name(line[:_NAME_BYTES].decode(errors="replace"))
                 if name in CONNECTION_COMMANDS:  # PING: liveness only, noted above
                     continue

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, CommandSet, Error, Name, Ping, Server, to_line
 from plait.errors import CommandParseError, ConfigError
-from plait.replication.link import CONNECTION_COMMANDS, Handler, Session, command_name
+from plait.replication.link import (
+    CONNECTION_COMMANDS,
+    Handler,
+    Session,
+    command_name,
+    wait_set,
+)
 from plait.replication.metrics import ReplicationMetrics
 
 log = logging.getLogger(__name__)
@@ -523,12 +529,7 @@ class TcpClient:
 
     async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (a deadline for one wait)
         """Whether a connection is open (handshake done, session opened) within `timeout`."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._open.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._open, timeout)
 
     async def _run(self) -> None:
         while True:

@@ -5,7 +5,6 @@ writers' positions (`stream_positions`), and where a read limit cuts. Plain psyc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +12,7 @@ import psycopg
 from psycopg import sql
 
 from plait.core.tokens import StreamToken, decode_text
-from plait.errors import ConfigError, TokenParseError
+from plait.errors import ConfigError
 from plait.spark.offsets import WriterRange
 from plait.streams.spec import StreamSpec, TableSpec
 
@@ -138,13 +137,7 @@ def parse_token(dsn: str, spec: StreamSpec, value: str) -> StreamToken:
                 (sorted(by_id),),
             ).fetchall()
         )
-    missing = sorted(set(by_id) - set(names))
-    if missing:
-        raise TokenParseError(
-            f"token {text!r} names instance id {missing[0]}, which this database's "
-            "instance_map does not know: the token comes from another deployment"
-        )
-    return StreamToken(low, {names[i]: p for i, p in by_id.items()})
+    return StreamToken.named(text, low, by_id, names)
 
 
 def range_condition(table: TableSpec, backwards: bool, r: WriterRange) -> sql.Composed:
@@ -171,11 +164,11 @@ def range_condition(table: TableSpec, backwards: bool, r: WriterRange) -> sql.Co
 def cutoff(
     conn: psycopg.Connection[Any],
     spec: StreamSpec,
-    tables: Sequence[TableSpec],
+    table: TableSpec,
     ranges_: list[WriterRange],
     max_rows: int,
 ) -> int | None:
-    """The internal ID of the `max_rows`-th row in these ranges (all tables), or None
+    """The internal ID of the `max_rows`-th row of `table` in these ranges, or None
     when they hold fewer rows: cut there to read at most about `max_rows`."""
     if not ranges_:
         return None
@@ -186,13 +179,12 @@ def cutoff(
     order = sql.SQL("DESC" if spec.backwards else "ASC")
     parts = [
         sql.SQL("(SELECT {i} AS id FROM {t} WHERE {c} ORDER BY {i} {o} LIMIT {n})").format(
-            i=sql.Identifier(t.id_column),
-            t=sql.Identifier(*t.name.split(".")),
-            c=range_condition(t, spec.backwards, r),
+            i=sql.Identifier(table.id_column),
+            t=sql.Identifier(*table.name.split(".")),
+            c=range_condition(table, spec.backwards, r),
             o=order,
             n=sql.Literal(max_rows),
         )
-        for t in tables
         for r in ranges_
     ]
     query = sql.SQL("SELECT id FROM ({}) AS pending ORDER BY id {} LIMIT 1 OFFSET {}").format(

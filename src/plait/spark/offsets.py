@@ -50,12 +50,6 @@ def from_json(value: object) -> StreamToken:
     return StreamToken.from_json_dict(value)
 
 
-def advance(start: StreamToken, latest: StreamToken) -> StreamToken:
-    """`latest`, but never behind `start` for any writer (positions only grow; a
-    writer whose position row was deleted falls back to `min`)."""
-    return start.copy_and_advance(latest)
-
-
 def ranges(start: StreamToken, end: StreamToken) -> list[WriterRange]:
     """The ranges of rows in (start, end], one per writer that moved, plus one for the
     writers listed in neither offset."""

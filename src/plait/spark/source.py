@@ -19,11 +19,11 @@ COPY), cast to the schema's Arrow types.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import psycopg
+from psycopg import sql
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -44,6 +44,7 @@ from plait.spark import catalog, offsets
 from plait.spark.schema import infer, text_columns
 from plait.streams.spec import StreamSpec, TableSpec
 
+T = TypeVar("T")
 NAME = "plait"
 DEFAULT_MAX_IDS = 1_000_000
 
@@ -123,8 +124,6 @@ class Plan:
         return [RangePartition(self.query(schema, as_text, r)) for r in pieces]
 
     def query(self, schema: StructType, as_text: set[str], r: offsets.WriterRange) -> str:
-        from psycopg import sql
-
         select = sql.SQL(", ").join(
             sql.SQL("{c}::text AS {c}" if f.name in as_text else "{c}").format(
                 c=sql.Identifier(f.name)
@@ -147,55 +146,66 @@ class RangePartition(InputPartition):
         self.query = query
 
 
-# One ADBC connection per DSN in each Python worker: Spark reuses its workers for the
-# next tasks, and connecting costs about 50 ms, a tenth of reading a 250 000-row range.
-_CONNECTIONS: dict[str, Any] = {}
+# Connections kept per process and DSN: ADBC ones in each Python worker (Spark reuses
+# its workers for the next tasks, and connecting costs about 50 ms, a tenth of reading a
+# 250 000-row range), a psycopg one where the stream reader asks for offsets.
+_KEPT: dict[tuple[str, str], Any] = {}
+
+
+def _kept(kind: str, dsn: str, connect: Callable[[str], Any], work: Callable[[Any], T]) -> T:
+    """`work(conn)` on the connection kept for (kind, dsn); once more on a new one when
+    it fails (the kept one may have broken since; a real error fails again)."""
+    for attempt in (1, 2):
+        conn = _KEPT.get((kind, dsn))
+        if conn is None:
+            conn = _KEPT[(kind, dsn)] = connect(dsn)
+        try:
+            return work(conn)
+        except Exception:
+            _forget(kind, dsn)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _forget(kind: str, dsn: str) -> None:
+    conn = _KEPT.pop((kind, dsn), None)
+    if conn is not None:
+        with contextlib.suppress(Exception):  # broken already: a new one replaces it
+            conn.close()
+
+
+def _adbc(dsn: str) -> Any:
+    import adbc_driver_postgresql.dbapi as adbc
+
+    return adbc.connect(dsn, autocommit=True)
 
 
 def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
     """The rows of `query` as Arrow record batches of `schema`'s types."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
+    def run(conn: Any) -> Any:
+        cursor = conn.cursor()
+        try:
+            cursor.execute(query)
+        except BaseException:
+            cursor.close()
+            raise
+        return cursor
+
     target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
-    cursor = _cursor(dsn, query)
+    cursor = _kept("adbc", dsn, _adbc, run)
     try:
         for batch in cursor.fetch_record_batch():
             if not batch.schema.equals(target, check_metadata=False):
                 batch = batch.cast(target, safe=False)  # numeric text to decimal, and such
             yield batch
     except BaseException:
-        _forget(dsn)  # a connection that failed mid-read is not used again
+        _forget("adbc", dsn)  # a connection that failed mid-read is not used again
         raise
     finally:
         cursor.close()
-
-
-def _cursor(dsn: str, query: str) -> Any:
-    """A cursor on which `query` runs: on the kept connection, else (it broke since)
-    on a new one."""
-    import adbc_driver_postgresql.dbapi as adbc
-
-    for attempt in (1, 2):
-        conn = _CONNECTIONS.get(dsn)
-        if conn is None:
-            conn = _CONNECTIONS[dsn] = adbc.connect(dsn, autocommit=True)
-        cursor = conn.cursor()
-        try:
-            cursor.execute(query)
-            return cursor
-        except Exception:
-            cursor.close()
-            _forget(dsn)
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _forget(dsn: str) -> None:
-    conn = _CONNECTIONS.pop(dsn, None)
-    if conn is not None:
-        with contextlib.suppress(Exception):  # broken already: a new one replaces it
-            conn.close()
 
 
 class PlaitSource(DataSource):
@@ -256,35 +266,16 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of per-writer ranges between offsets read from stream_positions.
 
     Spark keeps this object on the driver for the whole query and asks it for offsets
-    every trigger: it keeps one database connection for that (never pickled: the
-    copies sent to the tasks read with ADBC)."""
+    every trigger, over one kept connection."""
 
     def __init__(self, plan: Plan, schema: StructType) -> None:
         self._plan = plan
         self._schema = schema
         self._target: StreamToken | None = None  # Trigger.AvailableNow: stop here
         self._latest: StreamToken | None = None
-        self._conn: Any = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_conn"] = None
-        return state
-
-    def _query(self, work: Any) -> Any:
-        """`work(conn)` on the kept connection; once more on a new one if it broke."""
-        for attempt in (1, 2):
-            if self._conn is None or self._conn.closed:
-                self._conn = catalog.connect(self._plan.options.dsn)
-            try:
-                return work(self._conn)
-            except psycopg.OperationalError:
-                with contextlib.suppress(Exception):
-                    self._conn.close()
-                self._conn = None
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+    def _query(self, work: Callable[[Any], T]) -> T:
+        return _kept("catalog", self._plan.options.dsn, catalog.connect, work)
 
     def initialOffset(self) -> dict[str, Any]:
         return self._plan.token(self._plan.options.starting, "startingToken").to_json_dict()
@@ -304,11 +295,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = offsets.from_json(start)
         latest = self._target if self._target is not None else self._now()
-        end = offsets.advance(begin, latest)
+        end = begin.copy_and_advance(latest)  # never behind the start for any writer
         if isinstance(limit, ReadMaxRows):
             spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
             cut = self._query(
-                lambda conn: catalog.cutoff(conn, spec, (table,), pending, limit.max_rows)
+                lambda conn: catalog.cutoff(conn, spec, table, pending, limit.max_rows)
             )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
@@ -331,7 +322,4 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         pass  # nothing is kept per offset
 
     def stop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
+        _forget("catalog", self._plan.options.dsn)

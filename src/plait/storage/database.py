@@ -388,54 +388,44 @@ class Database:
                 _, cancelled = await _finish(txn._end("COMMIT"))
             except BaseException as exc:
                 if isinstance(exc, psycopg.OperationalError):  # did it commit? wait it out
-                    if txn.xid is not None:
-                        await self._wait_out(txn.xid)
-                    elif txn.backend_pid:
-                        await self._wait_gone(txn.backend_pid)
+                    await self._wait_finished(txn)
                 txn._run(txn._after_rollback)
                 raise
             txn._run_after_commit()
             if cancelled:
                 raise asyncio.CancelledError
 
-    async def _wait_out(self, xid: str, patience: float = 60.0) -> None:
-        """Wait until the server has finished transaction `xid` (its COMMIT was cut off)."""
-        deadline = asyncio.get_running_loop().time() + patience
-        while asyncio.get_running_loop().time() < deadline:
-            try:
-                async with self.connection() as conn:
-                    row = await (
-                        await conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,))
-                    ).fetchone()
-                if row is None or row[0] != "in progress":
-                    return
-            except psycopg.Error:
-                pass
-            await asyncio.sleep(0.05)
-        logger.error(
-            "transaction %s still in progress after %.0f s; giving up waiting", xid, patience
-        )
-
-    async def _wait_gone(self, pid: int, patience: float = 60.0) -> None:
-        """Wait until server process `pid` has exited (its connection broke during a
-        COMMIT whose xid is unknown): its transaction is then committed or aborted for
-        good."""
+    async def _wait_finished(self, txn: Transaction, patience: float = 60.0) -> None:
+        """Wait until the server has finished `txn`, whose COMMIT was cut off: until its
+        xid is no longer in progress when it is known, else until the server process
+        that ran it has exited. Its outcome is final then."""
+        args: tuple[object, ...]
+        if txn.xid is not None:
+            query, args, what = (
+                "SELECT pg_xact_status(%s::xid8) = 'in progress'",
+                (txn.xid,),
+                f"transaction {txn.xid}",
+            )
+        elif txn.backend_pid:
+            query, args, what = (
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)",
+                (txn.backend_pid,),
+                f"server process {txn.backend_pid}",
+            )
+        else:
+            return  # nothing learned about it: nothing to wait for
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
         while loop.time() < deadline:
             try:
                 async with self.connection() as conn:
-                    row = await (
-                        await conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,))
-                    ).fetchone()
-                if row is None:
+                    row = await (await conn.execute(query, args)).fetchone()
+                if row is None or not row[0]:
                     return
             except psycopg.Error:
                 pass
             await asyncio.sleep(0.05)
-        logger.error(
-            "server process %d still running after %.0f s; giving up waiting", pid, patience
-        )
+        logger.error("%s still running after %.0f s; giving up waiting", what, patience)
 
     async def migrate(self) -> None:
         """Create or update plait's own tables (idempotent, safe to run concurrently)."""

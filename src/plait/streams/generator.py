@@ -212,7 +212,7 @@ class MultiWriterIdGenerator:
                 try:
                     await cursor.execute(text, params)
                     records = await cursor.fetchall() if cursor.description else None
-                    rows = self._rows_of(cursor, records)
+                    rows = self._rows_of(_names(cursor), records)
                 finally:
                     cursor.row_factory = scalar_row
             ids = self._returned_ids(None if records is None else [r[0] for r in records])
@@ -244,7 +244,7 @@ class MultiWriterIdGenerator:
                 return self._returned_ids(None)
             records = await cursor.fetchall()
             if self._written is not None:
-                rows = self._rows_of(cursor, records)
+                rows = self._rows_of(_names(cursor), records)
             return self._returned_ids([row[0] for row in records])
 
         ids = await self._take_ids(run)
@@ -333,12 +333,14 @@ class MultiWriterIdGenerator:
     def _first_signed(self, ids: list[int]) -> int:
         return self._sign * ids[0]
 
-    def _rows_of(self, cursor: Any, records: list[Any] | None) -> list[StreamRow] | None:
+    def _rows_of(
+        self, columns: list[str] | None, records: list[Any] | None
+    ) -> list[StreamRow] | None:
         """The rows a statement returned, when they are whole rows of the stream's one
         table (RETURNING *); else None."""
-        if records is None or cursor.description is None:
+        if records is None or columns is None:
             return None
-        build = self._store.row_builder([column.name for column in cursor.description])
+        build = self._store.row_builder(columns)
         return None if build is None else build(records)
 
     def capture_writes(self, listener: WrittenListener) -> None:
@@ -539,11 +541,8 @@ class _InsertAtCommit:
             # rows, as the position moves past them and they read them back.
             logger.error("stream %s: %s", gen.stream_name, err)
             ids = []
-        if ids and gen._written is not None and columns is not None and records is not None:
-            build = gen._store.row_builder(columns)
-            gen._written(ids, None if build is None else build(records))
-        elif ids and gen._written is not None:
-            gen._written(ids, None)
+        if ids and gen._written is not None:
+            gen._written(ids, gen._rows_of(columns, records))
         try:
             gen._tracker.end_fetch(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
@@ -555,6 +554,12 @@ class _InsertAtCommit:
         if ticket is not None:
             self._gen._tracker.end_fetch(ticket, [])
             self._gen._poke_if_moved(self._before)
+
+
+def _names(cursor: Any) -> list[str] | None:
+    """The column names of a cursor's result, None when it returned no rows."""
+    description = cursor.description
+    return None if description is None else [column.name for column in description]
 
 
 def _check_count(n: int) -> None:
