@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,17 @@ def _up(instance: Instance) -> bool:
     text = instance.metrics.render().decode()
     lines = [ln for ln in text.splitlines() if ln.startswith("plait_connection_up{")]
     return bool(lines) and all(ln.endswith(" 1.0") for ln in lines)
+
+
+@contextlib.asynccontextmanager
+async def cluster_of(db: Database, transport: str, **kwargs: Any) -> AsyncIterator[Cluster]:
+    """A `Cluster` on freshly created stream tables; its instances stop at the end."""
+    await create_tables(db)
+    cluster = Cluster(db, transport, **kwargs)
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
 
 
 async def create_tables(db: Database) -> None:

@@ -7,22 +7,24 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from plait.caches.cache import Cache
 from plait.caches.cached import CachedFunction
 from plait.caches.cleanup import Batch, next_delay
 from plait.caches.invalidations import (
+    MAX_ROW_BYTES,
     Invalidation,
     InvalidationRows,
     as_rows,
     check_key,
     freeze,
     keys_json,
+    row_size,
     split_items,
 )
-from plait.caches.registry import CacheRegistry
+from plait.caches.registry import CacheRegistry, _may_be_long
 from plait.errors import CacheKeyError, ConfigError
 from plait.replication.metrics import ReplicationMetrics
 
@@ -314,11 +316,22 @@ def test_cleanup_runs_again_soon_only_while_there_is_a_backlog() -> None:
     assert next_delay(None, pause=0.1, interval=3600) == 3600
 
 
-@given(st.lists(st.text(max_size=3000) | st.integers() | st.floats(allow_nan=False), max_size=6))
+@given(
+    st.lists(
+        st.text(max_size=20)
+        | st.text(min_size=2000, max_size=6000)  # long enough for the limit, also escaped
+        | st.integers()
+        | st.floats(allow_nan=False),
+        max_size=6,
+    )
+)
+@example(["\U0001f600" * 3000])  # 12 bytes of JSON per character: measured
+@example(["x" * 70_000])
 def test_only_keys_that_may_be_long_are_measured(parts: list[Any]) -> None:
-    from plait.caches.invalidations import MAX_ROW_BYTES, row_size
-    from plait.caches.registry import _may_be_long
-
+    """A key whose JSON nears the row limit is always measured exactly; short ones are
+    let through without measuring."""
     key = tuple(parts)
     if row_size("c", key) > MAX_ROW_BYTES // 2:
         assert _may_be_long(key)
+    if all(not isinstance(p, str) or len(p) < 100 for p in parts):
+        assert not _may_be_long(key)

@@ -19,21 +19,17 @@ from plait.caches.cleanup import InvalidationCleanup
 from plait.caches.invalidations import CACHES_STREAM
 from plait.instance import Instance
 from redis_server import RedisServer
-from replication_helpers import Cluster, connected, create_tables
+from replication_helpers import Cluster, cluster_of, connected
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(params=["redis", "tcp"])
 async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
-    await create_tables(db)
     await create_kv(db)
     url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
-    cluster = Cluster(db, request.param, redis_url=url, hub="hub")
-    try:
+    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
         yield cluster
-    finally:
-        await cluster.close()
 
 
 async def create_kv(db: Database, keys: int = 20) -> None:
@@ -195,10 +191,8 @@ async def test_a_pseudo_cache_row_is_split_below_the_line_limit(cluster: Cluster
 
 
 async def test_rollback_writes_and_invalidates_nothing(db: Database, redis_url: str) -> None:
-    await create_tables(db)
     await create_kv(db)
-    cluster = Cluster(db, "redis", redis_url=redis_url)
-    try:
+    async with cluster_of(db, "redis", redis_url=redis_url) as cluster:
         a, app_a = await start(cluster, "w1")
         assert await app_a.value("k0") == 0
 
@@ -237,8 +231,6 @@ async def test_rollback_writes_and_invalidates_nothing(db: Database, redis_url: 
         assert gen.get_minimal_local_current_token() > 1
         assert ("k0",) not in app_a.value.cache
         assert gen.get_current_token_for_writer("w1") == gen.get_minimal_local_current_token()
-    finally:
-        await cluster.close()
 
 
 async def test_local_caches_are_invalidated_before_the_transactions_ids_complete(
@@ -246,10 +238,8 @@ async def test_local_caches_are_invalidated_before_the_transactions_ids_complete
 ) -> None:
     """Another stream written in the same transaction: by the time its position moves
     here, the cache entry is gone already (R-CA-3 on the writer itself)."""
-    await create_tables(db)
     await create_kv(db)
-    cluster = Cluster(db, "redis", redis_url=redis_url)
-    try:
+    async with cluster_of(db, "redis", redis_url=redis_url) as cluster:
         a, app_a = await start(cluster, "w1")
         assert await app_a.value("k5") == 0
         observed: list[bool] = []
@@ -262,8 +252,6 @@ async def test_local_caches_are_invalidated_before_the_transactions_ids_complete
             await a.caches.invalidate(txn, "value", ("k5",))
         assert observed == [False]
         assert await app_a.value("k5") == 1
-    finally:
-        await cluster.close()
 
 
 async def test_no_listener_or_waiter_observes_a_position_before_its_invalidations(
@@ -345,10 +333,10 @@ async def test_no_listener_or_waiter_observes_a_position_before_its_invalidation
 async def test_a_reader_catches_up_invalidations_it_missed_while_disconnected(
     db: Database, redis_server: RedisServer
 ) -> None:
-    await create_tables(db)
     await create_kv(db)
-    cluster = Cluster(db, "redis", redis_url=redis_server.url, catch_up_page_max=100)
-    try:
+    async with cluster_of(
+        db, "redis", redis_url=redis_server.url, catch_up_page_max=100
+    ) as cluster:
         a, _ = await start(cluster, "w1")
         b, app_b = await start(cluster, "w2")
         await connected(a, b)
@@ -378,8 +366,6 @@ async def test_a_reader_catches_up_invalidations_it_missed_while_disconnected(
             )
             >= 130
         )
-    finally:
-        await cluster.close()
 
 
 async def test_cleanup_deletes_only_old_rows_in_batches_and_a_lagging_reader_keeps_its_rows(
@@ -388,11 +374,9 @@ async def test_cleanup_deletes_only_old_rows_in_batches_and_a_lagging_reader_kee
     """2 500 rows older than the retention go in batches of 1 000 (the first two runs
     report more to come); the rows within the retention stay, and a reader that was
     disconnected meanwhile still catches them up."""
-    await create_tables(db)
     await create_kv(db)
-    cluster = Cluster(db, "redis", redis_url=redis_server.url)
     caches_config = {"cleanup": False}
-    try:
+    async with cluster_of(db, "redis", redis_url=redis_server.url) as cluster:
         a, _ = await start(cluster, "w1", caches=caches_config)
         b, app_b = await start(cluster, "w2", caches=caches_config)
         await connected(a, b)
@@ -421,8 +405,6 @@ async def test_cleanup_deletes_only_old_rows_in_batches_and_a_lagging_reader_kee
         redis_server.start()
         await seen_by(b, a)
         assert len(app_b.rooms_for) == 0  # caught up from the rows the cleanup kept
-    finally:
-        await cluster.close()
 
 
 async def test_one_cleaner_at_a_time(db: Database) -> None:
@@ -439,10 +421,8 @@ async def test_a_starting_instance_waits_for_an_invalidation_on_its_way_to_commi
     """A caches row with a smaller ID than the table's largest is still committing when
     an instance starts. Starting past it would lose that invalidation; the instance
     waits for it instead, so what it caches afterwards is read after that commit."""
-    await create_tables(db)
     await create_kv(db)
-    cluster = Cluster(db, "redis", redis_url=redis_url)
-    try:
+    async with cluster_of(db, "redis", redis_url=redis_url) as cluster:
         a, _ = await start(cluster, "w1")
         async with await psycopg.AsyncConnection.connect(db.dsn) as slow:
             # The change and its invalidation, taken before the next one but not
@@ -467,5 +447,3 @@ async def test_a_starting_instance_waits_for_an_invalidation_on_its_way_to_commi
         assert await starting == 1
         await seen_by(b_instance, a)
         assert await app_b.value("k0") == 1
-    finally:
-        await cluster.close()

@@ -23,8 +23,8 @@ from replication_helpers import (
     STREAMS,
     Cluster,
     Seen,
+    cluster_of,
     connected,
-    create_tables,
     until,
     write,
     write_many,
@@ -35,25 +35,19 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(params=["redis", "tcp"])
 async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
-    await create_tables(db)
     url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
-    cluster = Cluster(db, request.param, redis_url=url, hub="hub")
-    try:
+    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
         yield cluster
-    finally:
-        await cluster.close()
 
 
 @pytest.fixture
 async def redis_cluster(db: Database, redis_server: RedisServer) -> AsyncIterator[Cluster]:
     """On a Redis server of the test's own, which the test may stop and start; catch-up
     pages stay at 100 rows."""
-    await create_tables(db)
-    cluster = Cluster(db, "redis", redis_url=redis_server.url, catch_up_page_max=100)
-    try:
+    async with cluster_of(
+        db, "redis", redis_url=redis_server.url, catch_up_page_max=100
+    ) as cluster:
         yield cluster
-    finally:
-        await cluster.close()
 
 
 async def started(cluster: Cluster, name: str, seen: Seen | None = None) -> Instance:
@@ -351,9 +345,7 @@ async def test_rows_returned_whole_are_sent_from_memory_and_equal_the_stored_row
 
 async def test_tcp_clients_catch_up_after_the_hub_restarts(db: Database) -> None:
     """≥ 250 rows missed while the hub is down, read back in pages of 100."""
-    await create_tables(db)
-    cluster = Cluster(db, "tcp", hub="hub", catch_up_page_max=100)
-    try:
+    async with cluster_of(db, "tcp", hub="hub", catch_up_page_max=100) as cluster:
         seen = Seen()
         hub = await started(cluster, "hub")
         w1 = await started(cluster, "w1")
@@ -368,8 +360,6 @@ async def test_tcp_clients_catch_up_after_the_hub_restarts(db: Database) -> None
         await asyncio.sleep(0.3)
         assert [row[1] for row in seen.rows] == [first, *missed]  # once each, in order
         assert metric(r, "plait_catch_up_pages_total", stream="events") >= 3
-    finally:
-        await cluster.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,9 +418,7 @@ async def test_application_commands_positions_and_metrics(cluster: Cluster) -> N
 async def test_a_malformed_line_on_tcp_gets_error_and_the_connection_lives_on(
     db: Database,
 ) -> None:
-    await create_tables(db)
-    cluster = Cluster(db, "tcp", hub="w1")
-    try:
+    async with cluster_of(db, "tcp", hub="w1") as cluster:
         w1 = await started(cluster, "w1")
         reader, writer = await asyncio.open_connection("127.0.0.1", cluster.hub_port)
         try:
@@ -452,8 +440,6 @@ async def test_a_malformed_line_on_tcp_gets_error_and_the_connection_lives_on(
         finally:
             writer.close()
             await writer.wait_closed()
-    finally:
-        await cluster.close()
 
 
 async def test_writers_keep_writing_through_a_redis_restart_every_reader_gets_every_row_once(

@@ -16,7 +16,7 @@ import pytest
 
 import plait.spark
 from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
-from stream_helpers import spec_for
+from stream_helpers import create_generator, spec_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,9 +40,7 @@ async def writers(
     db: Database, *names: str, all_writers: list[str]
 ) -> AsyncIterator[dict[str, MultiWriterIdGenerator]]:
     gens = {
-        name: await MultiWriterIdGenerator.create(
-            db, spec_for(all_writers), name, position_flush_interval=0.2
-        )
+        name: await create_generator(db, all_writers, name, position_flush_interval=0.2)
         for name in names
     }
     try:

@@ -126,12 +126,6 @@ class CacheRegistry:
             known = sorted(self._caches)
             raise KeyError(f"no cache named {name!r}; caches here: {known}") from None
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._caches
-
-    def names(self) -> list[str]:
-        return sorted(self._caches)
-
     # -- writing ------------------------------------------------------------------------
 
     def bind(self, generator: MultiWriterIdGenerator, db: Database) -> None:
