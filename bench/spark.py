@@ -81,9 +81,9 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> 
     url, props = jdbc_url(dsn)
     with Database_bounds(dsn) as (low, high):
         pass
-    # Two ranges to read (the writer ahead of min, and everyone else up to min), each
-    # spanning about the whole table: split each into partitions / 2 pieces.
-    per_partition = max(1, high // max(1, partitions // 2) + 1)
+    # The plait source cuts the IDs it reads, (0, high], into equal slices of at most
+    # this many: `partitions` of them, like JDBC's numPartitions over [low, high].
+    per_partition = -(-high // partitions)
 
     def plait_frame() -> Any:
         return plait.spark.batch(spark, dsn, "events", maxIdsPerPartition=per_partition)
@@ -173,9 +173,10 @@ def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> No
     }
     rows = sum(p.numInputRows for p in progress)
     started = time.perf_counter()
-    plait.spark.batch(spark, dsn, "events").limit(rows_per_batch).write.format("noop").mode(
-        "overwrite"
-    ).save()
+    few = plait.spark.batch(
+        spark, dsn, "events", startToken='{"min":0}', endToken=f'{{"min":{rows_per_batch}}}'
+    )
+    few.write.format("noop").mode("overwrite").save()
     one_read = time.perf_counter() - started
     common.emit(
         {

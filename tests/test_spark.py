@@ -16,6 +16,7 @@ import pytest
 
 import plait.spark
 from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
+from plait.spark import source
 from stream_helpers import create_generator, spec_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -79,6 +80,10 @@ async def test_a_batch_read_between_two_tokens_returns_exactly_those_rows(
 
         got = await asyncio.to_thread(ids, reader(spark, db.dsn, startToken=t1, endToken=t2).load())
         assert got == sorted(between)
+        # Cut into slices of 3 IDs, most holding part of one writer's range only.
+        sliced = reader(spark, db.dsn, startToken=t1, endToken=t2, maxIdsPerPartition="3").load()
+        assert await asyncio.to_thread(lambda: sliced.rdd.getNumPartitions()) >= 4
+        assert await asyncio.to_thread(ids, sliced) == sorted(between)
         everything = reader(spark, db.dsn).load()
         assert await asyncio.to_thread(ids, everything) == sorted(before + between + after)
         row = (await asyncio.to_thread(everything.where("stream_id = 2").collect))[0]
@@ -254,6 +259,7 @@ async def test_a_backwards_stream_reads_its_negative_ids_in_batch_and_streaming(
         return sorted(row.stream_id for row in frame.collect())
 
     assert await asyncio.to_thread(read_all) == sorted(ids)
+    assert ("catalog", db.dsn) not in source._KEPT  # the driver keeps no connection
 
     def stream_all() -> list[int]:
         query = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -52,14 +54,51 @@ def test_ranges_read_each_writers_ids_between_the_offsets_once(
 
 
 @given(pairs(), st.integers(1, 7))
-def test_split_pieces_cover_each_range_exactly(
+def test_slices_read_each_writers_ids_once_and_stay_within_their_span(
     pair: tuple[StreamToken, StreamToken], max_ids: int
 ) -> None:
     rs = offsets.ranges(*pair)
-    pieces = offsets.split(rs, max_ids)
-    assert all(0 < p.ids <= max_ids for p in pieces)
+    pieces = offsets.slices(rs, max_ids)
+    assert all(0 < p.high - p.low <= max_ids for p in pieces)
+    # Slices of one stretch (each touching the next) are of equal size, give or take one.
+    groups: list[list[int]] = []
+    for before, p in zip([None, *pieces], pieces, strict=False):
+        if before is None or before.high != p.low:
+            groups.append([])
+        groups[-1].append(p.high - p.low)
+    assert all(max(g) - min(g) <= 1 for g in groups)
+    for p in pieces:
+        assert p.ranges, "a slice with nothing to read"
+        assert all(p.low <= r.low < r.high <= p.high for r in p.ranges)
+    # Slices do not overlap: each stretch of the table is scanned by one task.
+    bounds = sorted((p.low, p.high) for p in pieces)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(bounds))
     for writer in [*WRITERS, "late"]:
-        assert covered(pieces, writer) == covered(rs, writer)
+        read = [covered(list(p.ranges), writer) for p in pieces]
+        assert set().union(*read) == covered(rs, writer)
+        assert sum(map(len, read)) == len(covered(rs, writer))  # no ID twice
+
+
+@given(pairs(), st.integers(1, 7), st.sampled_from([*WRITERS, "late"]))
+def test_a_slice_reads_everyone_only_when_every_writer_spans_it(
+    pair: tuple[StreamToken, StreamToken], max_ids: int, writer: str
+) -> None:
+    for p in offsets.slices(offsets.ranges(*pair), max_ids):
+        if p.everyone:
+            assert covered(list(p.ranges), writer) == set(range(p.low + 1, p.high + 1))
+
+
+def test_interleaved_writers_share_slices() -> None:
+    start, end = StreamToken(0), StreamToken(100, {"a": 250})
+    pieces = offsets.slices(offsets.ranges(start, end), 100)
+    assert [(p.low, p.high) for p in pieces] == [(0, 83), (83, 166), (166, 250)]  # equal
+    assert pieces[0].everyone  # "a" and everyone else, all of (0, 83]
+    assert pieces[1].ranges == (WriterRange("a", 83, 166), WriterRange(None, 83, 100, ("a",)))
+    assert not pieces[1].everyone
+    assert pieces[2].ranges == (WriterRange("a", 166, 250),)
+    # Ranges far apart are not bridged by a slice over the IDs between them.
+    far = offsets.slices([WriterRange("a", 0, 10), WriterRange("b", 1000, 1010)], 10_000)
+    assert [(p.low, p.high) for p in far] == [(0, 10), (1000, 1010)]
 
 
 @given(pairs(), st.integers(0, 120))

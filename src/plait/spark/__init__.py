@@ -33,16 +33,19 @@ def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
 
 
 def _checked(dsn: str, stream: str, options: dict[str, Any], *, batch: bool) -> dict[str, str]:
-    from plait.spark.source import Options, Plan
+    from plait.spark.source import Options, Plan, forget
 
     given = {"dsn": dsn, "stream": stream, **{k: str(v) for k, v in options.items()}}
     parsed = Options.parse(given)
-    plan = Plan.load(parsed)
-    if batch:
-        plan.token(parsed.start, "startToken")
-        plan.token(parsed.end, "endToken")
-    else:
-        plan.token(parsed.starting, "startingToken")
+    try:
+        plan = Plan.load(parsed)
+        if batch:
+            plan.token(parsed.start, "startToken")
+            plan.token(parsed.end, "endToken")
+        else:
+            plan.token(parsed.starting, "startingToken")
+    finally:
+        forget(dsn)  # the driver keeps no connection: Spark's workers keep their own
     return given
 
 

@@ -5,16 +5,19 @@ writers' positions (`stream_positions`), and where a read limit cuts. Plain psyc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg import sql
 
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
-from plait.spark.offsets import WriterRange
+from plait.spark.offsets import Slice, WriterRange
 from plait.streams.spec import StreamSpec, TableSpec
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,52 +116,81 @@ def latest(conn: psycopg.Connection[Any], spec: StreamSpec) -> StreamToken:
     return StreamToken.normalised(min(positions.values()), positions)
 
 
-def parse_token(dsn: str, spec: StreamSpec, value: str) -> StreamToken:
+class Ask(Protocol):
+    """Runs `work` with a catalog connection and returns what it returns."""
+
+    def __call__(self, work: Callable[[psycopg.Connection[Any]], T], /) -> T: ...
+
+
+def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     """A starting or ending point: "earliest", "latest", a token's text form (s5,
-    m3~1.5) or its JSON form. Connects only when it has to ("latest", and writer names
-    of a multi-writer token)."""
+    m3~1.5) or its JSON form. Asks the database (through `run`, which calls its argument
+    with a connection) only when it has to: "latest", and writer names of a multi-writer
+    token."""
     from plait.spark.offsets import from_json
 
     text = value.strip()
     if text == "earliest":
         return StreamToken(0)
     if text == "latest":
-        with connect(dsn) as conn:
-            return latest(conn, spec)
+        return run(lambda conn: latest(conn, spec))
     if text.startswith("{"):
         return from_json(text)
     low, by_id = decode_text(text)
     if not by_id:
         return StreamToken(low)
-    with connect(dsn) as conn:
-        names = dict(
+    names = run(
+        lambda conn: dict(
             conn.execute(
                 "SELECT instance_id, instance_name FROM instance_map WHERE instance_id = ANY(%s)",
                 (sorted(by_id),),
             ).fetchall()
         )
+    )
     return StreamToken.named(text, low, by_id, names)
 
 
 def range_condition(table: TableSpec, backwards: bool, r: WriterRange) -> sql.Composed:
     """The WHERE clause of one range, in the table's stored form."""
-    ident, inst = sql.Identifier(table.id_column), sql.Identifier(table.instance_column)
+    return sql.SQL("{} AND {}").format(_writers(table, r), _ids(table, backwards, r.low, r.high))
+
+
+def slice_condition(table: TableSpec, backwards: bool, piece: Slice) -> sql.Composed:
+    """The WHERE clause of one slice: its ID span (what the index scan reads, once), then
+    which writers' rows in it belong to the batch."""
+    span = _ids(table, backwards, piece.low, piece.high)
+    if piece.everyone:
+        who: sql.Composable = sql.SQL("{} IS NOT NULL").format(
+            sql.Identifier(table.instance_column)
+        )
+    else:
+        who = sql.SQL(" OR ").join(
+            _writers(table, r)
+            if (r.low, r.high) == (piece.low, piece.high)
+            else range_condition(table, backwards, r)
+            for r in piece.ranges
+        )
+    return sql.SQL("{} AND ({})").format(span, who)
+
+
+def _ids(table: TableSpec, backwards: bool, low: int, high: int) -> sql.Composed:
+    ident = sql.Identifier(table.id_column)
     if backwards:  # stored IDs are negative: internal (low, high] is [-high, -low)
-        ids = sql.SQL("{i} >= {a} AND {i} < {b}").format(
-            i=ident, a=sql.Literal(-r.high), b=sql.Literal(-r.low)
+        return sql.SQL("{i} >= {a} AND {i} < {b}").format(
+            i=ident, a=sql.Literal(-high), b=sql.Literal(-low)
         )
-    else:
-        ids = sql.SQL("{i} > {a} AND {i} <= {b}").format(
-            i=ident, a=sql.Literal(r.low), b=sql.Literal(r.high)
-        )
-    who: sql.Composable
+    return sql.SQL("{i} > {a} AND {i} <= {b}").format(
+        i=ident, a=sql.Literal(low), b=sql.Literal(high)
+    )
+
+
+def _writers(table: TableSpec, r: WriterRange) -> sql.Composable:
+    inst = sql.Identifier(table.instance_column)
     if r.writer is not None:
-        who = sql.SQL("{} = {}").format(inst, sql.Literal(r.writer))
-    elif r.others_than:
-        who = sql.SQL("{} <> ALL({}::text[])").format(inst, sql.Literal(list(r.others_than)))
-    else:
-        who = sql.SQL("TRUE")
-    return sql.SQL("{} AND {}").format(who, ids)
+        return sql.SQL("{} = {}").format(inst, sql.Literal(r.writer))
+    if r.others_than:
+        return sql.SQL("{} <> ALL({}::text[])").format(inst, sql.Literal(list(r.others_than)))
+    return sql.SQL("{} IS NOT NULL").format(inst)
 
 
 def cutoff(

@@ -7,11 +7,13 @@ with its instance name and IDs in `(start.get(w), end.get(w)]`. A writer listed 
 neither offset is at `min` in both: one more range covers every such writer at once,
 `(start.min, end.min]` for any instance name not listed. So a writer first seen in a
 later offset is read from the previous offset's `min`, and an idle writer or one with
-a transaction still open holds back nobody's rows but its own.
+a transaction still open holds back nobody's rows but its own. The ranges are then cut
+into slices of the ID space, one Spark task each.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -64,17 +66,55 @@ def ranges(start: StreamToken, end: StreamToken) -> list[WriterRange]:
     return out
 
 
-def split(ranges_: list[WriterRange], max_ids: int) -> list[WriterRange]:
-    """Each range cut into pieces of at most `max_ids` IDs (one Spark task each)."""
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """One Spark task's share of a micro-batch: the IDs in (low, high] of every range
+    that reaches into them (each range clipped to the slice).
+
+    Writers take IDs from one shared sequence, so their ranges interleave: a task per
+    writer range would scan the same stretch of the table once per writer. A slice
+    reads each stretch once, for all of them."""
+
+    low: int
+    high: int
+    ranges: tuple[WriterRange, ...]
+
+    @property
+    def everyone(self) -> bool:
+        """Whether every row in (low, high] belongs to the slice: each listed writer and
+        everyone else has the whole span (no per-writer condition needed)."""
+        whole = [r for r in self.ranges if (r.low, r.high) == (self.low, self.high)]
+        others = [r for r in whole if r.writer is None]
+        named = {r.writer for r in whole if r.writer is not None}
+        return any(set(r.others_than) <= named for r in others)
+
+
+def slices(ranges_: list[WriterRange], max_ids: int) -> list[Slice]:
+    """The ID space the ranges cover, merged where they overlap and cut into equal
+    slices of at most `max_ids` IDs (one Spark task each); each range's IDs land in
+    exactly one slice."""
     if max_ids < 1:
         raise ValueError("max_ids must be at least 1")
-    out: list[WriterRange] = []
-    for r in ranges_:
-        low = r.low
-        while low < r.high:
-            high = min(r.high, low + max_ids)
-            out.append(WriterRange(r.writer, low, high, r.others_than))
-            low = high
+    spans: list[list[int]] = []  # merged (low, high] spans, in ID order
+    for r in sorted(ranges_, key=lambda r: r.low):
+        if r.high <= r.low:
+            continue
+        if spans and r.low <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], r.high)
+        else:
+            spans.append([r.low, r.high])
+    out: list[Slice] = []
+    for span_low, span_high in spans:
+        width = span_high - span_low
+        count = -(-width // max_ids)  # as few slices as the limit allows, of equal size
+        cuts = [span_low + width * i // count for i in range(count + 1)]
+        for low, high in itertools.pairwise(cuts):
+            clipped = tuple(
+                WriterRange(r.writer, max(r.low, low), min(r.high, high), r.others_than)
+                for r in ranges_
+                if r.low < high and r.high > low
+            )
+            out.append(Slice(low, high, clipped))
     return out
 
 

@@ -7,8 +7,8 @@ Streaming source, exactly once (SPEC §8).
 Options: `dsn` and `stream` (required); `table` (streams over several tables);
 `startingToken` (streaming: "earliest", the default, "latest", a token or an offset);
 `startToken` / `endToken` (batch: default earliest and latest); `maxRowsPerTrigger`;
-`maxIdsPerPartition` (default 1 000 000: a writer's range is read by one task per that
-many IDs).
+`maxIdsPerPartition` (default 250 000: the IDs a batch reads are cut into equal slices
+of at most that many, one task each).
 
 Offsets come from `stream_positions` (never past what a writer persisted), so an idle
 writer or one holding a transaction open never holds back the others. Rows reach Spark
@@ -40,13 +40,13 @@ from pyspark.sql.types import StructType
 
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError
-from plait.spark import catalog, offsets
+from plait.spark import catalog, offsets, workers
 from plait.spark.schema import infer, text_columns
 from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
 NAME = "plait"
-DEFAULT_MAX_IDS = 1_000_000
+DEFAULT_MAX_IDS = 250_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +102,20 @@ class Plan:
 
     @classmethod
     def load(cls, options: Options) -> Plan:
-        with catalog.connect(options.dsn) as conn:
+        def find(conn: Any) -> Plan:
             spec = catalog.load_spec(conn, options.stream)
             table = catalog.pick_table(spec, options.table)
-            columns = tuple(catalog.columns(conn, table))
-        return cls(options, spec, table, columns)
+            return cls(options, spec, table, tuple(catalog.columns(conn, table)))
+
+        return ask(options.dsn, find)
+
+    def ask(self, work: Callable[[Any], T]) -> T:
+        """`work(conn)` on this process's kept catalog connection."""
+        return ask(self.options.dsn, work)
 
     def token(self, value: str, what: str) -> StreamToken:
         try:
-            return catalog.parse_token(self.options.dsn, self.spec, value)
+            return catalog.parse_token(self.spec, value, self.ask)
         except ConfigError:
             raise
         except ValueError as err:
@@ -120,17 +125,17 @@ class Plan:
         self, schema: StructType, start: StreamToken, end: StreamToken
     ) -> list[RangePartition]:
         as_text = set(text_columns(list(self.columns), schema))
-        pieces = offsets.split(offsets.ranges(start, end), self.options.max_ids)
-        return [RangePartition(self.query(schema, as_text, r)) for r in pieces]
+        pieces = offsets.slices(offsets.ranges(start, end), self.options.max_ids)
+        return [RangePartition(self.query(schema, as_text, piece)) for piece in pieces]
 
-    def query(self, schema: StructType, as_text: set[str], r: offsets.WriterRange) -> str:
+    def query(self, schema: StructType, as_text: set[str], piece: offsets.Slice) -> str:
         select = sql.SQL(", ").join(
             sql.SQL("{c}::text AS {c}" if f.name in as_text else "{c}").format(
                 c=sql.Identifier(f.name)
             )
             for f in schema.fields
         )
-        condition = catalog.range_condition(self.table, self.spec.backwards, r)
+        condition = catalog.slice_condition(self.table, self.spec.backwards, piece)
         return (
             sql.SQL("SELECT {} FROM {} WHERE {}")
             .format(select, sql.Identifier(*self.table.name.split(".")), condition)
@@ -139,7 +144,7 @@ class Plan:
 
 
 class RangePartition(InputPartition):
-    """One task's rows: a SELECT over one writer's ID range."""
+    """One task's rows: a SELECT over one slice of the ID space."""
 
     def __init__(self, query: str) -> None:
         super().__init__(query)
@@ -148,8 +153,18 @@ class RangePartition(InputPartition):
 
 # Connections kept per process and DSN: ADBC ones in each Python worker (Spark reuses
 # its workers for the next tasks, and connecting costs about 50 ms, a tenth of reading a
-# 250 000-row range), a psycopg one where the stream reader asks for offsets.
+# 250 000-row range), psycopg ones where Spark plans a read or asks for offsets (its
+# planning workers are reused too: each read would otherwise connect two or three times).
 _KEPT: dict[tuple[str, str], Any] = {}
+
+
+def ask(dsn: str, work: Callable[[Any], T]) -> T:
+    """`work(conn)` on the catalog connection kept for `dsn` (`forget(dsn)` closes it)."""
+    return _kept("catalog", dsn, catalog.connect, work)
+
+
+def forget(dsn: str) -> None:
+    _forget("catalog", dsn)
 
 
 def _kept(kind: str, dsn: str, connect: Callable[[str], Any], work: Callable[[Any], T]) -> T:
@@ -161,6 +176,8 @@ def _kept(kind: str, dsn: str, connect: Callable[[str], Any], work: Callable[[An
             conn = _KEPT[(kind, dsn)] = connect(dsn)
         try:
             return work(conn)
+        except ConfigError:
+            raise  # a verdict on the options, not a broken connection
         except Exception:
             _forget(kind, dsn)
             if attempt == 2:
@@ -196,6 +213,7 @@ def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
 
     target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
     cursor = _kept("adbc", dsn, _adbc, run)
+    workers.settle()  # everything this worker needs is loaded by now
     try:
         for batch in cursor.fetch_record_batch():
             if not batch.schema.equals(target, check_metadata=False):
@@ -223,6 +241,7 @@ class PlaitSource(DataSource):
     def _loaded(self) -> Plan:
         if self._plan is None:
             self._plan = Plan.load(self._options)
+        workers.settle()  # Spark plans in workers of its own, reused like the others
         return self._plan
 
     def schema(self) -> StructType:
@@ -274,9 +293,6 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: StreamToken | None = None  # Trigger.AvailableNow: stop here
         self._latest: StreamToken | None = None
 
-    def _query(self, work: Callable[[Any], T]) -> T:
-        return _kept("catalog", self._plan.options.dsn, catalog.connect, work)
-
     def initialOffset(self) -> dict[str, Any]:
         return self._plan.token(self._plan.options.starting, "startingToken").to_json_dict()
 
@@ -289,7 +305,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _now(self) -> StreamToken:
         spec = self._plan.spec
-        self._latest = self._query(lambda conn: catalog.latest(conn, spec))
+        self._latest = self._plan.ask(lambda conn: catalog.latest(conn, spec))
         return self._latest
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
@@ -298,7 +314,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end = begin.copy_and_advance(latest)  # never behind the start for any writer
         if isinstance(limit, ReadMaxRows):
             spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
-            cut = self._query(
+            cut = self._plan.ask(
                 lambda conn: catalog.cutoff(conn, spec, table, pending, limit.max_rows)
             )
             if cut is not None:
@@ -322,4 +338,4 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         pass  # nothing is kept per offset
 
     def stop(self) -> None:
-        _forget("catalog", self._plan.options.dsn)
+        forget(self._plan.options.dsn)

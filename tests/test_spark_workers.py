@@ -1,0 +1,45 @@
+"""plait freezes the long-lived objects of Spark's Python workers, and only theirs."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+
+import pytest
+
+from plait.spark import workers
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    monkeypatch.setattr(workers, "_settled", False)
+    return workers
+
+
+def test_a_users_own_process_is_left_alone(fresh: types.ModuleType) -> None:
+    assert not workers.in_spark_worker()  # pytest's __main__
+    before = gc.get_freeze_count()
+    workers.settle()
+    assert gc.get_freeze_count() == before
+
+
+def test_a_spark_worker_is_frozen_once(
+    fresh: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = types.ModuleType("__main__")
+    daemon.__spec__ = types.SimpleNamespace(name="pyspark.daemon")  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", daemon)
+    assert workers.in_spark_worker()
+    try:
+        workers.settle()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the modules loaded so far
+        garbage: list[object] = []
+        garbage.append(garbage)  # a cycle made after: still collected
+        del garbage
+        assert gc.collect() >= 1
+        workers.settle()  # once per process
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
