@@ -5,11 +5,12 @@
   the benchmark only), on the same table, with the same number of partitions, into the
   same sink (`noop`: read everything, write nothing). Target: plait >= 1.0x JDBC.
   Repetitions alternate which source goes first.
-- micro_batches: a streaming query with Trigger.AvailableNow and a small
-  `maxRowsPerTrigger`: seconds per micro-batch, against one batch read of the same rows.
+- micro_batches: a streaming query with a small `maxRowsPerTrigger`: seconds per
+  micro-batch, against Spark's own `rate-micro-batch` source making as many rows per
+  batch (same session, sink and trigger), and one batch read of as many rows.
 
     apt-get install -y libpostgresql-jdbc-java    # once: the JDBC driver
-    python bench/spark.py [--rows N] [--reps N] [--partitions N]
+    python bench/spark.py [--rows N] [--reps N] [--warmup N] [--partitions N]
 """
 
 from __future__ import annotations
@@ -75,8 +76,7 @@ def timed_read(frame: Any) -> float:
     return time.perf_counter() - started
 
 
-def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> None:
-    import plait.spark
+def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, warmup: int) -> None:
 
     url, props = jdbc_url(dsn)
     with Database_bounds(dsn) as (low, high):
@@ -85,8 +85,14 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> 
     # this many: `partitions` of them, like JDBC's numPartitions over [low, high].
     per_partition = -(-high // partitions)
 
-    def plait_frame() -> Any:
-        return plait.spark.batch(spark, dsn, "events", maxIdsPerPartition=per_partition)
+    def plait_frame() -> Any:  # the reader itself, as JDBC's (no option checks first)
+        return (
+            spark.read.format("plait")
+            .option("dsn", dsn)
+            .option("stream", "events")
+            .option("maxIdsPerPartition", per_partition)
+            .load()
+        )
 
     def jdbc_frame() -> Any:
         return spark.read.jdbc(
@@ -102,8 +108,9 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> 
     plait_parts = plait_frame().rdd.getNumPartitions()
     jdbc_parts = jdbc_frame().rdd.getNumPartitions()
     assert plait_frame().count() == jdbc_frame().count() == rows
-    timed_read(plait_frame())  # warm both up (JIT, Python workers)
-    timed_read(jdbc_frame())
+    for _ in range(warmup):  # both to steady state: JIT-compiled, Python workers loaded
+        timed_read(plait_frame())
+        timed_read(jdbc_frame())
     plait_s: list[float] = []
     jdbc_s: list[float] = []
     for rep in range(reps):
@@ -124,6 +131,7 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int) -> 
             "plait_vs_jdbc_speed": common.rnd(j / p, 3),
             "samples_plait_s": [common.rnd(v, 3) for v in plait_s],
             "samples_jdbc_s": [common.rnd(v, 3) for v in jdbc_s],
+            "warmup_reads_each": warmup,
             "target": "plait >= 1.0x JDBC",
         }
     )
@@ -147,31 +155,45 @@ class Database_bounds:
         return None
 
 
-def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> None:
-    import plait.spark
-
+def run_micro_batches(frame: Any, batches: int) -> list[Any]:
+    """Progress of `batches` micro-batches of a query writing `frame` to `noop`, past the
+    first two (start-up)."""
     with tempfile.TemporaryDirectory() as folder:
         query = (
-            plait.spark.stream(spark, dsn, "events", maxRowsPerTrigger=rows_per_batch)
-            .limit(10**9)
-            .writeStream.format("noop")
+            frame.writeStream.format("noop")
             .option("checkpointLocation", str(Path(folder) / "ck"))
             .trigger(processingTime="0 seconds")
             .start()
         )
-        started = time.perf_counter()
         while len(query.recentProgress) < batches + 2:
             time.sleep(0.05)
         query.stop()
-        elapsed = time.perf_counter() - started
-    progress = query.recentProgress[2 : batches + 2]  # past the first (start-up) batches
-    per_batch = [p.durationMs["triggerExecution"] / 1000 for p in progress]
+    return list(query.recentProgress[2 : batches + 2])
+
+
+def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> None:
+    """Seconds per micro-batch of the plait source, against Spark's own
+    `rate-micro-batch` source making as many rows a batch, in the same session, sink and
+    trigger: what plait adds per batch (offsets, planning, one query per batch)."""
+    import plait.spark
+
+    plait_frame = plait.spark.stream(spark, dsn, "events", maxRowsPerTrigger=rows_per_batch)
+    rate_frame = (
+        spark.readStream.format("rate-micro-batch").option("rowsPerBatch", rows_per_batch).load()
+    )
+    run_micro_batches(rate_frame, 3)  # warm up the streaming path
+    progress = run_micro_batches(plait_frame, batches)
+    baseline = run_micro_batches(rate_frame, batches)
+
+    def seconds(runs: list[Any]) -> list[float]:
+        return [p.durationMs["triggerExecution"] / 1000 for p in runs]
+
+    per_batch, per_rate_batch = seconds(progress), seconds(baseline)
     phases = {
         key: common.rnd(common.median([p.durationMs.get(key, 0) / 1000 for p in progress]), 3)
         for key in progress[0].durationMs
         if key != "triggerExecution"
     }
-    rows = sum(p.numInputRows for p in progress)
     started = time.perf_counter()
     few = plait.spark.batch(
         spark, dsn, "events", startToken='{"min":0}', endToken=f'{{"min":{rows_per_batch}}}'
@@ -183,12 +205,15 @@ def micro_batches(spark: Any, dsn: str, rows_per_batch: int, batches: int) -> No
             "figure": "micro_batch_overhead",
             "rows_per_batch": rows_per_batch,
             "batches": len(per_batch),
-            "rows": rows,
+            "rows": sum(p.numInputRows for p in progress),
             "median_s_per_batch": common.rnd(common.median(per_batch), 3),
             "p90_s_per_batch": common.rnd(sorted(per_batch)[int(0.9 * len(per_batch))], 3),
+            "rate_source_median_s_per_batch": common.rnd(common.median(per_rate_batch), 3),
+            "plait_added_s_per_batch": common.rnd(
+                common.median(per_batch) - common.median(per_rate_batch), 3
+            ),
             "batch_read_of_as_many_rows_s": common.rnd(one_read, 3),
             "median_s_by_phase": phases,
-            "wall_s": common.rnd(elapsed, 2),
         }
     )
 
@@ -210,7 +235,9 @@ async def main(args: argparse.Namespace) -> None:
         )
         try:
             common.log("read: plait vs JDBC")
-            await asyncio.to_thread(read_figure, spark, dsn, args.rows, args.reps, args.partitions)
+            await asyncio.to_thread(
+                read_figure, spark, dsn, args.rows, args.reps, args.partitions, args.warmup
+            )
             common.log("micro-batches")
             await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
         finally:
@@ -221,7 +248,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed reads of each first")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--cores", type=int, default=2)
     common.run(main, parser.parse_args())
