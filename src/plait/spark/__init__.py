@@ -33,19 +33,19 @@ def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
 
 
 def _checked(dsn: str, stream: str, options: dict[str, Any], *, batch: bool) -> dict[str, str]:
-    from plait.spark.source import Options, Plan, forget
+    from plait.spark import catalog
+    from plait.spark.source import Options, Plan
 
     given = {"dsn": dsn, "stream": stream, **{k: str(v) for k, v in options.items()}}
     parsed = Options.parse(given)
-    try:
-        plan = Plan.load(parsed)
+    with catalog.connect(dsn) as conn:  # one of its own: the driver keeps no connection
+        run = catalog.OnConnection(conn)
+        plan = Plan.load(parsed, run)
         if batch:
-            plan.token(parsed.start, "startToken")
-            plan.token(parsed.end, "endToken")
+            plan.token(parsed.start, "startToken", run)
+            plan.token(parsed.end, "endToken", run)
         else:
-            plan.token(parsed.starting, "startingToken")
-    finally:
-        forget(dsn)  # the driver keeps no connection: Spark's workers keep their own
+            plan.token(parsed.starting, "startingToken", run)
     return given
 
 

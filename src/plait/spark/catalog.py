@@ -122,6 +122,16 @@ class Ask(Protocol):
     def __call__(self, work: Callable[[psycopg.Connection[Any]], T], /) -> T: ...
 
 
+class OnConnection:
+    """An `Ask` on one given connection (the caller opens and closes it)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def __call__(self, work: Callable[[psycopg.Connection[Any]], T], /) -> T:
+        return work(self.conn)
+
+
 def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     """A starting or ending point: "earliest", "latest", a token's text form (s5,
     m3~1.5) or its JSON form. Asks the database (through `run`, which calls its argument

@@ -101,21 +101,23 @@ class Plan:
     columns: tuple[catalog.Column, ...]
 
     @classmethod
-    def load(cls, options: Options) -> Plan:
+    def load(cls, options: Options, run: catalog.Ask | None = None) -> Plan:
+        """The stream's plan, asked on `run` (default: this process's kept connection)."""
+
         def find(conn: Any) -> Plan:
             spec = catalog.load_spec(conn, options.stream)
             table = catalog.pick_table(spec, options.table)
             return cls(options, spec, table, tuple(catalog.columns(conn, table)))
 
-        return ask(options.dsn, find)
+        return (run or Kept(options.dsn))(find)
 
     def ask(self, work: Callable[[Any], T]) -> T:
         """`work(conn)` on this process's kept catalog connection."""
-        return ask(self.options.dsn, work)
+        return Kept(self.options.dsn)(work)
 
-    def token(self, value: str, what: str) -> StreamToken:
+    def token(self, value: str, what: str, run: catalog.Ask | None = None) -> StreamToken:
         try:
-            return catalog.parse_token(self.spec, value, self.ask)
+            return catalog.parse_token(self.spec, value, run or self.ask)
         except ConfigError:
             raise
         except ValueError as err:
@@ -158,13 +160,17 @@ class RangePartition(InputPartition):
 _KEPT: dict[tuple[str, str], Any] = {}
 
 
-def ask(dsn: str, work: Callable[[Any], T]) -> T:
-    """`work(conn)` on the catalog connection kept for `dsn` (`forget(dsn)` closes it)."""
-    return _kept("catalog", dsn, catalog.connect, work)
+class Kept:
+    """An `Ask` on the catalog connection this process keeps for `dsn`."""
 
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
 
-def forget(dsn: str) -> None:
-    _forget("catalog", dsn)
+    def __call__(self, work: Callable[[Any], T], /) -> T:
+        return _kept("catalog", self.dsn, catalog.connect, work)
+
+    def forget(self) -> None:
+        _forget("catalog", self.dsn)
 
 
 def _kept(kind: str, dsn: str, connect: Callable[[str], Any], work: Callable[[Any], T]) -> T:
@@ -338,4 +344,4 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         pass  # nothing is kept per offset
 
     def stop(self) -> None:
-        forget(self._plan.options.dsn)
+        Kept(self._plan.options.dsn).forget()
