@@ -79,8 +79,7 @@ def timed_read(frame: Any) -> float:
 def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, warmup: int) -> None:
 
     url, props = jdbc_url(dsn)
-    with Database_bounds(dsn) as (low, high):
-        pass
+    low, high = id_bounds(dsn)
     # The plait source cuts the IDs it reads, (0, high], into equal slices of at most
     # this many: `partitions` of them, like JDBC's numPartitions over [low, high].
     per_partition = -(-high // partitions)
@@ -137,22 +136,14 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, war
     )
 
 
-class Database_bounds:
+def id_bounds(dsn: str) -> tuple[int, int]:
     """The smallest and largest stream ID of the table."""
+    import psycopg
 
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
-
-    def __enter__(self) -> tuple[int, int]:
-        import psycopg
-
-        with psycopg.connect(self.dsn) as conn:
-            row = conn.execute("SELECT min(stream_id), max(stream_id) FROM events").fetchone()
-        assert row is not None
-        return int(row[0]), int(row[1])
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT min(stream_id), max(stream_id) FROM events").fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
 
 
 def run_micro_batches(frame: Any, batches: int) -> list[Any]:

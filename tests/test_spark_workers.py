@@ -39,7 +39,9 @@ def test_a_spark_worker_is_frozen_once(
         garbage.append(garbage)  # a cycle made after: still collected
         del garbage
         assert gc.collect() >= 1
+        made_since = [[] for _ in range(1000)]  # tracked objects a second freeze would take
         workers.settle()  # once per process
-        assert gc.get_freeze_count() == frozen
+        # Frozen objects that die leave the count, so it may shrink, but never take these.
+        assert gc.get_freeze_count() < frozen + len(made_since)
     finally:
         gc.unfreeze()

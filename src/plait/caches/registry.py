@@ -111,8 +111,7 @@ class CacheRegistry:
             self._arity[cache.name] = arity
 
     def _check_new(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"a cache name must be a non-empty string, not {name!r}")
+        _check_string(name)
         if name in self._caches or name in self._expanders:
             raise ConfigError(
                 f"a cache named {name!r} exists already; give one of them another name "
@@ -192,8 +191,7 @@ class CacheRegistry:
 
     def _check_name(self, cache_name: str, *, pseudo: bool = False) -> None:
         """A name `invalidate*` may write: a pseudo-cache's only when `pseudo`."""
-        if not isinstance(cache_name, str) or not cache_name:
-            raise ConfigError(f"a cache name must be a non-empty string, not {cache_name!r}")
+        _check_string(cache_name)
         if not pseudo and cache_name in self._expanders:
             raise ConfigError(
                 f"{cache_name!r} is a pseudo-cache: invalidate it with invalidate_batch"
@@ -311,6 +309,11 @@ class CacheRegistry:
             CacheSnapshot(c.name, len(c), c.max_entries, c.hits, c.misses, c.evictions)
             for c in self._caches.values()
         ]
+
+
+def _check_string(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a cache name must be a non-empty string, not {name!r}")
 
 
 def _may_be_long(key: Key) -> bool:

@@ -15,6 +15,7 @@ from psycopg import sql
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
 from plait.spark.offsets import Slice, WriterRange
+from plait.storage.stream_store import ident
 from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
@@ -222,7 +223,7 @@ def cutoff(
     parts = [
         sql.SQL("(SELECT {i} AS id FROM {t} WHERE {c} ORDER BY {i} {o} LIMIT {n})").format(
             i=sql.Identifier(table.id_column),
-            t=sql.Identifier(*table.name.split(".")),
+            t=ident(table.name),
             c=range_condition(table, spec.backwards, r),
             o=order,
             n=sql.Literal(max_rows),

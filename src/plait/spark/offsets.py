@@ -31,10 +31,6 @@ class WriterRange:
     high: int
     others_than: tuple[str, ...] = ()
 
-    @property
-    def ids(self) -> int:
-        return self.high - self.low
-
 
 def to_json(token: StreamToken) -> str:
     """The canonical text of an offset: sorted keys, no spaces, one line."""

@@ -25,6 +25,7 @@ from psycopg import sql
 
 import plait.spark
 from plait.errors import ConfigError
+from plait.storage.stream_store import ident
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ class Derived:
         return self.job or f"derive:{self.table}"
 
     def create(self) -> None:
-        name = sql.Identifier(*self.table.split("."))
+        name = ident(self.table)
         if self.kind == "latest":
             ddl = sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} (key TEXT PRIMARY KEY, stream_id BIGINT NOT NULL,"
@@ -228,7 +229,7 @@ class Derived:
     def apply(self, rows: list[tuple[Any, ...]], batch_id: int) -> bool:
         """Apply one batch's rows with its marker, in one transaction; False when the
         marker was there already (a replayed batch)."""
-        name = sql.Identifier(*self.table.split("."))
+        name = ident(self.table)
         with psycopg.connect(self.dsn) as conn, conn.transaction():
             fresh = conn.execute(
                 f"INSERT INTO {MARKERS} (job, batch_id) VALUES (%s, %s)"

@@ -42,6 +42,7 @@ from plait.core.tokens import StreamToken
 from plait.errors import ConfigError
 from plait.spark import catalog, offsets, workers
 from plait.spark.schema import infer, text_columns
+from plait.storage.stream_store import ident
 from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
@@ -140,7 +141,7 @@ class Plan:
         condition = catalog.slice_condition(self.table, self.spec.backwards, piece)
         return (
             sql.SQL("SELECT {} FROM {} WHERE {}")
-            .format(select, sql.Identifier(*self.table.name.split(".")), condition)
+            .format(select, ident(self.table.name), condition)
             .as_string(None)
         )
 

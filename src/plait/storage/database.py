@@ -84,9 +84,7 @@ class Transaction:
         # meanwhile, plait waits until that process is gone (its work is then final).
         self.backend_pid: int | None = None
 
-    async def execute(
-        self, query: Any, params: Sequence[Any] | Mapping[str, Any] | None = None
-    ) -> AsyncCursor[TupleRow]:
+    async def execute(self, query: Any, params: Params = None) -> AsyncCursor[TupleRow]:
         if self._begun:
             return await self._conn.execute(query, params)
         if params is None and isinstance(query, str):

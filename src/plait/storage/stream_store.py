@@ -69,7 +69,8 @@ class StreamRow(NamedTuple):
     data: dict[str, Any]
 
 
-def _ident(name: str) -> sql.Identifier:
+def ident(name: str) -> sql.Identifier:
+    """A table or sequence name, schema-qualified or not, as an SQL identifier."""
     return sql.Identifier(*name.split("."))
 
 
@@ -111,7 +112,7 @@ class _Table:
     def __init__(self, spec: TableSpec, backwards: bool) -> None:
         self.spec = spec
         self.name = spec.name
-        self.table = _ident(spec.name)
+        self.table = ident(spec.name)
         self.id = sql.Identifier(spec.id_column)
         self.inst = sql.Identifier(spec.instance_column)
         self.backwards = backwards
@@ -215,7 +216,7 @@ class StreamStore:
         self.db = db
         self.spec = spec
         self._sign = spec.sign
-        self._seq = _ident(spec.sequence)
+        self._seq = ident(spec.sequence)
         self._seq_regclass = _regclass(spec.sequence)
         self._head_query = sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
         self._tables = [_Table(t, spec.backwards) for t in spec.tables]

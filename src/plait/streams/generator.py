@@ -9,7 +9,7 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
@@ -188,9 +188,7 @@ class MultiWriterIdGenerator:
         self._complete_after(txn, ids)
         return self._signed(ids)
 
-    async def insert(
-        self, query: str, params: Sequence[Any] | Mapping[str, Any] | None = None
-    ) -> list[int]:
+    async def insert(self, query: str, params: Params = None) -> list[int]:
         """Run one statement that takes its own stream IDs, in one round trip.
 
         Write `{id}` wherever a new row's stream ID goes (once per row, e.g. in each
@@ -228,7 +226,7 @@ class MultiWriterIdGenerator:
         self,
         txn: Transaction,
         query: str,
-        params: Sequence[Any] | Mapping[str, Any] | None = None,
+        params: Params = None,
     ) -> list[int]:
         """Like `insert`, inside the caller's transaction: the IDs complete after it
         commits or rolls back."""
