@@ -131,9 +131,17 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, war
             "samples_plait_s": [common.rnd(v, 3) for v in plait_s],
             "samples_jdbc_s": [common.rnd(v, 3) for v in jdbc_s],
             "warmup_reads_each": warmup,
+            "versions": versions(),
             "target": "plait >= 1.0x JDBC",
         }
     )
+
+
+def versions() -> dict[str, str]:
+    """What the figure depends on: the ADBC driver's build decides the decoding cost."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("pyspark", "pyarrow", "adbc-driver-postgresql")}
 
 
 def id_bounds(dsn: str) -> tuple[int, int]:
