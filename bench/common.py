@@ -152,20 +152,39 @@ async def find_postmaster(conn: AsyncConnection[Any]) -> int | None:
 
 
 def server_cpu_seconds(postmaster: int | None) -> float | None:
-    """User + system CPU of the server's main process and all its children so far."""
-    if postmaster is None:
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+    """User + system CPU of the server's main process and all its children so far
+    (backends that have exited too: a client that connects per task leaves none)."""
+    return None if postmaster is None else tree_cpu_seconds(postmaster)
+
+
+def child_named(name: str) -> int | None:
+    """A child process of this one running `name` (Spark's JVM: `java`)."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        fields = _stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[1]) == os.getpid():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() == name:
+                    return int(entry)
+    return None
+
+
+def tree_cpu_seconds(root: int, *, own: bool = True) -> float:
+    """User + system CPU of `root`'s descendants, live or exited (their parents' counts
+    of reaped children), and of `root` itself when `own`."""
+    fields = {int(e): f for e in os.listdir("/proc") if e.isdigit() and (f := _stat_fields(int(e)))}
+    children: dict[int, list[int]] = {}
+    for pid, f in fields.items():
+        children.setdefault(int(f[1]), []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        f = fields.get(pid)
+        if f is None:
             continue
-        fields = _stat_fields(int(entry))
-        if fields is None:
-            continue
-        if int(entry) == postmaster or int(fields[1]) == postmaster:
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
+        reaped = int(f[13]) + int(f[14])  # cutime, cstime
+        total += reaped + (int(f[11]) + int(f[12]) if own or pid != root else 0)  # utime, stime
+        todo.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 async def timed(step: Callable[[], Awaitable[T]]) -> tuple[float, T]:

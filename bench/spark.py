@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psycopg import AsyncConnection
+
 import common
 from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
 
@@ -76,7 +78,30 @@ def timed_read(frame: Any) -> float:
     return time.perf_counter() - started
 
 
-def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, warmup: int) -> None:
+class CpuMeter:
+    """CPU seconds a read costs each process group: Spark's JVM, its Python workers
+    (the JVM's descendants), and PostgreSQL (when it runs on this machine)."""
+
+    def __init__(self, postmaster: int | None) -> None:
+        self.jvm = common.child_named("java")
+        self.postmaster = postmaster
+
+    def now(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.jvm is not None:
+            out["jvm"] = common.tree_cpu_seconds(self.jvm) - common.tree_cpu_seconds(
+                self.jvm, own=False
+            )
+            out["python_workers"] = common.tree_cpu_seconds(self.jvm, own=False)
+        server = common.server_cpu_seconds(self.postmaster)
+        if server is not None:
+            out["postgresql"] = server
+        return out
+
+
+def read_figure(
+    spark: Any, dsn: str, rows: int, reps: int, partitions: int, warmup: int, meter: CpuMeter
+) -> None:
 
     url, props = jdbc_url(dsn)
     low, high = id_bounds(dsn)
@@ -110,12 +135,18 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, war
     for _ in range(warmup):  # both to steady state: JIT-compiled, Python workers loaded
         timed_read(plait_frame())
         timed_read(jdbc_frame())
-    plait_s: list[float] = []
-    jdbc_s: list[float] = []
+    seconds: dict[str, list[float]] = {"plait": [], "jdbc": []}
+    cpu: dict[str, dict[str, list[float]]] = {"plait": {}, "jdbc": {}}
     for rep in range(reps):
         order = [("plait", plait_frame), ("jdbc", jdbc_frame)]
         for name, make in common.rotated(order, rep):
-            (plait_s if name == "plait" else jdbc_s).append(timed_read(make()))
+            frame = make()
+            before = meter.now()
+            seconds[name].append(timed_read(frame))
+            after = meter.now()
+            for group, value in after.items():
+                cpu[name].setdefault(group, []).append(value - before[group])
+    plait_s, jdbc_s = seconds["plait"], seconds["jdbc"]
     p, j = common.median(plait_s), common.median(jdbc_s)
     common.emit(
         {
@@ -130,6 +161,10 @@ def read_figure(spark: Any, dsn: str, rows: int, reps: int, partitions: int, war
             "plait_vs_jdbc_speed": common.rnd(j / p, 3),
             "samples_plait_s": [common.rnd(v, 3) for v in plait_s],
             "samples_jdbc_s": [common.rnd(v, 3) for v in jdbc_s],
+            "median_cpu_s_per_read": {
+                name: {group: common.rnd(common.median(v), 3) for group, v in groups.items()}
+                for name, groups in cpu.items()
+            },
             "warmup_reads_each": warmup,
             "versions": versions(),
             "target": "plait >= 1.0x JDBC",
@@ -234,8 +269,10 @@ async def main(args: argparse.Namespace) -> None:
         )
         try:
             common.log("read: plait vs JDBC")
+            async with await AsyncConnection.connect(dsn) as conn:
+                meter = CpuMeter(await common.find_postmaster(conn))
             await asyncio.to_thread(
-                read_figure, spark, dsn, args.rows, args.reps, args.partitions, args.warmup
+                read_figure, spark, dsn, args.rows, args.reps, args.partitions, args.warmup, meter
             )
             common.log("micro-batches")
             await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
