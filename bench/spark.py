@@ -11,6 +11,7 @@
 
     apt-get install -y libpostgresql-jdbc-java    # once: the JDBC driver
     python bench/spark.py [--rows N] [--reps N] [--warmup N] [--partitions N]
+                          [--partitioning slices|writers]
 """
 
 from __future__ import annotations
@@ -99,14 +100,15 @@ class CpuMeter:
         return out
 
 
-def read_figure(
-    spark: Any, dsn: str, rows: int, reps: int, partitions: int, warmup: int, meter: CpuMeter
-) -> None:
-
+def read_figure(spark: Any, dsn: str, args: argparse.Namespace, meter: CpuMeter) -> None:
+    rows, reps, partitions, warmup = args.rows, args.reps, args.partitions, args.warmup
     url, props = jdbc_url(dsn)
     low, high = id_bounds(dsn)
     # The plait source cuts the IDs it reads, (0, high], into equal slices of at most
-    # this many: `partitions` of them, like JDBC's numPartitions over [low, high].
+    # this many: `partitions` of them, like JDBC's numPartitions over [low, high]. (By
+    # writer, each writer range is cut by the same limit: about as many tasks; the
+    # figure reports how many each source had.)
+    writers = 2
     per_partition = -(-high // partitions)
 
     def plait_frame() -> Any:  # the reader itself, as JDBC's (no option checks first)
@@ -115,6 +117,7 @@ def read_figure(
             .option("dsn", dsn)
             .option("stream", "events")
             .option("maxIdsPerPartition", per_partition)
+            .option("partitioning", args.partitioning)
             .load()
         )
 
@@ -152,7 +155,8 @@ def read_figure(
         {
             "figure": "read_1m_rows",
             "rows": rows,
-            "writers": 2,
+            "writers": writers,
+            "partitioning": args.partitioning,
             "partitions": {"plait": plait_parts, "jdbc": jdbc_parts},
             "plait_s": common.rnd(p, 3),
             "jdbc_s": common.rnd(j, 3),
@@ -271,9 +275,7 @@ async def main(args: argparse.Namespace) -> None:
             common.log("read: plait vs JDBC")
             async with await AsyncConnection.connect(dsn) as conn:
                 meter = CpuMeter(await common.find_postmaster(conn))
-            await asyncio.to_thread(
-                read_figure, spark, dsn, args.rows, args.reps, args.partitions, args.warmup, meter
-            )
+            await asyncio.to_thread(read_figure, spark, dsn, args, meter)
             common.log("micro-batches")
             await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
         finally:
@@ -288,4 +290,5 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=3, help="untimed reads of each first")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--partitioning", choices=["slices", "writers"], default="slices")
     common.run(main, parser.parse_args())

@@ -84,6 +84,17 @@ async def test_a_batch_read_between_two_tokens_returns_exactly_those_rows(
         sliced = reader(spark, db.dsn, startToken=t1, endToken=t2, maxIdsPerPartition="3").load()
         assert await asyncio.to_thread(lambda: sliced.rdd.getNumPartitions()) >= 4
         assert await asyncio.to_thread(ids, sliced) == sorted(between)
+        # A task per writer range (SPEC R-SP-1's layout), pieces of at most 3 IDs.
+        per_writer = reader(
+            spark,
+            db.dsn,
+            startToken=t1,
+            endToken=t2,
+            partitioning="writers",
+            maxIdsPerPartition="3",
+        ).load()
+        assert await asyncio.to_thread(lambda: per_writer.rdd.getNumPartitions()) >= 4
+        assert await asyncio.to_thread(ids, per_writer) == sorted(between)
         everything = reader(spark, db.dsn).load()
         assert await asyncio.to_thread(ids, everything) == sorted(before + between + after)
         row = (await asyncio.to_thread(everything.where("stream_id = 2").collect))[0]
@@ -207,6 +218,7 @@ async def test_exactly_once_across_a_restart_of_the_query(
         ({"startToken": "m1~999.5"}, "instance id 999, which this database's instance_map"),
         ({"table": "other"}, "has no table 'other'; its tables: ['events']"),
         ({"maxIdsPerPartition": "-5"}, "maxidsperpartition must be a positive integer"),
+        ({"partitioning": "rows"}, "partitioning must be one of ['slices', 'writers'], not 'rows'"),
     ],
 )
 async def test_bad_options_fail_with_one_clear_message(

@@ -79,11 +79,33 @@ def test_slices_read_each_writers_ids_once_and_stay_within_their_span(
         assert sum(map(len, read)) == len(covered(rs, writer))  # no ID twice
 
 
+@given(pairs(), st.integers(1, 7))
+def test_by_writer_gives_each_writer_range_its_own_pieces(
+    pair: tuple[StreamToken, StreamToken], max_ids: int
+) -> None:
+    rs = offsets.ranges(*pair)
+    pieces = offsets.by_writer(rs, max_ids)
+    for p in pieces:
+        assert len(p.ranges) == 1
+        assert (p.ranges[0].low, p.ranges[0].high) == (p.low, p.high)
+        assert 0 < p.high - p.low <= max_ids
+    for r in rs:  # a range's pieces tile it, in order, of equal size give or take one
+        mine = [p for p in pieces if p.ranges[0].writer == r.writer]
+        assert (mine[0].low, mine[-1].high) == (r.low, r.high)
+        assert all(a.high == b.low for a, b in itertools.pairwise(mine))
+        assert max(p.high - p.low for p in mine) - min(p.high - p.low for p in mine) <= 1
+    for writer in [*WRITERS, "late"]:
+        read = [covered(list(p.ranges), writer) for p in pieces]
+        assert set().union(*read) == covered(rs, writer)
+        assert sum(map(len, read)) == len(covered(rs, writer))  # no ID twice
+
+
 @given(pairs(), st.integers(1, 7), st.sampled_from([*WRITERS, "late"]))
 def test_a_slice_reads_everyone_only_when_every_writer_spans_it(
     pair: tuple[StreamToken, StreamToken], max_ids: int, writer: str
 ) -> None:
-    for p in offsets.slices(offsets.ranges(*pair), max_ids):
+    rs = offsets.ranges(*pair)
+    for p in offsets.slices(rs, max_ids) + offsets.by_writer(rs, max_ids):
         if p.everyone:
             assert covered(list(p.ranges), writer) == set(range(p.low + 1, p.high + 1))
 

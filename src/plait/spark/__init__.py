@@ -20,14 +20,14 @@ def register(spark: Any) -> None:
 
 def batch(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
     """`spark.read.format("plait")...load()`, options checked first (startToken,
-    endToken, table, maxIdsPerPartition)."""
+    endToken, table, maxIdsPerPartition, partitioning)."""
     reader = spark.read.format("plait")
     return _with(reader, _checked(dsn, stream, options, batch=True)).load()
 
 
 def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
     """`spark.readStream.format("plait")...load()`, options checked first
-    (startingToken, maxRowsPerTrigger, table, maxIdsPerPartition)."""
+    (startingToken, maxRowsPerTrigger, table, maxIdsPerPartition, partitioning)."""
     reader = spark.readStream.format("plait")
     return _with(reader, _checked(dsn, stream, options, batch=False)).load()
 

@@ -8,7 +8,9 @@ Options: `dsn` and `stream` (required); `table` (streams over several tables);
 `startingToken` (streaming: "earliest", the default, "latest", a token or an offset);
 `startToken` / `endToken` (batch: default earliest and latest); `maxRowsPerTrigger`;
 `maxIdsPerPartition` (default 250 000: the IDs a batch reads are cut into equal slices
-of at most that many, one task each).
+of at most that many, one task each); `partitioning` (`slices`, the default: a task
+reads one slice of the ID space for every writer at once; `writers`: a task per writer
+range, cut into pieces of at most `maxIdsPerPartition` IDs).
 
 Offsets come from `stream_positions` (never past what a writer persisted), so an idle
 writer or one holding a transaction open never holds back the others. Rows reach Spark
@@ -48,6 +50,7 @@ from plait.streams.spec import StreamSpec, TableSpec
 T = TypeVar("T")
 NAME = "plait"
 DEFAULT_MAX_IDS = 250_000
+PARTITIONINGS = ("slices", "writers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class Options:
     end: str
     max_rows: int | None
     max_ids: int
+    by_writer: bool
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
@@ -76,7 +80,17 @@ class Options:
             end=options.get("endtoken", "latest"),
             max_rows=_positive(options, "maxrowspertrigger"),
             max_ids=_positive(options, "maxidsperpartition") or DEFAULT_MAX_IDS,
+            by_writer=_partitioning(options) == "writers",
         )
+
+
+def _partitioning(options: Mapping[str, str]) -> str:
+    value = options.get("partitioning", "slices")
+    if value.lower() not in PARTITIONINGS:
+        raise ConfigError(
+            f"plait source: option partitioning must be one of {list(PARTITIONINGS)}, not {value!r}"
+        )
+    return value.lower()
 
 
 def _positive(options: Mapping[str, str], key: str) -> int | None:
@@ -128,7 +142,8 @@ class Plan:
         self, schema: StructType, start: StreamToken, end: StreamToken
     ) -> list[RangePartition]:
         as_text = set(text_columns(list(self.columns), schema))
-        pieces = offsets.slices(offsets.ranges(start, end), self.options.max_ids)
+        cut = offsets.by_writer if self.options.by_writer else offsets.slices
+        pieces = cut(offsets.ranges(start, end), self.options.max_ids)
         return [RangePartition(self.query(schema, as_text, piece)) for piece in pieces]
 
     def query(self, schema: StructType, as_text: set[str], piece: offsets.Slice) -> str:
