@@ -1,10 +1,15 @@
-"""The `plait` command line. Spark pipelines so far (`plait export`, `plait derive`);
-each is exactly once across restarts through its `--checkpoint` folder: run the same
-command again and it goes on where it stopped."""
+"""The `plait` command line: the operator's commands (`status`, `tail`, `migrate`,
+`serve`) and the Spark pipelines (`export`, `derive`), each exactly once across restarts
+through its `--checkpoint` folder: run the same command again and it goes on where it
+stopped. Commands that take `--dsn` without requiring it use plait's embedded
+PostgreSQL when none is given, as the library does."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -18,6 +23,26 @@ _DSN = click.option(
     help="PostgreSQL the stream lives in (or $PLAIT_DSN).",
 )
 _STREAM = click.option("--stream", required=True, help="The plait stream to read.")
+_ANY_DSN = click.option(
+    "--dsn",
+    envvar="PLAIT_DSN",
+    help="PostgreSQL to use (or $PLAIT_DSN); default: plait's embedded server.",
+)
+
+
+@contextlib.contextmanager
+def _server(dsn: str | None) -> Iterator[str]:
+    """`dsn`, or the embedded server's while the command runs (started if need be)."""
+    if dsn:
+        yield dsn
+        return
+    from plait.storage.embedded import EmbeddedPostgres
+
+    server = EmbeddedPostgres.acquire()
+    try:
+        yield server.dsn
+    finally:
+        server.release()
 
 
 def _source_options(command: Any) -> Any:
@@ -122,6 +147,179 @@ def derive(**options: Any) -> None:
     pipelines.run(query, on_stop=spark.stop)
 
 
+@main.command()
+@_ANY_DSN
+def migrate(dsn: str | None) -> None:
+    """Create or update plait's own tables (instances also do this when they start)."""
+    import asyncio
+
+    from plait.storage.database import Database
+
+    async def run() -> None:
+        db = await Database.connect(dsn, min_size=1, max_size=1)
+        try:
+            await db.migrate()
+        finally:
+            await db.close()
+
+    asyncio.run(run())
+    click.echo("plait schema is up to date")
+
+
+@main.command()
+@_ANY_DSN
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Redraw every --every seconds until Ctrl-C, with how fast each writer moves.",
+)
+@click.option("--every", default=1.0, show_default=True, help="Seconds between redraws.")
+@click.option(
+    "--stall-after",
+    default=30.0,
+    show_default=True,
+    help="Seconds the writer holding a stream back may keep its row still while others "
+    "are ahead before the stream counts as stalled.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per stream instead.")
+def status(dsn: str | None, watch: bool, every: float, stall_after: float, as_json: bool) -> None:
+    """Every stream and writer: position, persisted-up-to, gap, age of the position
+    row. Exits 1 when a stream is stalled (after --watch: as last drawn)."""
+    import psycopg
+
+    from plait.ops import status as ops
+
+    with _server(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+        if not watch:
+            found = [ops.assess(s, stall_after) for s in ops.read(conn)]
+            if as_json:
+                for stream in found:
+                    click.echo(ops.to_json(stream))
+            else:
+                _console().print(_status_table(found, None, 0.0))
+            sys.exit(1 if any(s.stalled for s in found) else 0)
+        from rich.live import Live
+
+        before: list[ops.StreamStatus] | None = None
+        found, taken = [], time.monotonic()
+        with (
+            Live(console=_console(), auto_refresh=False) as live,
+            contextlib.suppress(KeyboardInterrupt),
+        ):
+            while True:
+                now = time.monotonic()
+                found = [ops.assess(s, stall_after) for s in ops.read(conn)]
+                live.update(_status_table(found, before, now - taken), refresh=True)
+                before, taken = found, now
+                time.sleep(every)
+        sys.exit(1 if any(s.stalled for s in found) else 0)
+
+
+@main.command()
+@click.argument("stream")
+@_ANY_DSN
+@click.option(
+    "--from",
+    "from_",
+    metavar="TOKEN",
+    help="Print the rows after this token (s5, m3~1.7, its JSON form, earliest or "
+    "latest); default: the last --lines rows.",
+)
+@click.option("-n", "--lines", default=10, show_default=True, help="Rows to show without --from.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new rows until Ctrl-C.")
+@click.option("--writer", help="Only this writer's rows (tokens then resume only its rows).")
+@click.option("--every", default=0.5, show_default=True, help="Seconds between polls (--follow).")
+def tail(
+    stream: str,
+    dsn: str | None,
+    from_: str | None,
+    lines: int,
+    follow: bool,
+    writer: str | None,
+    every: float,
+) -> None:
+    """A stream's rows as JSON lines: {"token", "table", "row"}. Each token resumes
+    right after its row (`--from TOKEN`); rows are only ever ones their writer persisted."""
+    import psycopg
+
+    from plait.ops.tail import Tail
+
+    with _server(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+        reader = Tail(conn, stream, writer)
+
+        def emit(line: Any) -> None:
+            click.echo(line.to_json(reader.text(line.token)))
+
+        end = reader.latest()
+        if from_ is None:
+            for line in reader.last(lines, end):
+                emit(line)
+        else:
+            start = reader.token(from_)
+            end = start.copy_and_advance(end)
+            for line in reader.between(start, end):
+                emit(line)
+        with contextlib.suppress(KeyboardInterrupt):
+            while follow:
+                time.sleep(every)
+                newer = end.copy_and_advance(reader.latest())
+                if newer != end:
+                    for line in reader.between(end, newer):
+                        emit(line)
+                    end = newer
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def _status_table(found: list[Any], before: list[Any] | None, seconds: float) -> Any:
+    from rich.table import Table
+
+    from plait.ops.status import rates
+
+    table = Table(title="plait streams", title_justify="left")
+    for column in ("stream", "writer", "position", "behind", "row age"):
+        table.add_column(column, justify="left" if column in ("stream", "writer") else "right")
+    if before is not None:
+        table.add_column("IDs/s", justify="right")
+    table.add_column("state")
+    speeds = rates(before, found, seconds) if before is not None else {}
+    for stream in found:
+        table.add_row(
+            f"[bold]{stream.name}[/]",
+            "",
+            _num(stream.head, "head "),
+            "",
+            "",
+            *([""] if before is not None else []),
+            f"persisted up to {_num(stream.persisted_up_to)}, gap {stream.gap}",
+        )
+        for w in stream.writers:
+            state = (
+                "[red]STALLED[/]"
+                if w.writer == stream.stalled_by
+                else ("holding" if w.holding else ("no row yet" if w.position is None else "ok"))
+            )
+            speed = speeds.get((stream.name, w.writer))
+            table.add_row(
+                "",
+                w.writer,
+                _num(w.position),
+                str(w.behind),
+                "" if w.age is None else f"{w.age:.1f} s",
+                *([] if before is None else ["" if speed is None else f"{speed:.0f}"]),
+                state,
+            )
+    return table
+
+
+def _num(value: int | None, prefix: str = "") -> str:
+    return "-" if value is None else f"{prefix}{value}"
+
+
 def _source(options: dict[str, Any]) -> Any:
     from plait.spark.pipelines import Source
 
@@ -154,6 +352,14 @@ def run() -> None:
         sys.exit(err.exit_code)
     except (PlaitError, RuntimeError) as err:
         click.echo(f"plait: {err}", err=True)
+        sys.exit(2)
+    except Exception as err:
+        import psycopg
+
+        if not isinstance(err, psycopg.Error):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        click.echo(f"plait: database error: {first}", err=True)
         sys.exit(2)
 
 

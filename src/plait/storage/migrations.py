@@ -52,6 +52,16 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         SELECT nextval('cache_invalidations_seq');
         """,
     ),
+    (
+        3,
+        "when each position row last moved",
+        # `plait status`: a writer whose row stopped moving while others went ahead holds
+        # back every linear reader. Existing rows count as moved now.
+        """
+        ALTER TABLE stream_positions
+            ADD COLUMN IF NOT EXISTS updated_at TIMESTAMPTZ NOT NULL DEFAULT now();
+        """,
+    ),
 )
 
 LATEST = MIGRATIONS[-1][0]

@@ -558,7 +558,8 @@ class StreamStore:
             "INSERT INTO stream_positions (stream_name, instance_name, stream_id)"
             f" SELECT %s, %s, %s FROM {source}"
             " ON CONFLICT (stream_name, instance_name)"
-            " DO UPDATE SET stream_id = EXCLUDED.stream_id WHERE stream_positions.stream_id "
+            " DO UPDATE SET stream_id = EXCLUDED.stream_id, updated_at = now()"
+            " WHERE stream_positions.stream_id "
             + ("> EXCLUDED.stream_id" if self.spec.backwards else "< EXCLUDED.stream_id")
         )
         async with self.db.cursor() as cur:

@@ -1,0 +1,160 @@
+"""Where every stream and writer stands, from the database alone (`plait status`).
+
+`assess` is pure (what one query returned in, verdicts out), so the rules are tested
+without a server; `read` is that query. A stream is *stalled* when the writer holding
+its persisted-up-to position has not moved its row for `stall_after` seconds while
+another writer is ahead: every linear reader then waits on that writer. An idle live
+writer is never stalled: it moves its row up to the others' positions every second.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from plait.errors import SchemaError
+from plait.storage.stream_store import ident
+
+DEFAULT_STALL_AFTER = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WriterRow:
+    """A writer's row in `stream_positions`: its position (internal, always-growing
+    IDs) and how many seconds ago the row last moved."""
+
+    writer: str
+    position: int
+    age: float
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRows:
+    """One stream as the database records it."""
+
+    name: str
+    writers: tuple[str, ...]  # configured writers; empty: any instance writes
+    head: int | None  # the largest ID its sequence handed out
+    rows: tuple[WriterRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriterStatus:
+    writer: str
+    position: int | None  # None: configured, no row yet (never wrote)
+    age: float | None
+    behind: int  # how far below the stream's furthest writer
+    holding: bool  # holds the stream's persisted-up-to position
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    name: str
+    head: int | None
+    persisted_up_to: int | None  # every ID at or below it is committed or abandoned
+    gap: int  # furthest writer's position minus persisted-up-to
+    writers: tuple[WriterStatus, ...]
+    stalled_by: str | None
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_by is not None
+
+
+def assess(stream: StreamRows, stall_after: float = DEFAULT_STALL_AFTER) -> StreamStatus:
+    rows = {r.writer: r for r in stream.rows if not stream.writers or r.writer in stream.writers}
+    if not rows:
+        writers = tuple(WriterStatus(w, None, None, 0, False) for w in stream.writers)
+        return StreamStatus(stream.name, stream.head, None, 0, writers, None)
+    low = min(r.position for r in rows.values())
+    high = max(r.position for r in rows.values())
+    names = list(stream.writers) or sorted(rows)
+    writers = tuple(
+        WriterStatus(w, None, None, 0, False)
+        if w not in rows
+        else WriterStatus(w, rows[w].position, rows[w].age, high - rows[w].position, False)
+        for w in names
+    )
+    writers = tuple(
+        WriterStatus(w.writer, w.position, w.age, w.behind, w.position == low and high > low)
+        for w in writers
+    )
+    stuck = [w for w in writers if w.holding and w.age is not None and w.age > stall_after]
+    stalled_by = max(stuck, key=lambda w: w.age or 0.0).writer if stuck else None
+    return StreamStatus(stream.name, stream.head, low, high - low, writers, stalled_by)
+
+
+NEEDS_SCHEMA = 3  # stream_positions.updated_at
+
+
+def read(conn: psycopg.Connection[Any]) -> list[StreamRows]:
+    """Every recorded stream with its writers' rows (one query, then one per sequence)."""
+    try:
+        row = conn.execute("SELECT max(version) FROM plait_schema_version").fetchone()
+    except psycopg.errors.UndefinedTable:
+        raise SchemaError(
+            "this database has no plait schema (no plait_schema_version table in its "
+            "search_path): check the DSN's database and schema"
+        ) from None
+    version = int(row[0]) if row and row[0] is not None else 0
+    if version < NEEDS_SCHEMA:
+        raise SchemaError(
+            f"this database's plait schema is version {version}; reading its status needs "
+            f"{NEEDS_SCHEMA}: run `plait migrate` (or start any plait instance on it)"
+        )
+    found = conn.execute(
+        "SELECT s.stream_name, s.sequence_name, s.backwards, s.writers,"
+        " p.instance_name, p.stream_id, extract(epoch FROM now() - p.updated_at)::float8"
+        " FROM plait_streams s LEFT JOIN stream_positions p ON p.stream_name = s.stream_name"
+        " ORDER BY s.stream_name, p.instance_name"
+    ).fetchall()
+    return list(_streams(conn, found))
+
+
+def _streams(
+    conn: psycopg.Connection[Any], found: Sequence[tuple[Any, ...]]
+) -> Iterable[StreamRows]:
+    by_stream: dict[str, list[tuple[Any, ...]]] = {}
+    for row in found:
+        by_stream.setdefault(row[0], []).append(row)
+    for name, rows in by_stream.items():
+        _, sequence, backwards, writers, *_ = rows[0]
+        sign = -1 if backwards else 1
+        head_row = conn.execute(
+            sql.SQL("SELECT last_value, is_called FROM {}").format(ident(sequence))
+        ).fetchone()
+        head = None if head_row is None else int(head_row[0]) - (0 if head_row[1] else 1)
+        yield StreamRows(
+            name,
+            tuple(writers or ()),
+            head,
+            tuple(
+                WriterRow(writer, sign * int(position), float(age))
+                for *_, writer, position, age in rows
+                if writer is not None
+            ),
+        )
+
+
+def rates(
+    before: Sequence[StreamStatus], after: Sequence[StreamStatus], seconds: float
+) -> dict[tuple[str, str], float]:
+    """How many IDs a second each writer's position moved between two readings."""
+    if seconds <= 0:
+        return {}
+    earlier = {(s.name, w.writer): w.position for s in before for w in s.writers}
+    return {
+        (s.name, w.writer): (w.position - old) / seconds
+        for s in after
+        for w in s.writers
+        if w.position is not None and (old := earlier.get((s.name, w.writer))) is not None
+    }
+
+
+def to_json(stream: StreamStatus) -> str:
+    return json.dumps({**asdict(stream), "stalled": stream.stalled}, sort_keys=True)

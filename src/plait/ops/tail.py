@@ -1,0 +1,148 @@
+"""`plait tail`: a stream's rows as JSON lines, each with the token that resumes after it.
+
+Rows come from the database between two tokens (the ranges the Spark source reads, from
+`stream_positions`, so never a row a writer has not persisted), in ID order across the
+stream's tables, a page at a time. A row's token is the end token cut at the row's ID:
+every row of the window up to it has been printed, so `--from` that token goes on with
+the next row and repeats none.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from plait.core.tokens import StreamToken
+from plait.errors import ConfigError
+from plait.replication.rows import jsonable
+from plait.spark import catalog, offsets
+from plait.spark.offsets import WriterRange
+from plait.storage.stream_store import ident
+from plait.streams.spec import StreamSpec, TableSpec
+
+PAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One row of a tail: the table it is in, its columns, and the token after it."""
+
+    table: str
+    id: int  # internal (always-growing) ID
+    row: dict[str, Any]
+    token: StreamToken
+
+    def to_json(self, token_text: str) -> str:
+        return json.dumps(
+            {"token": token_text, "table": self.table, "row": self.row}, separators=(",", ":")
+        )
+
+
+class Tail:
+    """Reads one stream on one connection (the CLI's; nothing here keeps state beyond
+    the spec and the writer filter)."""
+
+    def __init__(
+        self, conn: psycopg.Connection[Any], stream: str, writer: str | None = None
+    ) -> None:
+        self.conn = conn
+        try:
+            self.spec: StreamSpec = catalog.load_spec(conn, stream)
+        except ConfigError as err:  # the catalog words it for the Spark source
+            raise ConfigError(str(err).removeprefix("plait source: ")) from None
+        self.writer = writer
+        self._ids: dict[str, int] = {}
+
+    def token(self, value: str) -> StreamToken:
+        return catalog.parse_token(self.spec, value, catalog.OnConnection(self.conn))
+
+    def latest(self) -> StreamToken:
+        return catalog.latest(self.conn, self.spec)
+
+    def text(self, token: StreamToken) -> str:
+        """The token's text form; writers get their compact id from `instance_map`,
+        registered there if new (as `StreamToken.to_string` does)."""
+        missing = sorted(set(token.writers) - set(self._ids))
+        if missing:
+            self.conn.execute(
+                "INSERT INTO instance_map (instance_name) SELECT unnest(%s::text[])"
+                " ON CONFLICT (instance_name) DO NOTHING",
+                (missing,),
+            )
+            self._ids = dict(
+                self.conn.execute("SELECT instance_name, instance_id FROM instance_map")
+            )
+        return token.encode_text(self._ids)
+
+    def between(self, start: StreamToken, end: StreamToken, page: int = PAGE) -> Iterator[Line]:
+        """The rows in (start, end], in ID order, read `page` rows per table at a time."""
+        ranges = self._mine(offsets.ranges(start, end))
+        cursor = start.min if not ranges else min(r.low for r in ranges)
+        while ranges:
+            window = [replace(r, low=max(r.low, cursor)) for r in ranges if r.high > cursor]
+            if not window:
+                return
+            pages = [self._page(t, window, page, descending=False) for t in self.spec.tables]
+            full = [p[-1][0] for p in pages if len(p) == page]
+            bound = min(full) if full else max(r.high for r in window)
+            for internal, table, row in heapq.merge(*pages, key=lambda x: x[0]):
+                if internal > bound:
+                    break
+                yield Line(table, internal, row, offsets.limited(start, end, internal))
+            cursor = bound
+
+    def last(self, count: int, end: StreamToken) -> list[Line]:
+        """The last `count` rows at or below `end`, oldest first."""
+        start = StreamToken(0)
+        ranges = self._mine(offsets.ranges(start, end))
+        if not ranges or count < 1:
+            return []
+        pages = [self._page(t, ranges, count, descending=True) for t in self.spec.tables]
+        newest = heapq.nlargest(count, (item for p in pages for item in p), key=lambda x: x[0])
+        return [
+            Line(table, internal, row, offsets.limited(start, end, internal))
+            for internal, table, row in reversed(newest)
+        ]
+
+    def _mine(self, ranges: list[WriterRange]) -> list[WriterRange]:
+        """The ranges narrowed to `--writer`, when given."""
+        if self.writer is None:
+            return ranges
+        out = []
+        for r in ranges:
+            if r.writer == self.writer:
+                out.append(r)
+            elif r.writer is None and self.writer not in r.others_than:
+                out.append(WriterRange(self.writer, r.low, r.high))
+        return out
+
+    def _page(
+        self, table: TableSpec, ranges: list[WriterRange], limit: int, *, descending: bool
+    ) -> list[tuple[int, str, dict[str, Any]]]:
+        sign, backwards = self.spec.sign, self.spec.backwards
+        condition = sql.SQL(" OR ").join(
+            sql.SQL("({})").format(catalog.range_condition(table, backwards, r)) for r in ranges
+        )
+        # Internal IDs grow; a backwards stream stores them negated.
+        order = sql.SQL("DESC" if descending != backwards else "ASC")
+        query = sql.SQL("SELECT * FROM {} WHERE {} ORDER BY {} {} LIMIT {}").format(
+            ident(table.name), condition, sql.Identifier(table.id_column), order, limit
+        )
+        with self.conn.cursor() as cur:
+            cur.execute(query)
+            names = [c.name for c in cur.description or []]
+            at = names.index(table.id_column)
+            return [
+                (
+                    sign * int(r[at]),
+                    table.name,
+                    {n: jsonable(v) for n, v in zip(names, r, strict=True)},
+                )
+                for r in cur.fetchall()
+            ]

@@ -1,0 +1,128 @@
+"""`plait status`: the assessment without I/O, then the command on a real database with
+a writer that holds a transaction open while another goes ahead."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait import Database
+from plait.cli import main
+from plait.ops.status import StreamRows, WriterRow, assess, rates
+from stream_helpers import create_generator, create_table
+
+WRITERS = ("w1", "w2", "w3")
+INSERT = (
+    "INSERT INTO events (stream_id, instance_name, payload)"
+    " SELECT {id}, %s, 'p' || g FROM generate_series(1, %s) g RETURNING stream_id"
+)
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> StreamRows:
+    present = draw(st.lists(st.sampled_from(WRITERS), unique=True))
+    rows = tuple(
+        WriterRow(w, draw(st.integers(1, 40)), draw(st.floats(0, 100))) for w in sorted(present)
+    )
+    return StreamRows("events", WRITERS, draw(st.integers(40, 60)), rows)
+
+
+@given(streams(), st.floats(0, 100))
+def test_the_assessment_follows_the_rules(stream: StreamRows, stall_after: float) -> None:
+    got = assess(stream, stall_after)
+    assert [w.writer for w in got.writers] == list(WRITERS)  # configured ones, in order
+    positions = [r.position for r in stream.rows]
+    if not positions:
+        assert got.persisted_up_to is None
+        assert not got.stalled
+        return
+    assert got.persisted_up_to == min(positions)
+    assert got.gap == max(positions) - min(positions)
+    by_name = {r.writer: r for r in stream.rows}
+    for w in got.writers:
+        row = by_name.get(w.writer)
+        assert w.position == (row.position if row else None)
+        assert w.holding == (row is not None and row.position == min(positions) and got.gap > 0)
+        assert w.behind == (max(positions) - row.position if row else 0)
+    # Stalled exactly when a writer holding the others back has kept its row still too long.
+    stuck = [r for r in stream.rows if by_name[r.writer].position == min(positions)]
+    expected = got.gap > 0 and any(r.age > stall_after for r in stuck)
+    assert got.stalled == expected
+    if got.stalled:
+        assert got.stalled_by in {r.writer for r in stuck if r.age > stall_after}
+
+
+def test_idle_writers_level_with_each_other_are_not_stalled() -> None:
+    rows = (WriterRow("w1", 10, 500.0), WriterRow("w2", 10, 500.0))
+    assert not assess(StreamRows("events", ("w1", "w2"), 10, rows), 30).stalled
+
+
+def test_a_writer_ahead_with_an_old_row_stalls_nobody() -> None:
+    rows = (WriterRow("w1", 5, 1.0), WriterRow("w2", 9, 500.0))
+    got = assess(StreamRows("events", ("w1", "w2"), 9, rows), 30)
+    assert (got.stalled, got.persisted_up_to, got.gap) == (False, 5, 4)
+    assert [w.holding for w in got.writers] == [True, False]
+
+
+def test_rates_are_ids_per_second_between_two_readings() -> None:
+    one = assess(StreamRows("e", ("w1",), 5, (WriterRow("w1", 5, 0),)))
+    two = assess(StreamRows("e", ("w1",), 25, (WriterRow("w1", 25, 0),)))
+    assert rates([one], [two], 2.0) == {("e", "w1"): 10.0}
+    assert rates([one], [two], 0.0) == {}
+
+
+def status(dsn: str, *args: str) -> tuple[int, list[dict[str, Any]]]:
+    result = CliRunner().invoke(main, ["status", "--dsn", dsn, "--json", *args])
+    return result.exit_code, [json.loads(line) for line in result.output.splitlines()]
+
+
+async def test_status_reports_positions_and_a_stall_by_a_held_transaction(db: Database) -> None:
+    await create_table(db)
+    w1 = await create_generator(db, ["w1", "w2"], "w1", position_flush_interval=0.1)
+    w2 = await create_generator(db, ["w1", "w2"], "w2", position_flush_interval=0.1)
+    try:
+        await w1.insert(INSERT, ("w1", 3))
+        await w2.insert(INSERT, ("w2", 2))
+        await w1.flush_position()
+        await w2.flush_position()
+        code, [events] = await asyncio.to_thread(status, db.dsn)
+        assert code == 0
+        assert events["name"] == "events"
+        assert [w["writer"] for w in events["writers"]] == ["w1", "w2"]
+        assert not events["stalled"]
+        async with db.transaction() as txn:
+            held = await w1.get_next_txn(txn)  # w1 cannot move past this one
+            await txn.execute(
+                "INSERT INTO events (stream_id, instance_name, payload) VALUES (%s, 'w1', 'x')",
+                (held,),
+            )
+            for _ in range(3):
+                async with db.transaction() as other:
+                    stream_id = await w2.get_next_txn(other)
+                    await other.execute(
+                        "INSERT INTO events (stream_id, instance_name, payload)"
+                        " VALUES (%s, 'w2', 'y')",
+                        (stream_id,),
+                    )
+            await w2.flush_position()
+            await asyncio.sleep(1.2)
+            code, [events] = await asyncio.to_thread(status, db.dsn, "--stall-after", "1")
+            assert code == 1
+            assert events["stalled_by"] == "w1"
+            assert events["persisted_up_to"] < held <= events["head"]
+            by_writer = {w["writer"]: w for w in events["writers"]}
+            assert by_writer["w1"]["holding"]
+            assert by_writer["w1"]["age"] >= 1.0
+            assert by_writer["w2"]["position"] > held
+        await w1.flush_position()  # committed: w1 moves on, the stall is over
+        code, [events] = await asyncio.to_thread(status, db.dsn, "--stall-after", "1")
+        assert code == 0
+        assert events["gap"] == 0
+    finally:
+        await w1.close()
+        await w2.close()
