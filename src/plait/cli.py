@@ -148,6 +148,60 @@ def derive(**options: Any) -> None:
 
 
 @main.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The instance's YAML configuration (README: Configuration).",
+)
+@click.option("--instance-name", help="Overrides the file's instance_name.")
+@click.option("--dsn", envvar="PLAIT_DSN", help="Overrides the file's database (or $PLAIT_DSN).")
+@click.option(
+    "--app",
+    metavar="MODULE:FUNCTION",
+    help="Called with the Instance before it starts, to register the application's "
+    "handlers; it may return an async function to run once the instance is up.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def serve(
+    config_path: str, instance_name: str | None, dsn: str | None, app: str | None, log_level: str
+) -> None:
+    """Run one instance from its configuration until Ctrl-C or SIGTERM, then stop
+    gracefully (pending rows sent, departure announced)."""
+    import asyncio
+    import logging
+
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from plait.config import InstanceConfig
+    from plait.ops.serve import load_app, serve
+
+    overrides: dict[str, Any] = {}
+    if instance_name:
+        overrides["instance_name"] = instance_name
+    if dsn:
+        overrides["database"] = dsn
+    config = InstanceConfig.from_yaml(config_path, **overrides)
+    application = load_app(app) if app else None
+    if sys.stderr.isatty():
+        console = Console(stderr=True)
+        handler: logging.Handler = RichHandler(console=console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:  # a log file or a pipe: one plain line per record
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=log_level.upper(), handlers=[handler])
+    asyncio.run(serve(config, application))
+
+
+@main.command()
 @_ANY_DSN
 def migrate(dsn: str | None) -> None:
     """Create or update plait's own tables (instances also do this when they start)."""

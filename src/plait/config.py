@@ -164,7 +164,9 @@ class InstanceConfig(_Model):
             raise ConfigError(f"invalid plait configuration: {problems}") from None
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> InstanceConfig:
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> InstanceConfig:
+        """From a YAML file; `overrides` replace top-level keys (one file can serve every
+        instance of a deployment: `instance_name=...`)."""
         try:
             text = Path(path).read_text()
         except OSError as err:
@@ -175,4 +177,4 @@ class InstanceConfig(_Model):
             raise ConfigError(f"configuration file {path} is not valid YAML: {err}") from None
         if not isinstance(value, dict):
             raise ConfigError(f"configuration file {path} must hold a mapping at the top")
-        return cls.load(value)
+        return cls.load({**value, **overrides})

@@ -1,0 +1,64 @@
+"""`plait serve`: an instance from a YAML file and an application module, serving
+metrics, stopped gracefully by SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from plait import Database
+from stream_helpers import create_table
+
+
+async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
+    db: Database, tmp_path: Path
+) -> None:
+    await create_table(db)
+    config = {
+        "instance_name": "placeholder",
+        "streams": [{"name": "events", "tables": [{"name": "events"}], "writers": ["w1"]}],
+        "http": {"port": 0},
+    }
+    path = tmp_path / "plait.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "PLAIT_DSN": db.dsn}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "plait.cli", "serve", "--config", str(path),
+        "--instance-name", "w1", "--app", "serve_app:setup",
+        stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    try:
+        log = ""
+        while "serving" not in log:
+            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            assert line, f"plait serve exited early: {log}"
+            log += line.decode()
+        url = re.search(r"metrics at (\S+)/metrics", log)
+        assert url is not None, log
+        async with aiohttp.ClientSession() as session, session.get(url[1] + "/metrics") as got:
+            assert got.status == 200
+            assert "plait_" in await got.text()
+        for _ in range(100):  # the app's row
+            async with db.connection() as conn:
+                cur = await conn.execute("SELECT instance_name, payload FROM events")
+                rows = await cur.fetchall()
+            if rows:
+                break
+            await asyncio.sleep(0.1)
+        assert rows == [("w1", "from the app")]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        rest = (await proc.stderr.read()).decode()
+        assert "instance w1 stopped" in rest
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
