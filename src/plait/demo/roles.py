@@ -1,0 +1,233 @@
+"""The chat service's roles: each is a function of an `Instance`, called before it
+starts, that registers what that process does (`plait serve --app
+plait.demo.roles:event_writer`, and so on).
+
+- `event_writer`: owns the rooms `sharding.owner` gives it; writes messages and
+  membership changes (with the current state and one batched cache invalidation, in
+  one transaction) when another process asks over the internal HTTP API.
+- `sync_worker`: the public HTTP API: `POST /send`, `POST /membership` (forwarded to
+  the room's writer; the answer comes once this worker has seen the write), and
+  `GET /sync?user=U&since=TOKEN&timeout=MS`, a long-poll for the user's rooms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from plait.caches.cached import CachedFunction
+from plait.core.tokens import StreamToken
+from plait.demo import sharding, sync
+from plait.demo.tokens import SyncToken, parse, resolve, writer_ids
+from plait.errors import ConfigError, PlaitError
+from plait.instance import Instance
+
+logger = logging.getLogger(__name__)
+
+ROOM_CHANGED = "room_changed"
+MAX_TIMEOUT_MS = 30_000
+
+
+@dataclass(frozen=True, slots=True)
+class Caches:
+    room_members: CachedFunction[[str], list[str]]
+    rooms_for_user: CachedFunction[[str], list[str]]
+
+
+def declare_caches(instance: Instance) -> Caches:
+    """The caches every process has; one room change invalidates the member list and
+    each member's entries everywhere, in one row (`invalidate_batch`)."""
+
+    @instance.caches.cached(name="room_members")
+    async def room_members(room_id: str) -> list[str]:
+        async with instance.db.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT user_id FROM current_members WHERE room_id = %s AND membership = 'join'"
+                " ORDER BY user_id",
+                (room_id,),
+            )
+            return [user for (user,) in await cursor.fetchall()]
+
+    @instance.caches.cached(name="rooms_for_user")
+    async def rooms_for_user(user_id: str) -> list[str]:
+        async with instance.db.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT room_id FROM current_members WHERE user_id = %s AND membership = 'join'"
+                " ORDER BY room_id",
+                (user_id,),
+            )
+            return [room for (room,) in await cursor.fetchall()]
+
+    @instance.caches.pseudo_cache(ROOM_CHANGED)
+    def room_changed(room_id: str, users: tuple[str, ...]) -> Iterator[tuple[str, tuple[str]]]:
+        yield (room_members.name, (room_id,))
+        for user in users:
+            yield (rooms_for_user.name, (user,))
+
+    return Caches(room_members, rooms_for_user)
+
+
+def event_writers(instance: Instance) -> list[str]:
+    for stream in instance.config.streams:
+        if stream.name == "events":
+            return list(stream.writers)
+    raise ConfigError("the chat service needs an 'events' stream in the configuration")
+
+
+def event_writer(instance: Instance) -> None:
+    declare_caches(instance)
+    writers = event_writers(instance)
+
+    def owned(args: Any) -> str:
+        room = str(args["room"])
+        if sharding.owner(room, writers) != instance.name:
+            raise ConfigError(f"room {room!r} belongs to {sharding.owner(room, writers)}")
+        return room
+
+    async def send_message(args: Any) -> Any:
+        room = owned(args)
+        ids = await instance.generator("events").insert(
+            "INSERT INTO events (stream_id, instance_name, room_id, sender, body)"
+            " VALUES ({id}, %s, %s, %s, %s) RETURNING stream_id",
+            (instance.name, room, str(args["sender"]), str(args["body"])),
+        )
+        return {"stream_id": ids[0]}
+
+    async def set_membership(args: Any) -> Any:
+        room, user, membership = owned(args), str(args["user"]), str(args["membership"])
+        if membership not in ("join", "leave"):
+            raise ConfigError(f"membership must be join or leave, not {membership!r}")
+        async with instance.db.transaction() as txn:
+            stream_id = await instance.generator("events").get_next_txn(txn)
+            await txn.execute(
+                "INSERT INTO room_state (stream_id, instance_name, room_id, user_id, membership)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                (stream_id, instance.name, room, user, membership),
+            )
+            await txn.execute(
+                "INSERT INTO current_members (room_id, user_id, membership) VALUES (%s, %s, %s)"
+                " ON CONFLICT (room_id, user_id) DO UPDATE SET membership = EXCLUDED.membership",
+                (room, user, membership),
+            )
+            cursor = await txn.execute(
+                "SELECT user_id FROM current_members WHERE room_id = %s ORDER BY user_id", (room,)
+            )
+            users = [member for (member,) in await cursor.fetchall()]
+            await instance.caches.invalidate_batch(txn, ROOM_CHANGED, (room,), users)
+        return {"stream_id": stream_id}
+
+    instance.register_endpoint("send_message", send_message)
+    instance.register_endpoint("set_membership", set_membership)
+
+
+class SyncWorker:
+    """The public HTTP API of one sync worker."""
+
+    def __init__(self, instance: Instance, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.instance = instance
+        self.caches = declare_caches(instance)
+        self.writers = event_writers(instance)
+        self.notifier = sync.Notifier()
+        self.host, self.port = host, port
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        for stream in ("events", "account_data"):
+            instance.on_rows(stream, self._rows)
+
+    async def _rows(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        await self.notifier.notify()
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.post("/send", self._forward("send_message")),
+                web.post("/membership", self._forward("set_membership")),
+                web.get("/sync", self._sync),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        bound = self._runner.addresses[0]
+        self.url = f"http://{bound[0]}:{bound[1]}"
+        logger.info("sync worker %s: public API at %s", self.instance.name, self.url)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _forward(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            try:
+                body = await request.json()
+                owner = sharding.owner(str(body["room"]), self.writers)
+                answer = await self.instance.call(owner, endpoint, body)
+            except (ValueError, KeyError, TypeError) as err:
+                return web.json_response({"error": f"bad request: {err}"}, status=400)
+            except PlaitError as err:
+                return web.json_response({"error": str(err)}, status=502)
+            return web.json_response(answer)
+
+        return handle
+
+    async def _sync(self, request: web.Request) -> web.Response:
+        user = request.query.get("user", "")
+        if not user:
+            return web.json_response({"error": "user is required"}, status=400)
+        try:
+            timeout_ms = min(int(request.query.get("timeout", "0")), MAX_TIMEOUT_MS)
+            since = await self._since(request.query.get("since"))
+        except (ValueError, PlaitError) as err:
+            return web.json_response({"error": str(err)}, status=400)
+        events_gen = self.instance.generator("events")
+        spec = events_gen.spec
+        deadline = time.monotonic() + max(timeout_ms, 0) / 1000
+        while True:
+            generation = self.notifier.generation
+            now = since.events.copy_and_advance(StreamToken.from_generator(events_gen))
+            rooms = await self.caches.rooms_for_user(user)
+            page = await sync.events_between(self.instance.db, spec, rooms, since.events, now)
+            left = deadline - time.monotonic()
+            if page.events or left <= 0:
+                break
+            await self.notifier.wait_past(generation, left)
+        token = SyncToken(page.token, since.account_data, since.typing)
+        ids = await self.instance.db.get_instance_ids(
+            sorted(set(token.events.writers) | set(token.account_data.writers))
+        )
+        return web.json_response({"next": token.encode(ids), "events": page.events})
+
+    async def _since(self, text: str | None) -> SyncToken:
+        """The client's token, clamped to what exists; none: from now."""
+        events_gen = self.instance.generator("events")
+        if text is None:
+            return SyncToken(StreamToken.from_generator(events_gen), StreamToken(0), 0)
+        parsed = parse(text)
+        names = await self.instance.db.get_instance_names(sorted(writer_ids(parsed)))
+        token = resolve(parsed, names)
+        return token.clamp(
+            await events_gen.get_max_allocated_token(), token.account_data.max, token.typing
+        )
+
+
+def sync_worker(instance: Instance, port: int = 0) -> Callable[[], Awaitable[None]]:
+    """`plait serve --app plait.demo.roles:sync_worker`: the public API runs once the
+    instance is up, until it stops."""
+    worker = SyncWorker(instance, port)
+
+    async def run() -> None:
+        await worker.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await worker.stop()
+
+    return run

@@ -1,0 +1,143 @@
+"""The reference chat service in one process: a hub, two event writers and a sync
+worker over TCP, through the sync worker's public HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from plait import Database
+from plait.demo import schema, sharding
+from plait.demo.roles import SyncWorker, event_writer
+from plait.instance import Instance
+from redis_server import free_port
+
+WRITERS = ["ev1", "ev2"]
+
+
+def rooms_of(writer: str, count: int) -> list[str]:
+    found = (f"!room{i}:demo" for i in range(1000))
+    return [r for r in found if sharding.owner(r, WRITERS) == writer][:count]
+
+
+@contextlib.asynccontextmanager
+async def chat(db: Database) -> AsyncIterator[str]:
+    """The deployment; yields the sync worker's public URL."""
+    async with db.connection() as conn:
+        await conn.execute(schema.TABLES)
+    names = ["main", *WRITERS, "sync1"]
+    ports = {name: free_port() for name in names}
+    hub_port = free_port()
+
+    def instance(name: str) -> Instance:
+        config = schema.config(
+            name,
+            database=db.dsn,
+            event_writers=WRITERS,
+            http_ports=ports,
+            secret="demo-secret",
+            hub_port=hub_port,
+        )
+        return Instance(config)
+
+    main = instance("main")
+    writers = [instance(name) for name in WRITERS]
+    for writer in writers:
+        event_writer(writer)
+    sync1 = instance("sync1")
+    worker = SyncWorker(sync1)
+    async with contextlib.AsyncExitStack() as stack:
+        for one in (main, *writers, sync1):
+            await stack.enter_async_context(one)
+        await worker.start()
+        stack.push_async_callback(worker.stop)
+        assert worker.url is not None
+        yield worker.url
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    async with session.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def sync(
+    session: aiohttp.ClientSession, url: str, user: str, since: str | None = None, wait_ms: int = 0
+) -> tuple[int, Any]:
+    query = {"user": user, "timeout": str(wait_ms)}
+    if since is not None:
+        query["since"] = since
+    async with session.get(f"{url}/sync", params=query) as response:
+        return response.status, await response.json()
+
+
+async def test_sync_sees_messages_at_once_and_long_polls_for_new_ones(db: Database) -> None:
+    r1, r2 = rooms_of("ev1", 1)[0], rooms_of("ev2", 1)[0]
+    async with chat(db) as url, aiohttp.ClientSession() as session:
+        for room in (r1, r2):
+            for user in ("alice", "bob"):
+                await post(
+                    session, f"{url}/membership", {"room": room, "user": user, "membership": "join"}
+                )
+        status, first = await sync(session, url, "alice")
+        assert status == 200
+        assert first["events"] == []
+        since = first["next"]
+
+        # Read-your-writes: a message sent through this worker is in the very next sync,
+        # whichever writer owns the room.
+        for room in (r1, r2):
+            sent = await post(session, f"{url}/send", {"room": room, "sender": "bob", "body": room})
+            status, got = await sync(session, url, "alice", since)
+            assert status == 200
+            assert [(e["stream_id"], e["body"]) for e in got["events"]] == [
+                (sent["stream_id"], room)
+            ]
+            since = got["next"]
+
+        # A long-poll returns as soon as a message arrives, not at its timeout.
+        waiting = asyncio.create_task(sync(session, url, "alice", since, wait_ms=20_000))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        started = time.monotonic()
+        await post(session, f"{url}/send", {"room": r2, "sender": "bob", "body": "late"})
+        status, got = await asyncio.wait_for(waiting, 10)
+        assert [e["body"] for e in got["events"]] == ["late"]
+        assert time.monotonic() - started < 5
+        since = got["next"]
+
+        # Nothing new: an empty answer at the timeout, with the same position.
+        status, got = await sync(session, url, "alice", since, wait_ms=200)
+        assert (status, got["events"]) == (200, [])
+
+        # Leaving a room: the membership change invalidates alice's room list on the
+        # sync worker (one batched invalidation), so that room's messages stop.
+        await post(
+            session, f"{url}/membership", {"room": r1, "user": "alice", "membership": "leave"}
+        )
+        await post(session, f"{url}/send", {"room": r1, "sender": "bob", "body": "not for alice"})
+        await post(session, f"{url}/send", {"room": r2, "sender": "bob", "body": "for alice"})
+        status, got = await sync(session, url, "alice", since)
+        bodies = [e["body"] for e in got["events"] if e["kind"] == "events"]
+        assert bodies == ["for alice"]
+
+
+async def test_bad_and_future_tokens(db: Database) -> None:
+    async with chat(db) as url, aiohttp.ClientSession() as session:
+        status, got = await sync(session, url, "alice", "s5_nonsense")
+        assert status == 400
+        assert "3 parts" in got["error"]
+        status, got = await sync(session, url, "alice", "m1~77.9_s0_t0")
+        assert status == 400
+        assert "instance id 77" in got["error"]
+        # A token from the future is clamped to what exists, not waited on.
+        started = time.monotonic()
+        status, got = await sync(session, url, "alice", "s999999_s0_t0", wait_ms=1_000)
+        assert status == 200
+        assert time.monotonic() - started < 10
+        assert not got["next"].startswith("s999999")
