@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from plait import Database
-from plait.demo import schema, sharding
+from plait.demo import roles, schema, sharding
 from plait.demo.roles import SyncWorker, event_writer
 from plait.instance import Instance
 from redis_server import free_port
@@ -46,6 +46,7 @@ async def chat(db: Database) -> AsyncIterator[str]:
         return Instance(config)
 
     main = instance("main")
+    roles.main(main)
     writers = [instance(name) for name in WRITERS]
     for writer in writers:
         event_writer(writer)
@@ -123,7 +124,7 @@ async def test_sync_sees_messages_at_once_and_long_polls_for_new_ones(db: Databa
         await post(session, f"{url}/send", {"room": r1, "sender": "bob", "body": "not for alice"})
         await post(session, f"{url}/send", {"room": r2, "sender": "bob", "body": "for alice"})
         status, got = await sync(session, url, "alice", since)
-        bodies = [e["body"] for e in got["events"] if e["kind"] == "events"]
+        bodies = [e["body"] for e in got["events"] if e["table"] == "events"]
         assert bodies == ["for alice"]
 
 
@@ -141,3 +142,45 @@ async def test_bad_and_future_tokens(db: Database) -> None:
         assert status == 200
         assert time.monotonic() - started < 10
         assert not got["next"].startswith("s999999")
+
+
+async def test_sync_returns_account_data_in_stream_order_and_typing(db: Database) -> None:
+    room = rooms_of("ev1", 1)[0]
+    async with chat(db) as url, aiohttp.ClientSession() as session:
+        await post(
+            session, f"{url}/membership", {"room": room, "user": "carol", "membership": "join"}
+        )
+        status, first = await sync(session, url, "carol")
+        since = first["next"]
+        # Three tables, one stream: the rows come back in the order they were written.
+        a = await post(
+            session,
+            f"{url}/account_data",
+            {"user": "carol", "kind": "theme", "content": {"dark": True}},
+        )
+        b = await post(session, f"{url}/tags", {"user": "carol", "room": room, "tag": "fav"})
+        c = await post(
+            session,
+            f"{url}/account_data",
+            {"user": "carol", "room": room, "kind": "draft", "content": {"text": "hi"}},
+        )
+        await post(session, f"{url}/account_data", {"user": "dave", "kind": "theme", "content": {}})
+        status, got = await sync(session, url, "carol", since)
+        assert status == 200
+        rows = [(r["stream_id"], r["table"]) for r in got["account_data"]]
+        assert rows == [
+            (a["stream_id"], "global_account_data"),
+            (b["stream_id"], "room_tags"),
+            (c["stream_id"], "room_account_data"),
+        ]
+        assert got["account_data"][0]["content"] == {"dark": True}
+        since = got["next"]
+        # Typing: an in-memory stream on main, replicated to the sync worker.
+        waiting = asyncio.create_task(sync(session, url, "carol", since, wait_ms=10_000))
+        await asyncio.sleep(0.2)
+        await post(session, f"{url}/typing", {"room": room, "user": "erin", "typing": True})
+        status, got = await asyncio.wait_for(waiting, 10)
+        assert got["typing"] == {room: ["erin"]}
+        assert got["account_data"] == []
+        status, again = await sync(session, url, "carol", got["next"])
+        assert again["typing"] == {}  # seen already: not repeated

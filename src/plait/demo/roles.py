@@ -5,9 +5,12 @@ plait.demo.roles:event_writer`, and so on).
 - `event_writer`: owns the rooms `sharding.owner` gives it; writes messages and
   membership changes (with the current state and one batched cache invalidation, in
   one transaction) when another process asks over the internal HTTP API.
-- `sync_worker`: the public HTTP API: `POST /send`, `POST /membership` (forwarded to
-  the room's writer; the answer comes once this worker has seen the write), and
-  `GET /sync?user=U&since=TOKEN&timeout=MS`, a long-poll for the user's rooms.
+- `main`: writes account data (three tables, one stream) and typing notices (an
+  in-memory stream).
+- `sync_worker`: the public HTTP API: `POST /send`, `/membership`, `/account_data`,
+  `/tags`, `/typing` (forwarded to the instance that owns the write; the answer comes
+  once this worker has seen it), and `GET /sync?user=U&since=TOKEN&timeout=MS`, a
+  long-poll for the user's rooms: events, account data and typing notices.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from psycopg.types.json import Jsonb
 
 from plait.caches.cached import CachedFunction
 from plait.core.tokens import StreamToken
@@ -30,6 +34,7 @@ from plait.instance import Instance
 
 logger = logging.getLogger(__name__)
 
+MAIN = "main"
 ROOM_CHANGED = "room_changed"
 MAX_TIMEOUT_MS = 30_000
 
@@ -126,6 +131,59 @@ def event_writer(instance: Instance) -> None:
     instance.register_endpoint("set_membership", set_membership)
 
 
+def main(instance: Instance) -> None:
+    """The hub process: writer of account data and typing notices (and, later, backfill
+    and presence)."""
+    declare_caches(instance)
+    typing: dict[str, set[str]] = {}
+
+    async def set_account_data(args: Any) -> Any:
+        user, kind, content = str(args["user"]), str(args["kind"]), args["content"]
+        room = args.get("room")
+        gen = instance.generator("account_data")
+        if room is None:
+            query = (
+                "INSERT INTO global_account_data (stream_id, instance_name, user_id, kind,"
+                " content) VALUES ({id}, %s, %s, %s, %s) RETURNING stream_id"
+            )
+            params: tuple[Any, ...] = (instance.name, user, kind, Jsonb(content))
+        else:
+            query = (
+                "INSERT INTO room_account_data (stream_id, instance_name, user_id, room_id,"
+                " kind, content) VALUES ({id}, %s, %s, %s, %s, %s) RETURNING stream_id"
+            )
+            params = (instance.name, user, str(room), kind, Jsonb(content))
+        return {"stream_id": (await gen.insert(query, params))[0]}
+
+    async def set_tag(args: Any) -> Any:
+        ids = await instance.generator("account_data").insert(
+            "INSERT INTO room_tags (stream_id, instance_name, user_id, room_id, tag, content)"
+            " VALUES ({id}, %s, %s, %s, %s, %s) RETURNING stream_id",
+            (
+                instance.name,
+                str(args["user"]),
+                str(args["room"]),
+                str(args["tag"]),
+                Jsonb(args.get("content", {})),
+            ),
+        )
+        return {"stream_id": ids[0]}
+
+    async def set_typing(args: Any) -> Any:
+        room, user = str(args["room"]), str(args["user"])
+        users = typing.setdefault(room, set())
+        if args.get("typing", True):
+            users.add(user)
+        else:
+            users.discard(user)
+        token = instance.memory("typing").write(room, {"room": room, "users": sorted(users)})
+        return {"token": token}
+
+    instance.register_endpoint("set_account_data", set_account_data)
+    instance.register_endpoint("set_tag", set_tag)
+    instance.register_endpoint("set_typing", set_typing)
+
+
 class SyncWorker:
     """The public HTTP API of one sync worker."""
 
@@ -137,11 +195,23 @@ class SyncWorker:
         self.host, self.port = host, port
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
+        # The latest typing notice of each room, as the typing writer sent it.
+        self.typing: dict[str, tuple[int, list[str]]] = {}
         for stream in ("events", "account_data"):
             instance.on_rows(stream, self._rows)
+        instance.on_rows("typing", self._typing)
+        instance.on_reset("typing", self._typing_reset)
 
     async def _rows(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
         await self.notifier.notify()
+
+    async def _typing(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        for row in rows:
+            self.typing[str(row["room"])] = (token, list(row["users"]))
+        await self.notifier.notify()
+
+    async def _typing_reset(self, stream: str, writer: str) -> None:
+        self.typing.clear()  # the writer restarted: its whole state follows
 
     async def start(self) -> None:
         app = web.Application()
@@ -149,6 +219,9 @@ class SyncWorker:
             [
                 web.post("/send", self._forward("send_message")),
                 web.post("/membership", self._forward("set_membership")),
+                web.post("/account_data", self._forward("set_account_data", MAIN)),
+                web.post("/tags", self._forward("set_tag", MAIN)),
+                web.post("/typing", self._forward("set_typing", MAIN)),
                 web.get("/sync", self._sync),
             ]
         )
@@ -164,11 +237,15 @@ class SyncWorker:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _forward(self, endpoint: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    def _forward(
+        self, endpoint: str, to: str | None = None
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """A public write, run by the instance that owns it: `to`, or the room's writer."""
+
         async def handle(request: web.Request) -> web.Response:
             try:
                 body = await request.json()
-                owner = sharding.owner(str(body["room"]), self.writers)
+                owner = to or sharding.owner(str(body["room"]), self.writers)
                 answer = await self.instance.call(owner, endpoint, body)
             except (ValueError, KeyError, TypeError) as err:
                 return web.json_response({"error": f"bad request: {err}"}, status=400)
@@ -187,34 +264,57 @@ class SyncWorker:
             since = await self._since(request.query.get("since"))
         except (ValueError, PlaitError) as err:
             return web.json_response({"error": str(err)}, status=400)
-        events_gen = self.instance.generator("events")
-        spec = events_gen.spec
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         while True:
             generation = self.notifier.generation
-            now = since.events.copy_and_advance(StreamToken.from_generator(events_gen))
-            rooms = await self.caches.rooms_for_user(user)
-            page = await sync.events_between(self.instance.db, spec, rooms, since.events, now)
+            answer, token = await self._changes(user, since)
             left = deadline - time.monotonic()
-            if page.events or left <= 0:
+            if any(answer.values()) or left <= 0:
                 break
             await self.notifier.wait_past(generation, left)
-        token = SyncToken(page.token, since.account_data, since.typing)
         ids = await self.instance.db.get_instance_ids(
             sorted(set(token.events.writers) | set(token.account_data.writers))
         )
-        return web.json_response({"next": token.encode(ids), "events": page.events})
+        return web.json_response({"next": token.encode(ids), **answer})
+
+    async def _changes(self, user: str, since: SyncToken) -> tuple[dict[str, Any], SyncToken]:
+        """What changed for `user` after `since`, and the token after it."""
+        db = self.instance.db
+        rooms = await self.caches.rooms_for_user(user)
+        events_gen = self.instance.generator("events")
+        now = since.events.copy_and_advance(StreamToken.from_generator(events_gen))
+        events = await sync.rows_between(db, events_gen.spec, "room_id", rooms, since.events, now)
+        data_gen = self.instance.generator("account_data")
+        now = since.account_data.copy_and_advance(StreamToken.from_generator(data_gen))
+        data = await sync.rows_between(
+            db, data_gen.spec, "user_id", [user], since.account_data, now
+        )
+        typing_at = max([since.typing, *(token for token, _ in self.typing.values())])
+        typing = {
+            room: users
+            for room, (token, users) in self.typing.items()
+            if token > since.typing and room in rooms
+        }
+        answer = {"events": events.rows, "account_data": data.rows, "typing": typing}
+        return answer, SyncToken(events.token, data.token, typing_at)
 
     async def _since(self, text: str | None) -> SyncToken:
         """The client's token, clamped to what exists; none: from now."""
         events_gen = self.instance.generator("events")
+        data_gen = self.instance.generator("account_data")
+        typing_now = max([0, *(token for token, _ in self.typing.values())])
         if text is None:
-            return SyncToken(StreamToken.from_generator(events_gen), StreamToken(0), 0)
+            return SyncToken(
+                StreamToken.from_generator(events_gen),
+                StreamToken.from_generator(data_gen),
+                typing_now,
+            )
         parsed = parse(text)
         names = await self.instance.db.get_instance_names(sorted(writer_ids(parsed)))
-        token = resolve(parsed, names)
-        return token.clamp(
-            await events_gen.get_max_allocated_token(), token.account_data.max, token.typing
+        return resolve(parsed, names).clamp(
+            await events_gen.get_max_allocated_token(),
+            await data_gen.get_max_allocated_token(),
+            typing_now,
         )
 
 

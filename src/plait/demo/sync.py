@@ -1,7 +1,7 @@
-"""What `GET /sync` returns: a user's new events between two vector tokens, read from
-the database in ID order across the `events` stream's two tables, at most `limit` rows;
-when cut short, the token moves only as far as the rows returned, so the next sync
-repeats and skips nothing.
+"""What `GET /sync` returns: a user's new rows of a stream between two vector tokens
+(events of the user's rooms, the user's account data), read from the database in ID
+order across the stream's tables, at most `limit` rows; when cut short, the token moves
+only as far as the rows returned, so the next sync repeats and skips nothing.
 """
 
 from __future__ import annotations
@@ -20,59 +20,66 @@ from plait.streams.spec import StreamSpec
 
 LIMIT = 100
 
-_COLUMNS = {
+# What each table of the two streams returns, and the column a sync filters it by.
+COLUMNS = {
     "events": ("room_id", "sender", "body"),
     "room_state": ("room_id", "user_id", "membership"),
+    "global_account_data": ("kind", "content"),
+    "room_account_data": ("room_id", "kind", "content"),
+    "room_tags": ("room_id", "tag", "content"),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Page:
-    events: list[dict[str, Any]]
+    rows: list[dict[str, Any]]
     token: StreamToken  # where the next sync starts
 
 
-async def events_between(
+async def rows_between(
     db: Database,
     spec: StreamSpec,
-    rooms: Sequence[str],
+    by: str,
+    values: Sequence[str],
     start: StreamToken,
     end: StreamToken,
     limit: int = LIMIT,
 ) -> Page:
+    """Rows of the stream's tables in (start, end] whose column `by` is one of
+    `values`, in ID order, at most `limit`."""
     ranges = offsets.ranges(start, end)
-    if not ranges or not rooms:
+    if not ranges or not values:
         return Page([], end)
     found: list[tuple[int, dict[str, Any]]] = []
     for table in spec.tables:
-        columns = _COLUMNS[table.name]
+        columns = COLUMNS[table.name]
         condition = sql.SQL(" OR ").join(
             sql.SQL("({})").format(catalog.range_condition(table, spec.backwards, r))
             for r in ranges
         )
         query = sql.SQL(
-            "SELECT {id}, {writer}, {cols} FROM {t} WHERE {room} = ANY(%s) AND ({cond})"
+            "SELECT {id}, {writer}, {cols} FROM {t} WHERE {by} = ANY(%s) AND ({cond})"
             " ORDER BY {id} LIMIT {limit}"
         ).format(
             id=sql.Identifier(table.id_column),
             writer=sql.Identifier(table.instance_column),
             cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
             t=sql.Identifier(table.name),
-            room=sql.Identifier("room_id"),
+            by=sql.Identifier(by),
             cond=condition,
             limit=limit + 1,
         )
         async with db.connection() as conn:
-            cursor = await conn.execute(query, (list(rooms),))
-            for stream_id, writer, *values in await cursor.fetchall():
-                event = {"stream_id": stream_id, "writer": writer, "kind": table.name}
-                event.update(zip(columns, values, strict=True))
-                found.append((int(stream_id), event))
-    found.sort(key=lambda item: item[0])
+            cursor = await conn.execute(query, (list(values),))
+            for stream_id, writer, *row in await cursor.fetchall():
+                item = {"stream_id": stream_id, "writer": writer, "table": table.name}
+                item.update(zip(columns, row, strict=True))
+                found.append((int(stream_id), item))
+    found.sort(key=lambda pair: pair[0])
     if len(found) <= limit:
-        return Page([event for _, event in found], end)
+        return Page([item for _, item in found], end)
     kept = found[:limit]
-    return Page([event for _, event in kept], offsets.limited(start, end, kept[-1][0]))
+    return Page([item for _, item in kept], offsets.limited(start, end, kept[-1][0]))
 
 
 class Notifier:
