@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,9 +26,16 @@ def rooms_of(writer: str, count: int) -> list[str]:
     return [r for r in found if sharding.owner(r, WRITERS) == writer][:count]
 
 
+@dataclass
+class Chat:
+    url: str  # the sync worker's public API
+    main: Instance
+    sync1: Instance
+    worker: SyncWorker
+
+
 @contextlib.asynccontextmanager
-async def chat(db: Database) -> AsyncIterator[str]:
-    """The deployment; yields the sync worker's public URL."""
+async def deployment(db: Database, linger: float = 5.0) -> AsyncIterator[Chat]:
     async with db.connection() as conn:
         await conn.execute(schema.TABLES)
     names = ["main", *WRITERS, "sync1"]
@@ -51,14 +59,21 @@ async def chat(db: Database) -> AsyncIterator[str]:
     for writer in writers:
         event_writer(writer)
     sync1 = instance("sync1")
-    worker = SyncWorker(sync1)
+    worker = SyncWorker(sync1, linger=linger)
     async with contextlib.AsyncExitStack() as stack:
         for one in (main, *writers, sync1):
             await stack.enter_async_context(one)
         await worker.start()
         stack.push_async_callback(worker.stop)
         assert worker.url is not None
-        yield worker.url
+        yield Chat(worker.url, main, sync1, worker)
+
+
+@contextlib.asynccontextmanager
+async def chat(db: Database) -> AsyncIterator[str]:
+    """The deployment; yields the sync worker's public URL."""
+    async with deployment(db) as running:
+        yield running.url
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
@@ -184,3 +199,39 @@ async def test_sync_returns_account_data_in_stream_order_and_typing(db: Database
         assert got["account_data"] == []
         status, again = await sync(session, url, "carol", got["next"])
         assert again["typing"] == {}  # seen already: not repeated
+
+
+async def online(chat: Chat) -> list[str]:
+    answer = await chat.sync1.call("main", "online", {})
+    return list(answer["online"])
+
+
+async def test_presence_follows_syncs_and_is_cleared_at_once_on_graceful_stop(
+    db: Database,
+) -> None:
+    async with deployment(db, linger=0.3) as running, aiohttp.ClientSession() as session:
+        url = running.url
+        assert await online(running) == []
+        # A long-poll in flight: the user is syncing, by this worker's name.
+        polling = asyncio.create_task(sync(session, url, "frank", wait_ms=1_500))
+        await until_equal(lambda: online(running), ["frank"])
+        await polling
+        # Back to back long-polls within the linger: still online, no flapping.
+        await sync(session, url, "frank", wait_ms=100)
+        assert await online(running) == ["frank"]
+        # After the linger with no sync, offline.
+        await until_equal(lambda: online(running), [])
+        # Syncing again, then the worker stops gracefully: cleared at once.
+        polling = asyncio.create_task(sync(session, url, "gina", wait_ms=20_000))
+        await until_equal(lambda: online(running), ["gina"])
+        started = time.monotonic()
+        await running.worker.stop()
+        polling.cancel()
+        await until_equal(lambda: online(running), [])
+        assert time.monotonic() - started < 2
+
+
+async def until_equal(get: Callable[[], Awaitable[Any]], expected: Any) -> None:
+    async with asyncio.timeout(10):
+        while await get() != expected:  # noqa: ASYNC110 - another process's state
+            await asyncio.sleep(0.05)

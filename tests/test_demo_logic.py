@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -9,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.core.tokens import StreamToken
-from plait.demo import sharding
+from plait.demo import presence, sharding
 from plait.demo.tokens import SyncToken, parse, resolve, writer_ids
-from plait.errors import TokenParseError
+from plait.errors import CommandParseError, TokenParseError
 
 NAMES = {1: "ev1", 2: "ev2", 3: "worker"}
 IDS = {name: i for i, name in NAMES.items()}
@@ -106,3 +107,45 @@ def test_any_text_parses_or_is_refused_clearly(text: str) -> None:
     except TokenParseError as err:
         message = str(err)
     assert "\n" not in message  # one line, whatever came in
+
+
+def test_presence_state_follows_the_commands() -> None:
+    syncing = presence.Syncing()
+    syncing.apply(presence.UserSync("sync1", "alice", "start", 1))
+    syncing.apply(presence.UserSync("sync2", "alice", "start", 2))
+    syncing.apply(presence.UserSync("sync2", "bob", "start", 3))
+    syncing.apply(presence.UserSync("sync1", "alice", "end", 4))
+    assert syncing.online() == {"alice", "bob"}  # still on sync2
+    syncing.apply(presence.ClearUserSync("sync2"))
+    assert syncing.online() == set()
+    syncing.apply(presence.UserSync("sync3", "carol", "end", 5))  # end without start
+    assert syncing.online() == set()
+
+
+def test_a_worker_speaks_only_on_a_users_first_and_last_sync() -> None:
+    local = presence.Local()
+    assert local.begin("a") is True
+    assert local.begin("a") is False
+    assert local.end("a") is False
+    assert local.end("a") is True
+    assert local.begin("a") is True
+
+
+@pytest.mark.parametrize(
+    ("line", "command"),
+    [
+        ("sync1 @a:x start 17", presence.UserSync("sync1", "@a:x", "start", 17)),
+        ("sync1 @a:x end 0", presence.UserSync("sync1", "@a:x", "end", 0)),
+    ],
+)
+def test_user_sync_round_trips(line: str, command: presence.UserSync) -> None:
+    assert presence.UserSync.from_args(line) == command
+    assert command.to_args() == line
+    assert presence.ClearUserSync.from_args("sync1").to_args() == "sync1"
+
+
+@given(st.text(max_size=40))
+def test_presence_commands_parse_or_are_refused(text: str) -> None:
+    for kind in (presence.UserSync, presence.ClearUserSync):
+        with contextlib.suppress(CommandParseError):  # refused clearly, or parsed
+            kind.from_args(text)

@@ -10,7 +10,8 @@ plait.demo.roles:event_writer`, and so on).
 - `sync_worker`: the public HTTP API: `POST /send`, `/membership`, `/account_data`,
   `/tags`, `/typing` (forwarded to the instance that owns the write; the answer comes
   once this worker has seen it), and `GET /sync?user=U&since=TOKEN&timeout=MS`, a
-  long-poll for the user's rooms: events, account data and typing notices.
+  long-poll for the user's rooms: events, account data and typing notices. It tells
+  `main` who is syncing (USER_SYNC) and clears them all when it stops.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from psycopg.types.json import Jsonb
 
 from plait.caches.cached import CachedFunction
 from plait.core.tokens import StreamToken
-from plait.demo import sharding, sync
+from plait.demo import presence, sharding, sync
 from plait.demo.tokens import SyncToken, parse, resolve, writer_ids
 from plait.errors import ConfigError, PlaitError
 from plait.instance import Instance
@@ -43,6 +44,15 @@ MAX_TIMEOUT_MS = 30_000
 class Caches:
     room_members: CachedFunction[[str], list[str]]
     rooms_for_user: CachedFunction[[str], list[str]]
+
+
+def declare_shared(instance: Instance, on_presence: Callable[[Any], None] | None = None) -> Caches:
+    """What every process of the service declares: the presence commands (every peer
+    must know them: the hub relays them to all) and the caches."""
+    listener = on_presence or (lambda command: None)
+    instance.register_command(presence.UserSync, listener)
+    instance.register_command(presence.ClearUserSync, listener)
+    return declare_caches(instance)
 
 
 def declare_caches(instance: Instance) -> Caches:
@@ -86,7 +96,7 @@ def event_writers(instance: Instance) -> list[str]:
 
 
 def event_writer(instance: Instance) -> None:
-    declare_caches(instance)
+    declare_shared(instance)
     writers = event_writers(instance)
 
     def owned(args: Any) -> str:
@@ -132,9 +142,11 @@ def event_writer(instance: Instance) -> None:
 
 
 def main(instance: Instance) -> None:
-    """The hub process: writer of account data and typing notices (and, later, backfill
-    and presence)."""
-    declare_caches(instance)
+    """The hub process: writer of account data and typing notices, and the presence
+    writer: who syncs where, from the sync workers' USER_SYNC commands (endpoint
+    `online`)."""
+    syncing = presence.Syncing()
+    declare_shared(instance, syncing.apply)
     typing: dict[str, set[str]] = {}
 
     async def set_account_data(args: Any) -> Any:
@@ -179,19 +191,32 @@ def main(instance: Instance) -> None:
         token = instance.memory("typing").write(room, {"room": room, "users": sorted(users)})
         return {"token": token}
 
+    async def online(args: Any) -> Any:
+        return {"online": sorted(syncing.online())}
+
+    instance.on_departure(lambda name: syncing.apply(presence.ClearUserSync(name)))
     instance.register_endpoint("set_account_data", set_account_data)
     instance.register_endpoint("set_tag", set_tag)
     instance.register_endpoint("set_typing", set_typing)
+    instance.register_endpoint("online", online)
 
 
 class SyncWorker:
     """The public HTTP API of one sync worker."""
 
-    def __init__(self, instance: Instance, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, instance: Instance, port: int = 0, host: str = "127.0.0.1", linger: float = 5.0
+    ) -> None:
         self.instance = instance
-        self.caches = declare_caches(instance)
+        self.caches = declare_shared(instance)
+        # A user counts as syncing this long after their last sync ended, so a client
+        # that long-polls back to back does not flap between online and offline.
+        self.linger = linger
+        self._ending: dict[str, asyncio.Task[None]] = {}
+        self._closing = False
         self.writers = event_writers(instance)
         self.notifier = sync.Notifier()
+        self.syncing = presence.Local()
         self.host, self.port = host, port
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
@@ -234,8 +259,26 @@ class SyncWorker:
         logger.info("sync worker %s: public API at %s", self.instance.name, self.url)
 
     async def stop(self) -> None:
+        """Stop serving, then tell the presence writer every user here stopped syncing
+        (before the instance stops: it sends what is left, then departs)."""
         if self._runner is not None:
+            self._closing = True  # long-polls in flight answer now; new syncs are refused
+            await self.notifier.notify()
             await self._runner.cleanup()
+            self._runner = None
+            for task in self._ending.values():
+                task.cancel()
+            self._ending.clear()
+            self.instance.send_command(presence.ClearUserSync(self.instance.name))
+
+    async def _end_later(self, user: str) -> None:
+        await asyncio.sleep(self.linger)
+        self._ending.pop(user, None)
+        self._presence(user, "end")
+
+    def _presence(self, user: str, state: str) -> None:
+        ms = int(time.time() * 1000)
+        self.instance.send_command(presence.UserSync(self.instance.name, user, state, ms))
 
     def _forward(
         self, endpoint: str, to: str | None = None
@@ -257,6 +300,8 @@ class SyncWorker:
 
     async def _sync(self, request: web.Request) -> web.Response:
         user = request.query.get("user", "")
+        if self._closing:
+            return web.json_response({"error": "this sync worker is stopping"}, status=503)
         if not user:
             return web.json_response({"error": "user is required"}, status=400)
         try:
@@ -265,13 +310,22 @@ class SyncWorker:
         except (ValueError, PlaitError) as err:
             return web.json_response({"error": str(err)}, status=400)
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
-        while True:
-            generation = self.notifier.generation
-            answer, token = await self._changes(user, since)
-            left = deadline - time.monotonic()
-            if any(answer.values()) or left <= 0:
-                break
-            await self.notifier.wait_past(generation, left)
+        ending = self._ending.pop(user, None)
+        if self.syncing.begin(user) and ending is None:
+            self._presence(user, "start")
+        elif ending is not None:
+            ending.cancel()  # back within the linger: still syncing, nothing to say
+        try:
+            while True:
+                generation = self.notifier.generation
+                answer, token = await self._changes(user, since)
+                left = deadline - time.monotonic()
+                if any(answer.values()) or left <= 0 or self._closing:
+                    break
+                await self.notifier.wait_past(generation, left)
+        finally:
+            if self.syncing.end(user):
+                self._ending[user] = asyncio.create_task(self._end_later(user))
         ids = await self.instance.db.get_instance_ids(
             sorted(set(token.events.writers) | set(token.account_data.writers))
         )
