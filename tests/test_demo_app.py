@@ -14,7 +14,7 @@ import aiohttp
 
 from plait import Database
 from plait.demo import roles, schema, sharding
-from plait.demo.roles import SyncWorker, event_writer
+from plait.demo.roles import Memberships, SyncWorker, event_writer
 from plait.instance import Instance
 from redis_server import free_port
 
@@ -32,6 +32,7 @@ class Chat:
     main: Instance
     sync1: Instance
     worker: SyncWorker
+    instance: Callable[[str], Instance]  # another process of the deployment
 
 
 @contextlib.asynccontextmanager
@@ -39,7 +40,7 @@ async def deployment(db: Database, linger: float = 5.0) -> AsyncIterator[Chat]:
     async with db.connection() as conn:
         await conn.execute(schema.TABLES)
     names = ["main", *WRITERS, "sync1"]
-    ports = {name: free_port() for name in names}
+    ports = {name: free_port() for name in [*names, "bg"]}
     hub_port = free_port()
 
     def instance(name: str) -> Instance:
@@ -66,7 +67,7 @@ async def deployment(db: Database, linger: float = 5.0) -> AsyncIterator[Chat]:
         await worker.start()
         stack.push_async_callback(worker.stop)
         assert worker.url is not None
-        yield Chat(worker.url, main, sync1, worker)
+        yield Chat(worker.url, main, sync1, worker, instance)
 
 
 @contextlib.asynccontextmanager
@@ -235,3 +236,77 @@ async def until_equal(get: Callable[[], Awaitable[Any]], expected: Any) -> None:
     async with asyncio.timeout(10):
         while await get() != expected:  # noqa: ASYNC110 - another process's state
             await asyncio.sleep(0.05)
+
+
+async def test_backfill_rows_get_negative_ids_and_their_own_token(db: Database) -> None:
+    room = rooms_of("ev2", 1)[0]
+    async with chat(db) as url, aiohttp.ClientSession() as session:
+        await post(session, f"{url}/send", {"room": room, "sender": "bob", "body": "now"})
+        ids = [
+            (await post(session, f"{url}/backfill", {"room": room, "sender": "old", "body": b}))[
+                "stream_id"
+            ]
+            for b in ("older", "oldest")
+        ]
+        assert all(i < 0 for i in ids)
+        assert ids[1] < ids[0]  # each import goes further back
+        async with session.get(f"{url}/backfill", params={"room": room}) as response:
+            first = await response.json()
+        assert [e["body"] for e in first["events"]] == ["older", "oldest"]
+        assert first["next"].startswith("s")  # one writer: the simple form
+        await post(session, f"{url}/backfill", {"room": room, "sender": "old", "body": "ancient"})
+        params = {"room": room, "since": first["next"]}
+        async with session.get(f"{url}/backfill", params=params) as response:
+            later = await response.json()
+        assert [e["body"] for e in later["events"]] == ["ancient"]
+        async with session.get(f"{url}/backfill", params={**params, "since": "x"}) as response:
+            assert response.status == 400
+
+
+async def test_the_membership_table_matches_a_recomputation(db: Database) -> None:
+    rooms = rooms_of("ev1", 2) + rooms_of("ev2", 2)
+    async with deployment(db) as running, aiohttp.ClientSession() as session:
+        bg = running.instance("bg")
+        worker = Memberships(bg, page=3)  # small pages: many transactions
+        async with bg:
+            task = asyncio.create_task(worker.run())
+            try:
+                for i in range(24):
+                    room, user = rooms[i % 4], f"u{i % 5}"
+                    membership = "leave" if i % 3 == 2 else "join"
+                    await post(
+                        session,
+                        f"{running.url}/membership",
+                        {"room": room, "user": user, "membership": membership},
+                    )
+                events = running.sync1.generator("events")
+
+                async def caught_up() -> bool:
+                    return worker.position >= events.get_current_token()
+
+                await until_equal(caught_up, True)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        async with db.connection() as conn:
+            cur = await conn.execute(
+                "SELECT user_id, room_id, membership, stream_id FROM room_memberships ORDER BY 1, 2"
+            )
+            kept = await cur.fetchall()
+            cur = await conn.execute(
+                "SELECT DISTINCT ON (user_id, room_id) user_id, room_id, membership, stream_id"
+                " FROM room_state ORDER BY user_id, room_id, stream_id DESC"
+            )
+            recomputed = await cur.fetchall()
+            cur = await conn.execute(
+                "SELECT user_id, room_id, membership FROM current_members ORDER BY 1, 2"
+            )
+            current = await cur.fetchall()
+            cur = await conn.execute("SELECT stream_id FROM worker_progress")
+            progress = await cur.fetchone()
+        assert kept == sorted(recomputed)
+        assert len(kept) == 20  # 5 users x 4 rooms
+        assert [row[:3] for row in kept] == sorted(current, key=lambda r: (r[0], r[1]))
+        assert progress is not None
+        assert progress[0] == worker.position

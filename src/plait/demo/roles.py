@@ -5,8 +5,10 @@ plait.demo.roles:event_writer`, and so on).
 - `event_writer`: owns the rooms `sharding.owner` gives it; writes messages and
   membership changes (with the current state and one batched cache invalidation, in
   one transaction) when another process asks over the internal HTTP API.
-- `main`: writes account data (three tables, one stream) and typing notices (an
-  in-memory stream).
+- `main`: writes account data (three tables, one stream), typing notices (an
+  in-memory stream) and imported history (`backfill`, a backwards stream).
+- `background` (`Memberships`): follows `events` linearly and keeps
+  `room_memberships` from the membership changes alone.
 - `sync_worker`: the public HTTP API: `POST /send`, `/membership`, `/account_data`,
   `/tags`, `/typing` (forwarded to the instance that owns the write; the answer comes
   once this worker has seen it), and `GET /sync?user=U&since=TOKEN&timeout=MS`, a
@@ -191,6 +193,15 @@ def main(instance: Instance) -> None:
         token = instance.memory("typing").write(room, {"room": room, "users": sorted(users)})
         return {"token": token}
 
+    async def backfill(args: Any) -> Any:
+        """Older history: the `backfill` stream counts down (-1, -2, ...)."""
+        ids = await instance.generator("backfill").insert(
+            "INSERT INTO backfill_events (stream_id, instance_name, room_id, sender, body)"
+            " VALUES ({id}, %s, %s, %s, %s) RETURNING stream_id",
+            (instance.name, str(args["room"]), str(args["sender"]), str(args["body"])),
+        )
+        return {"stream_id": ids[0]}
+
     async def online(args: Any) -> Any:
         return {"online": sorted(syncing.online())}
 
@@ -199,6 +210,7 @@ def main(instance: Instance) -> None:
     instance.register_endpoint("set_tag", set_tag)
     instance.register_endpoint("set_typing", set_typing)
     instance.register_endpoint("online", online)
+    instance.register_endpoint("backfill", backfill)
 
 
 class SyncWorker:
@@ -247,6 +259,8 @@ class SyncWorker:
                 web.post("/account_data", self._forward("set_account_data", MAIN)),
                 web.post("/tags", self._forward("set_tag", MAIN)),
                 web.post("/typing", self._forward("set_typing", MAIN)),
+                web.post("/backfill", self._forward("backfill", MAIN)),
+                web.get("/backfill", self._backfilled),
                 web.get("/sync", self._sync),
             ]
         )
@@ -352,6 +366,26 @@ class SyncWorker:
         answer = {"events": events.rows, "account_data": data.rows, "typing": typing}
         return answer, SyncToken(events.token, data.token, typing_at)
 
+    async def _backfilled(self, request: web.Request) -> web.Response:
+        """`GET /backfill?room=R&since=TOKEN`: history imported into a room after
+        `since` (a token of the `backfill` stream; none: from the start), newest import
+        first, and the token to ask from next."""
+        gen = self.instance.generator("backfill")
+        room = request.query.get("room", "")
+        try:
+            since = (
+                StreamToken(0)
+                if "since" not in request.query
+                else (await StreamToken.parse(self.instance.db, request.query["since"]))
+            )
+        except PlaitError as err:
+            return web.json_response({"error": str(err)}, status=400)
+        now = since.copy_and_advance(StreamToken.from_generator(gen))
+        page = await sync.rows_between(self.instance.db, gen.spec, "room_id", [room], since, now)
+        return web.json_response(
+            {"next": await page.token.to_string(self.instance.db), "events": page.rows}
+        )
+
     async def _since(self, text: str | None) -> SyncToken:
         """The client's token, clamped to what exists; none: from now."""
         events_gen = self.instance.generator("events")
@@ -385,3 +419,72 @@ def sync_worker(instance: Instance, port: int = 0) -> Callable[[], Awaitable[Non
             await worker.stop()
 
     return run
+
+
+class Memberships:
+    """The background worker: follows `events` linearly (every row at or below the
+    stream's persisted-up-to position, in ID order) and keeps `room_memberships`, with
+    its progress in the same transaction."""
+
+    NAME = "memberships"
+
+    def __init__(self, instance: Instance, page: int = 1000) -> None:
+        self.instance = instance
+        self.page = page
+        self.position = 0
+        self.notifier = sync.Notifier()
+        declare_shared(instance)
+        instance.on_position("events", self._moved)
+        instance.on_rows("events", self._rows)
+
+    async def _moved(self, stream: str, writer: str, token: int) -> None:
+        await self.notifier.notify()
+
+    async def _rows(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        await self.notifier.notify()
+
+    async def run(self) -> None:
+        async with self.instance.db.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT stream_id FROM worker_progress WHERE worker = %s", (self.NAME,)
+            )
+            row = await cursor.fetchone()
+        self.position = 0 if row is None else int(row[0])
+        while True:
+            generation = self.notifier.generation
+            await self.catch_up()
+            await self.notifier.wait_past(generation, 1.0)  # or look again in a second
+
+    async def catch_up(self) -> None:
+        """Apply every row up to the linear position as it is now."""
+        gen = self.instance.generator("events")
+        target = gen.get_persisted_upto_position()
+        while self.position < target:
+            rows, upto, _ = await gen.get_updates_since(None, self.position, target, self.page)
+            async with self.instance.db.transaction() as txn:
+                for row in rows:
+                    if row.table != "room_state":
+                        continue
+                    await txn.execute(
+                        "INSERT INTO room_memberships (user_id, room_id, membership, stream_id)"
+                        " VALUES (%s, %s, %s, %s) ON CONFLICT (user_id, room_id) DO UPDATE"
+                        " SET membership = EXCLUDED.membership, stream_id = EXCLUDED.stream_id"
+                        " WHERE room_memberships.stream_id < EXCLUDED.stream_id",
+                        (
+                            row.data["user_id"],
+                            row.data["room_id"],
+                            row.data["membership"],
+                            row.stream_id,
+                        ),
+                    )
+                await txn.execute(
+                    "INSERT INTO worker_progress (worker, stream_id) VALUES (%s, %s)"
+                    " ON CONFLICT (worker) DO UPDATE SET stream_id = EXCLUDED.stream_id",
+                    (self.NAME, upto),
+                )
+            self.position = upto
+
+
+def background(instance: Instance) -> Callable[[], Awaitable[None]]:
+    """`plait serve --app plait.demo.roles:background`."""
+    return Memberships(instance).run

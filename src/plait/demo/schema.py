@@ -73,10 +73,14 @@ CREATE INDEX IF NOT EXISTS room_account_data_writer
     ON room_account_data (instance_name, stream_id);
 CREATE INDEX IF NOT EXISTS room_tags_writer ON room_tags (instance_name, stream_id);
 
--- The background worker's own view, from `events` alone (not from current_members).
+-- The background worker's own view, from `events` alone (not from current_members),
+-- and how far it got (written in the same transaction: exactly once across restarts).
 CREATE TABLE IF NOT EXISTS room_memberships (
     user_id TEXT NOT NULL, room_id TEXT NOT NULL, membership TEXT NOT NULL,
     stream_id BIGINT NOT NULL, PRIMARY KEY (user_id, room_id)
+);
+CREATE TABLE IF NOT EXISTS worker_progress (
+    worker TEXT PRIMARY KEY, stream_id BIGINT NOT NULL
 );
 """
 

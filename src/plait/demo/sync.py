@@ -24,6 +24,7 @@ LIMIT = 100
 COLUMNS = {
     "events": ("room_id", "sender", "body"),
     "room_state": ("room_id", "user_id", "membership"),
+    "backfill_events": ("room_id", "sender", "body"),
     "global_account_data": ("kind", "content"),
     "room_account_data": ("room_id", "kind", "content"),
     "room_tags": ("room_id", "tag", "content"),
@@ -59,8 +60,9 @@ async def rows_between(
         )
         query = sql.SQL(
             "SELECT {id}, {writer}, {cols} FROM {t} WHERE {by} = ANY(%s) AND ({cond})"
-            " ORDER BY {id} LIMIT {limit}"
+            " ORDER BY {id} {order} LIMIT {limit}"
         ).format(
+            order=sql.SQL("DESC" if spec.backwards else "ASC"),  # internal IDs ascending
             id=sql.Identifier(table.id_column),
             writer=sql.Identifier(table.instance_column),
             cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
@@ -74,7 +76,7 @@ async def rows_between(
             for stream_id, writer, *row in await cursor.fetchall():
                 item = {"stream_id": stream_id, "writer": writer, "table": table.name}
                 item.update(zip(columns, row, strict=True))
-                found.append((int(stream_id), item))
+                found.append((spec.sign * int(stream_id), item))  # internal ID
     found.sort(key=lambda pair: pair[0])
     if len(found) <= limit:
         return Page([item for _, item in found], end)
