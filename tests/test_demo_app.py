@@ -29,6 +29,7 @@ def rooms_of(writer: str, count: int) -> list[str]:
 @dataclass
 class Chat:
     url: str  # the sync worker's public API
+    url2: str  # the other sync worker's
     main: Instance
     sync1: Instance
     worker: SyncWorker
@@ -36,10 +37,14 @@ class Chat:
 
 
 @contextlib.asynccontextmanager
-async def deployment(db: Database, linger: float = 5.0) -> AsyncIterator[Chat]:
+async def deployment(
+    db: Database, linger: float = 5.0, sync2_lag: float = 0.0
+) -> AsyncIterator[Chat]:
+    """The deployment. `sync2_lag`: sync2 takes this long over each batch of events
+    (a slow listener holds its queue for the stream), so it falls behind sync1."""
     async with db.connection() as conn:
         await conn.execute(schema.TABLES)
-    names = ["main", *WRITERS, "sync1"]
+    names = ["main", *WRITERS, "sync1", "sync2"]
     ports = {name: free_port() for name in [*names, "bg"]}
     hub_port = free_port()
 
@@ -59,15 +64,23 @@ async def deployment(db: Database, linger: float = 5.0) -> AsyncIterator[Chat]:
     writers = [instance(name) for name in WRITERS]
     for writer in writers:
         event_writer(writer)
-    sync1 = instance("sync1")
-    worker = SyncWorker(sync1, linger=linger)
+    sync1, sync2 = instance("sync1"), instance("sync2")
+    if sync2_lag:
+
+        async def slow(stream: str, writer: str, token: int, rows: list[Any]) -> None:
+            await asyncio.sleep(sync2_lag)
+
+        sync2.on_rows("events", slow)
+    worker, worker2 = SyncWorker(sync1, linger=linger), SyncWorker(sync2, linger=linger)
     async with contextlib.AsyncExitStack() as stack:
-        for one in (main, *writers, sync1):
+        for one in (main, *writers, sync1, sync2):
             await stack.enter_async_context(one)
-        await worker.start()
-        stack.push_async_callback(worker.stop)
+        for sync_worker in (worker, worker2):
+            await sync_worker.start()
+            stack.push_async_callback(sync_worker.stop)
         assert worker.url is not None
-        yield Chat(worker.url, main, sync1, worker, instance)
+        assert worker2.url is not None
+        yield Chat(worker.url, worker2.url, main, sync1, worker, instance)
 
 
 @contextlib.asynccontextmanager
@@ -310,3 +323,33 @@ async def test_the_membership_table_matches_a_recomputation(db: Database) -> Non
         assert [row[:3] for row in kept] == sorted(current, key=lambda r: (r[0], r[1]))
         assert progress is not None
         assert progress[0] == worker.position
+
+
+async def test_read_your_writes_across_sync_workers(db: Database) -> None:
+    room = rooms_of("ev1", 1)[0]
+    async with deployment(db, sync2_lag=1.0) as running, aiohttp.ClientSession() as session:
+        await post(
+            session,
+            f"{running.url}/membership",
+            {"room": room, "user": "hana", "membership": "join"},
+        )
+        _, first = await sync(session, running.url2, "hana")
+        await asyncio.sleep(0.2)  # sync2 is busy with the join for a second
+        sent = await post(
+            session, f"{running.url}/send", {"room": room, "sender": "ivo", "body": "hi"}
+        )
+        # sync2 lags: without `after` it answers at once, without the message...
+        _, lagging = await sync(session, running.url2, "hana", first["next"])
+        assert sent["stream_id"] not in [e["stream_id"] for e in lagging["events"]]
+        # ...with the send's `after` token it waits until it has seen the message.
+        query = {"user": "hana", "since": first["next"], "after": sent["after"]}
+        async with session.get(f"{running.url2}/sync", params=query) as response:
+            got = await response.json()
+        assert sent["stream_id"] in [e["stream_id"] for e in got["events"]]
+        data = await post(
+            session, f"{running.url}/account_data", {"user": "hana", "kind": "k", "content": {}}
+        )
+        query = {"user": "hana", "since": got["next"], "after": data["after"]}
+        async with session.get(f"{running.url2}/sync", params=query) as response:
+            got = await response.json()
+        assert [r["stream_id"] for r in got["account_data"]] == [data["stream_id"]]

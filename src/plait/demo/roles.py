@@ -11,7 +11,8 @@ plait.demo.roles:event_writer`, and so on).
   `room_memberships` from the membership changes alone.
 - `sync_worker`: the public HTTP API: `POST /send`, `/membership`, `/account_data`,
   `/tags`, `/typing` (forwarded to the instance that owns the write; the answer comes
-  once this worker has seen it), and `GET /sync?user=U&since=TOKEN&timeout=MS`, a
+  once this worker has seen it; its `after` token makes `GET /sync?after=` on any
+  other worker wait for it too), and `GET /sync?user=U&since=TOKEN&timeout=MS`, a
   long-poll for the user's rooms: events, account data and typing notices. It tells
   `main` who is syncing (USER_SYNC) and clears them all when it stops.
 """
@@ -38,6 +39,13 @@ from plait.instance import Instance
 logger = logging.getLogger(__name__)
 
 MAIN = "main"
+# Public writes whose answer carries an `after` token, by the stream they write.
+_WRITES_TO = {
+    "send_message": "events",
+    "set_membership": "events",
+    "set_account_data": "account_data",
+    "set_tag": "account_data",
+}
 ROOM_CHANGED = "room_changed"
 MAX_TIMEOUT_MS = 30_000
 
@@ -308,7 +316,8 @@ class SyncWorker:
                 return web.json_response({"error": f"bad request: {err}"}, status=400)
             except PlaitError as err:
                 return web.json_response({"error": str(err)}, status=502)
-            return web.json_response(answer)
+            after = await self._after(endpoint, owner, answer)
+            return web.json_response({**answer, **({"after": after} if after else {})})
 
         return handle
 
@@ -320,6 +329,8 @@ class SyncWorker:
             return web.json_response({"error": "user is required"}, status=400)
         try:
             timeout_ms = min(int(request.query.get("timeout", "0")), MAX_TIMEOUT_MS)
+            if "after" in request.query:
+                await self._wait_after(request.query["after"])
             since = await self._since(request.query.get("since"))
         except (ValueError, PlaitError) as err:
             return web.json_response({"error": str(err)}, status=400)
@@ -365,6 +376,31 @@ class SyncWorker:
         }
         answer = {"events": events.rows, "account_data": data.rows, "typing": typing}
         return answer, SyncToken(events.token, data.token, typing_at)
+
+    async def _after(self, endpoint: str, owner: str, answer: Any) -> str | None:
+        """A sync token naming just this write: `GET /sync?after=` it, on any sync
+        worker, answers only once that worker has seen the write (read-your-writes
+        across workers)."""
+        stream = _WRITES_TO.get(endpoint)
+        if stream is None:
+            return None
+        wrote = StreamToken(0, {owner: int(answer["stream_id"])})
+        token = SyncToken(
+            wrote if stream == "events" else StreamToken(0),
+            wrote if stream == "account_data" else StreamToken(0),
+            0,
+        )
+        return token.encode(await self.instance.db.get_instance_ids([owner]))
+
+    async def _wait_after(self, text: str) -> None:
+        """Until this worker has seen every write `text` (an `after` token) names."""
+        parsed = parse(text)
+        token = resolve(
+            parsed, await self.instance.db.get_instance_names(sorted(writer_ids(parsed)))
+        )
+        for stream, part in (("events", token.events), ("account_data", token.account_data)):
+            for writer, position in part.writers.items():
+                await self.instance.wait_for_stream_position(writer, stream, position)
 
     async def _backfilled(self, request: web.Request) -> web.Response:
         """`GET /backfill?room=R&since=TOKEN`: history imported into a room after
