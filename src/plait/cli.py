@@ -148,6 +148,30 @@ def derive(**options: Any) -> None:
 
 
 @main.command()
+@click.option("--duration", default=30.0, show_default=True, help="Seconds of simulated users.")
+@click.option("--dsn", envvar="PLAIT_DSN", help="PostgreSQL to use; default: the embedded one.")
+@click.option("--redis", help="Replicate over this Redis (redis://...) instead of the TCP hub.")
+@click.option("--no-spark", is_flag=True, help="Skip the Spark export at the end.")
+def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) -> None:
+    """The reference chat service end to end: its processes, simulated users, a live
+    dashboard, then the Spark export of `events` to Parquet. Exits 1 if a check fails."""
+    import asyncio
+
+    from plait.demo.run import demo as run_demo
+
+    console = _console()
+    try:
+        ok = asyncio.run(
+            run_demo(duration=duration, dsn=dsn, redis=redis, spark=not no_spark, console=console)
+        )
+    except KeyboardInterrupt:
+        console.line()
+        console.print("stopped: every process of the demo was stopped")
+        sys.exit(130)
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
 @click.option(
     "--config",
     "config_path",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from plait.instance import Instance
 logger = logging.getLogger(__name__)
 
 MAIN = "main"
+SYNC_PORT_ENV = "PLAIT_DEMO_SYNC_PORT"
 # Public writes whose answer carries an `after` token, by the stream they write.
 _WRITES_TO = {
     "send_message": "events",
@@ -442,9 +444,12 @@ class SyncWorker:
         )
 
 
-def sync_worker(instance: Instance, port: int = 0) -> Callable[[], Awaitable[None]]:
+def sync_worker(instance: Instance, port: int | None = None) -> Callable[[], Awaitable[None]]:
     """`plait serve --app plait.demo.roles:sync_worker`: the public API runs once the
-    instance is up, until it stops."""
+    instance is up, until it stops, on `port` (default: $PLAIT_DEMO_SYNC_PORT, else any
+    free port)."""
+    if port is None:
+        port = int(os.environ.get(SYNC_PORT_ENV, "0"))
     worker = SyncWorker(instance, port)
 
     async def run() -> None:

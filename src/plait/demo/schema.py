@@ -114,7 +114,7 @@ def streams(event_writers: Sequence[str]) -> list[dict[str, Any]]:
     ]
 
 
-def config(
+def config_dict(
     name: str,
     *,
     database: str,
@@ -123,23 +123,27 @@ def config(
     secret: str,
     redis: str | None = None,
     hub_port: int = 0,
-) -> InstanceConfig:
-    """The configuration of process `name` of a deployment: the same for all of them
-    but for the name (every process knows every other's HTTP address)."""
+) -> dict[str, Any]:
+    """The configuration of process `name` of a deployment, as plain data (what a YAML
+    file for `plait serve` holds): the same for all of them but for the name (every
+    process knows every other's HTTP address)."""
     replication: dict[str, Any] = (
         {"transport": "redis", "redis": {"url": redis}}
         if redis
         else {"transport": "tcp", "tcp": {"hub": MAIN, "port": hub_port}}
     )
-    return InstanceConfig.load(
-        {
-            "instance_name": name,
-            "deployment": "plait-demo",
-            "database": database,
-            "streams": streams(event_writers),
-            "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in http_ports.items()},
-            "http": {"port": http_ports[name], "secret": secret},
-            "replication": {**replication, "announce_interval": 0.5},
-            "position_flush_interval": 0.5,
-        }
-    )
+    return {
+        "instance_name": name,
+        "deployment": "plait-demo",
+        "database": database,
+        "streams": streams(event_writers),
+        "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in http_ports.items()},
+        "http": {"port": http_ports[name], "secret": secret},
+        "replication": {**replication, "announce_interval": 0.5},
+        "position_flush_interval": 0.5,
+    }
+
+
+def config(name: str, **options: Any) -> InstanceConfig:
+    """`config_dict`, validated."""
+    return InstanceConfig.load(config_dict(name, **options))

@@ -1,0 +1,470 @@
+"""`plait demo`: the chat service as separate processes, a load of simulated users, a
+live dashboard, then the Spark export of `events` to Parquet, each step checked.
+
+Processes (each `plait serve --app plait.demo.roles:<role>`): `main` (the TCP hub, or a
+Redis client with `--redis`), two event writers, a sync worker and the background
+worker. The database is the given DSN or plait's embedded server; the demo works in a
+schema of its own, `plait_demo`, dropped and made again at every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+import yaml
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from plait.demo import schema
+from plait.demo.roles import SYNC_PORT_ENV
+from plait.ops import status
+from plait.storage.database import Database
+
+SCHEMA = "plait_demo"
+EVENT_WRITERS = ["ev1", "ev2"]
+ROLES = {
+    "main": "main",
+    "ev1": "event_writer",
+    "ev2": "event_writer",
+    "bg": "background",
+    "sync1": "sync_worker",
+}
+ROOMS = [f"!room{i}:demo" for i in range(8)]
+USERS = [f"@user{i}:demo" for i in range(12)]
+OBSERVER = "@observer:demo"  # in every room, never leaves: must get every message once
+
+
+@dataclass
+class Tally:
+    """What the load did and what the observing client got."""
+
+    sent: dict[int, float] = field(default_factory=dict)  # stream_id -> when sent
+    received: dict[int, int] = field(default_factory=dict)  # stream_id -> times received
+    latencies: list[float] = field(default_factory=list)
+    writes: dict[str, int] = field(default_factory=dict)  # kind -> count
+    errors: int = 0
+
+    def count(self, kind: str) -> None:
+        self.writes[kind] = self.writes.get(kind, 0) + 1
+
+    def percentile(self, q: float) -> float | None:
+        if not self.latencies:
+            return None
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def duplicates(self) -> int:
+        return sum(n - 1 for n in self.received.values() if n > 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Processes:
+    """The service's processes: started in order, each once it answers; stopped with
+    SIGTERM (gracefully), killed if one takes longer than 15 s."""
+
+    def __init__(self, dsn: str, redis: str | None, logs: Path) -> None:
+        self.dsn, self.redis, self.logs = dsn, redis, logs
+        self.ports = {name: _free_port() for name in ROLES}
+        self.sync_port = _free_port()
+        self.hub_port = _free_port()
+        self.running: dict[str, asyncio.subprocess.Process] = {}
+
+    @property
+    def sync_url(self) -> str:
+        return f"http://127.0.0.1:{self.sync_port}"
+
+    def metrics_url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}/metrics"
+
+    async def start(self) -> None:
+        for name in ROLES:  # main first: it is the hub
+            await self._start(name)
+            await self._ready(self.metrics_url(name), name)
+        await self._ready(f"{self.sync_url}/sync?user=ready", "sync1")
+
+    async def _start(self, name: str) -> None:
+        config = schema.config_dict(
+            name,
+            database=self.dsn,
+            event_writers=EVENT_WRITERS,
+            http_ports=self.ports,
+            secret="plait-demo",
+            redis=self.redis,
+            hub_port=self.hub_port,
+        )
+        path = self.logs / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        log = (self.logs / f"{name}.log").open("ab")
+        env = {**os.environ, SYNC_PORT_ENV: str(self.sync_port)}
+        self.running[name] = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "plait.cli", "serve", "--config", str(path),
+            "--app", f"plait.demo.roles:{ROLES[name]}", "--log-level", "info",
+            stdout=log, stderr=log, env=env, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    async def _ready(self, url: str, name: str, within: float = 60.0) -> None:
+        deadline = time.monotonic() + within
+        async with aiohttp.ClientSession() as session:
+            while True:
+                process = self.running[name]
+                if process.returncode is not None:
+                    raise RuntimeError(
+                        f"process {name} exited with status {process.returncode}; "
+                        f"see {self.logs / (name + '.log')}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(url) as response:
+                        if response.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"process {name} did not answer at {url} in {within:.0f} s")
+                await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        for name in reversed(list(self.running)):  # the hub last
+            process = self.running[name]
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), 15)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    await process.wait()
+
+
+class Load:
+    """Simulated users on the sync worker's public API."""
+
+    def __init__(self, url: str, tally: Tally, seed: int = 7) -> None:
+        self.url = url
+        self.tally = tally
+        self.random = random.Random(seed)
+        self.joined: dict[str, set[str]] = {user: set() for user in USERS}
+
+    async def post(self, session: aiohttp.ClientSession, path: str, body: Any) -> Any:
+        async with session.post(f"{self.url}{path}", json=body) as response:
+            if response.status != 200:
+                self.tally.errors += 1
+                return None
+            return await response.json()
+
+    async def setup(self, session: aiohttp.ClientSession) -> None:
+        for room in ROOMS:
+            await self.post(
+                session, "/membership", {"room": room, "user": OBSERVER, "membership": "join"}
+            )
+        for user in USERS:
+            for room in self.random.sample(ROOMS, 3):
+                await self.membership(session, user, room, "join")
+
+    async def membership(
+        self, session: aiohttp.ClientSession, user: str, room: str, state: str
+    ) -> None:
+        if await self.post(
+            session, "/membership", {"room": room, "user": user, "membership": state}
+        ):
+            (self.joined[user].add if state == "join" else self.joined[user].discard)(room)
+            self.tally.count("membership")
+
+    async def user(self, session: aiohttp.ClientSession, until: float) -> None:
+        while time.monotonic() < until:
+            user = self.random.choice(USERS)
+            roll = self.random.random()
+            rooms = sorted(self.joined[user]) or ROOMS[:1]
+            room = self.random.choice(rooms)
+            if roll < 0.75:
+                answer = await self.post(
+                    session, "/send", {"room": room, "sender": user, "body": "hello"}
+                )
+                if answer:
+                    self.tally.sent[int(answer["stream_id"])] = time.monotonic()
+                    self.tally.count("message")
+            elif roll < 0.85:
+                state = (
+                    "leave" if room in self.joined[user] and len(self.joined[user]) > 1 else "join"
+                )
+                await self.membership(session, user, self.random.choice(ROOMS), state)
+            elif roll < 0.93:
+                if await self.post(
+                    session, "/typing", {"room": room, "user": user, "typing": roll < 0.9}
+                ):
+                    self.tally.count("typing")
+            elif roll < 0.98:
+                body = {"user": user, "kind": "theme", "content": {"n": self.random.randint(0, 9)}}
+                if await self.post(session, "/account_data", body):
+                    self.tally.count("account data")
+            elif await self.post(
+                session, "/backfill", {"room": room, "sender": user, "body": "old"}
+            ):
+                self.tally.count("backfill")
+            await asyncio.sleep(0.005)
+
+    async def observe(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        """The observer's long-poll loop: every message exactly once, and how long after
+        its send it arrived."""
+        since: str | None = None
+        while not stop.is_set():
+            query = {"user": OBSERVER, "timeout": "1000", **({"since": since} if since else {})}
+            try:
+                async with session.get(f"{self.url}/sync", params=query) as response:
+                    answer = await response.json()
+            except aiohttp.ClientError:
+                self.tally.errors += 1
+                await asyncio.sleep(0.1)
+                continue
+            now = time.monotonic()
+            for event in answer.get("events", []):
+                if event.get("table") != "events":
+                    continue
+                stream_id = int(event["stream_id"])
+                self.tally.received[stream_id] = self.tally.received.get(stream_id, 0) + 1
+                sent = self.tally.sent.get(stream_id)
+                if sent is not None:
+                    self.tally.latencies.append(now - sent)
+            since = answer.get("next", since)
+
+
+def dashboard(
+    found: list[status.StreamStatus],
+    speeds: dict[tuple[str, str], float],
+    tally: Tally,
+    left: float,
+) -> Group:
+    table = Table(title="plait demo: streams and writers", title_justify="left")
+    for column in ("stream", "writer", "position", "persisted up to", "gap", "IDs/s"):
+        table.add_column(column, justify="left" if column in ("stream", "writer") else "right")
+    for stream in found:
+        for w in stream.writers:
+            speed = speeds.get((stream.name, w.writer))
+            table.add_row(
+                stream.name, w.writer, str(w.position if w.position is not None else "-"),
+                str(stream.persisted_up_to if stream.persisted_up_to is not None else "-"),
+                str(stream.gap), "" if speed is None else f"{speed:.0f}",
+            )  # fmt: skip
+    p50, p99 = tally.percentile(0.5), tally.percentile(0.99)
+    latency = (
+        "-" if p50 is None or p99 is None else f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms"
+    )
+    writes = ", ".join(f"{n} {kind}" for kind, n in sorted(tally.writes.items()))
+    got = sum(1 for i in tally.sent if i in tally.received)
+    return Group(
+        table,
+        Text(f"writes: {writes or '-'}; errors: {tally.errors}"),
+        Text(f"sync latency (send to a long-polling client): {latency}"),
+        Text(f"messages received by the syncing client: {got} of {len(tally.sent)}"),
+        Text(f"{max(left, 0):.0f} s left" if left > 0 else "load stopped: catching up", end="\n"),
+    )
+
+
+def reader_coverage(dsn: str, positions: dict[str, dict[str, int]]) -> tuple[int, dict[str, int]]:
+    """Rows of the `events` stream, and how many of them each process has seen (those
+    at or below its position for their writer)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        total = 0
+        covered = dict.fromkeys(positions, 0)
+        for table in ("events", "room_state"):
+            name = sql.Identifier(table)
+            for writer, count, top in conn.execute(
+                sql.SQL("SELECT instance_name, count(*), max(stream_id) FROM {} GROUP BY 1").format(
+                    name
+                )
+            ).fetchall():
+                total += count
+                for reader, seen in positions.items():
+                    if seen.get(writer, 0) >= top:
+                        covered[reader] += count
+                    else:
+                        (row,) = conn.execute(
+                            sql.SQL(
+                                "SELECT count(*) FROM {} WHERE instance_name = %s"
+                                " AND stream_id <= %s"
+                            ).format(name),
+                            (writer, seen.get(writer, 0)),
+                        ).fetchall()
+                        covered[reader] += row[0]
+    return total, covered
+
+
+async def positions_of(processes: Processes) -> dict[str, dict[str, int]]:
+    """Each process's view of the `events` writers' positions, from its /metrics."""
+    out: dict[str, dict[str, int]] = {}
+    async with aiohttp.ClientSession() as session:
+        for name in ROLES:
+            async with session.get(processes.metrics_url(name)) as response:
+                text = await response.text()
+            seen: dict[str, int] = {}
+            for line in text.splitlines():
+                if line.startswith('plait_stream_position{stream="events"'):
+                    writer = line.split('writer="')[1].split('"')[0]
+                    seen[writer] = int(float(line.rsplit(" ", 1)[1]))
+            out[name] = seen
+    return out
+
+
+@contextlib.contextmanager
+def _database(dsn: str | None) -> Iterator[str]:
+    if dsn:
+        yield dsn
+        return
+    from plait.storage.embedded import EmbeddedPostgres
+
+    server = EmbeddedPostgres.acquire()
+    try:
+        yield server.dsn
+    finally:
+        server.release()
+
+
+async def _prepare(server_dsn: str) -> str:
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE; CREATE SCHEMA "{SCHEMA}"')
+    dsn = make_conninfo(server_dsn, options=f"-c search_path={SCHEMA}")
+    db = await Database.connect(dsn, min_size=1, max_size=1)
+    try:
+        await db.migrate()
+        async with db.connection() as conn:
+            await conn.execute(schema.TABLES)
+    finally:
+        await db.close()
+    return dsn
+
+
+@contextlib.asynccontextmanager
+async def _running(dsn: str, redis: str | None, logs: Path) -> AsyncIterator[Processes]:
+    processes = Processes(dsn, redis, logs)
+    try:
+        await processes.start()
+        yield processes
+    finally:
+        await processes.stop()
+
+
+async def _load(processes: Processes, duration: float, console: Console) -> tuple[Tally, bool, str]:
+    tally = Tally()
+    load = Load(processes.sync_url, tally)
+    stop = asyncio.Event()
+    conn: psycopg.Connection[Any] = await asyncio.to_thread(
+        lambda: psycopg.connect(processes.dsn, autocommit=True)
+    )
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            await load.setup(session)
+            tasks.append(asyncio.create_task(load.observe(session, stop)))
+            until = time.monotonic() + duration
+            users = [asyncio.create_task(load.user(session, until)) for _ in range(4)]
+            tasks += users
+            before: list[status.StreamStatus] | None = None
+            taken = time.monotonic()
+            with Live(console=console, auto_refresh=False, transient=False) as live:
+                while True:
+                    now = time.monotonic()
+                    found = [status.assess(s) for s in await asyncio.to_thread(status.read, conn)]
+                    speeds: dict[tuple[str, str], float] = (
+                        status.rates(before, found, now - taken) if before else {}
+                    )
+                    before, taken = found, now
+                    live.update(dashboard(found, speeds, tally, until - now), refresh=True)
+                    done = all(task.done() for task in users)
+                    caught_up = all(i in tally.received for i in tally.sent)
+                    if done and (caught_up or now > until + 15):
+                        break
+                    await asyncio.sleep(0.5)
+            console.line()
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        stop.set()
+        for task in tasks:  # Ctrl-C: the load ends with the processes
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        conn.close()
+    positions = await positions_of(processes)
+    total, covered = await asyncio.to_thread(reader_coverage, processes.dsn, positions)
+    least = min(covered.values())
+    line = f"rows delivered to every reader: {least} of {total}"
+    messages_ok = all(tally.received.get(i) == 1 for i in tally.sent) and tally.duplicates == 0
+    return tally, least == total and messages_ok and tally.errors == 0, line
+
+
+def _export(dsn: str, folder: Path, console: Console) -> tuple[int, int]:
+    """The Spark export of `events` (its `events` table) to Parquet, exactly once, and
+    the rows on each side."""
+    from plait.spark import pipelines
+    from plait.spark.session import quiet_session
+
+    spark = quiet_session("plait-demo", master="local[2]")
+    try:
+        source = pipelines.Source(dsn=dsn, stream="events", table="events")
+        path, checkpoint = folder / "events.parquet", folder / "checkpoint"
+        query = pipelines.export(
+            spark, source, to="parquet", path=str(path), checkpoint=str(checkpoint), once=True
+        )
+        pipelines.run(query)
+        in_parquet = spark.read.parquet(str(path)).count()
+    finally:
+        spark.stop()
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM events").fetchone()
+    return (0 if row is None else int(row[0])), int(in_parquet)
+
+
+async def demo(
+    *, duration: float, dsn: str | None, redis: str | None, spark: bool, console: Console
+) -> bool:
+    """Run the whole demo; True when every check held."""
+    logs = Path(tempfile.mkdtemp(prefix="plait-demo-"))
+    with _database(dsn) as server_dsn:
+        demo_dsn = await _prepare(server_dsn)
+        console.print(f"database ready (schema {SCHEMA}); process logs in {logs}")
+        async with _running(demo_dsn, redis, logs) as processes:
+            console.print(
+                f"running {', '.join(ROLES)} over {'Redis' if redis else 'the TCP hub'}; "
+                f"sync API at {processes.sync_url}"
+            )
+            tally, ok, line = await _load(processes, duration, console)
+        console.print(Text(line, style="bold green" if ok else "bold red"))
+        console.print(
+            f"messages received by the syncing client: "
+            f"{sum(1 for i in tally.sent if tally.received.get(i) == 1)} of {len(tally.sent)}, "
+            f"{tally.duplicates} duplicated, {tally.errors} errors"
+        )
+        if spark:
+            console.print("exporting events to Parquet with Spark (plait source, exactly once)")
+            in_pg, in_parquet = await asyncio.to_thread(_export, demo_dsn, logs, console)
+            same = in_pg == in_parquet
+            console.print(
+                Text(
+                    f"rows in PostgreSQL: {in_pg}, rows in Parquet: {in_parquet}",
+                    style="bold green" if same else "bold red",
+                )
+            )
+            ok = ok and same
+    return ok
