@@ -79,6 +79,7 @@ class Instance:
         self._listeners = Listeners()
         self._commands = CommandSet()
         self._endpoints: dict[str, EndpointHandler] = {}
+        self._schema: list[str] = []
         self._streams: dict[str, ReplicatedStream] = {}
         self._generators: dict[str, MultiWriterIdGenerator] = {}
         self.metrics = ReplicationMetrics()
@@ -135,6 +136,13 @@ class Instance:
         self._commands.register(command)
         self._listeners.commands[command.NAME] = listener
 
+    def add_schema(self, statements: str) -> None:
+        """Idempotent DDL the application's streams need (`CREATE TABLE IF NOT EXISTS
+        ...`): run at start, once the database is up and before any stream opens (a
+        stream checks its tables), under plait's migration lock."""
+        self._before_start("add schema statements")
+        self._schema.append(statements)
+
     def register_endpoint(self, name: str, handler: EndpointHandler) -> None:
         """An internal HTTP endpoint other instances reach with `call(...)`."""
         self._before_start("register an endpoint")
@@ -154,6 +162,8 @@ class Instance:
             if self._db is None:
                 self._db = await Database.connect(config.database)
                 await self._db.migrate()
+            for statements in self._schema:
+                await self._db.run_schema(statements)
             for stream_config in config.streams:
                 self._streams[stream_config.name] = await self._open_stream(stream_config)
             if config.caches.enabled:

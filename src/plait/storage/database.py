@@ -425,6 +425,13 @@ class Database:
             await asyncio.sleep(0.05)
         logger.error("%s still running after %.0f s; giving up waiting", what, patience)
 
+    async def run_schema(self, statements: str) -> None:
+        """An application's own idempotent DDL (`CREATE TABLE IF NOT EXISTS ...`), under
+        the migration lock, so processes starting together never race on it."""
+        async with self.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            await conn.execute(statements)
+
     async def migrate(self) -> None:
         """Create or update plait's own tables (idempotent, safe to run concurrently)."""
         async with self.connection() as conn, conn.transaction():

@@ -1,0 +1,45 @@
+"""The README's minimal example really runs: two writer processes and a worker, which
+prints each of the ten notes once."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from redis_server import free_port
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "minimal.py"
+
+
+async def test_the_minimal_example_delivers_every_note_once(dsn: str) -> None:
+    env = {**os.environ, "PLAIT_DSN": dsn, "HUB": str(free_port()), "STAY": "20"}
+
+    async def start(name: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, str(EXAMPLE), name, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+
+    assert len(EXAMPLE.read_text().splitlines()) < 40
+    writers = [await start("w1"), await start("w2")]
+    worker = await start("worker")
+    try:
+        out, err = await asyncio.wait_for(worker.communicate(), 60)
+        assert worker.returncode == 0, err.decode()
+        notes = [
+            note
+            for line in out.decode().splitlines()
+            for note in ast.literal_eval(line.split(" ", 2)[2])
+        ]
+        expected = [f"{w}: note {i}" for w in ("w1", "w2") for i in range(5)]
+        assert sorted(notes) == sorted(expected)  # each once
+        for w in ("w1", "w2"):  # in order per writer
+            assert [n for n in notes if n.startswith(w)] == [e for e in expected if e.startswith(w)]
+    finally:
+        for process in writers:
+            if process.returncode is None:
+                process.terminate()
+            await process.wait()
