@@ -154,7 +154,7 @@ async def find_postmaster(conn: AsyncConnection[Any]) -> int | None:
 def server_cpu_seconds(postmaster: int | None) -> float | None:
     """User + system CPU of the server's main process and all its children so far
     (backends that have exited too: a client that connects per task leaves none)."""
-    return None if postmaster is None else tree_cpu_seconds(postmaster)
+    return None if postmaster is None else sum(tree_cpu_seconds(postmaster))
 
 
 def child_named(name: str) -> int | None:
@@ -168,23 +168,27 @@ def child_named(name: str) -> int | None:
     return None
 
 
-def tree_cpu_seconds(root: int, *, own: bool = True) -> float:
-    """User + system CPU of `root`'s descendants, live or exited (their parents' counts
-    of reaped children), and of `root` itself when `own`."""
+def tree_cpu_seconds(root: int) -> tuple[float, float]:
+    """User + system CPU of `root` itself, and of its descendants, live or exited
+    (their parents' counts of reaped children)."""
     fields = {int(e): f for e in os.listdir("/proc") if e.isdigit() and (f := _stat_fields(int(e)))}
     children: dict[int, list[int]] = {}
     for pid, f in fields.items():
         children.setdefault(int(f[1]), []).append(pid)
-    total, todo = 0, [root]
+    own, below, todo = 0, 0, [root]
     while todo:
         pid = todo.pop()
         f = fields.get(pid)
         if f is None:
             continue
-        reaped = int(f[13]) + int(f[14])  # cutime, cstime
-        total += reaped + (int(f[11]) + int(f[12]) if own or pid != root else 0)  # utime, stime
+        below += int(f[13]) + int(f[14])  # cutime, cstime: reaped children
+        if pid == root:
+            own = int(f[11]) + int(f[12])  # utime, stime
+        else:
+            below += int(f[11]) + int(f[12])
         todo.extend(children.get(pid, []))
-    return total / os.sysconf("SC_CLK_TCK")
+    ticks = os.sysconf("SC_CLK_TCK")
+    return own / ticks, below / ticks
 
 
 async def timed(step: Callable[[], Awaitable[T]]) -> tuple[float, T]:

@@ -90,10 +90,7 @@ class CpuMeter:
     def now(self) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.jvm is not None:
-            out["jvm"] = common.tree_cpu_seconds(self.jvm) - common.tree_cpu_seconds(
-                self.jvm, own=False
-            )
-            out["python_workers"] = common.tree_cpu_seconds(self.jvm, own=False)
+            out["jvm"], out["python_workers"] = common.tree_cpu_seconds(self.jvm)
         server = common.server_cpu_seconds(self.postmaster)
         if server is not None:
             out["postgresql"] = server

@@ -8,14 +8,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
 from plait import Database
+from plait.demo.presence import UserSync
 from plait.instance import Instance
 from plait.replication.rows import DictRows
 from redis_server import RedisServer
@@ -360,27 +360,6 @@ async def test_tcp_clients_catch_up_after_the_hub_restarts(db: Database) -> None
         await asyncio.sleep(0.3)
         assert [row[1] for row in seen.rows] == [first, *missed]  # once each, in order
         assert metric(r, "plait_catch_up_pages_total", stream="events") >= 3
-
-
-@dataclass(frozen=True, slots=True)
-class UserSync:
-    """The reference application's command: `USER_SYNC <instance> <user> <start|end> <ms>`."""
-
-    NAME: ClassVar[str] = "USER_SYNC"
-    instance: str
-    user: str
-    state: str
-    ms: int
-
-    @classmethod
-    def from_args(cls, args: str) -> UserSync:
-        instance, user, state, ms = args.split(" ")
-        if state not in ("start", "end"):
-            raise ValueError(f"state must be start or end, not {state!r}")
-        return cls(instance, user, state, int(ms))
-
-    def to_args(self) -> str:
-        return f"{self.instance} {self.user} {self.state} {self.ms}"
 
 
 async def test_application_commands_positions_and_metrics(cluster: Cluster) -> None:

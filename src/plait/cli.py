@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import click
 
 from plait.errors import PlaitError
+from plait.storage.embedded import dsn_or_embedded
 
 _DSN = click.option(
     "--dsn",
@@ -28,21 +28,6 @@ _ANY_DSN = click.option(
     envvar="PLAIT_DSN",
     help="PostgreSQL to use (or $PLAIT_DSN); default: plait's embedded server.",
 )
-
-
-@contextlib.contextmanager
-def _server(dsn: str | None) -> Iterator[str]:
-    """`dsn`, or the embedded server's while the command runs (started if need be)."""
-    if dsn:
-        yield dsn
-        return
-    from plait.storage.embedded import EmbeddedPostgres
-
-    server = EmbeddedPostgres.acquire()
-    try:
-        yield server.dsn
-    finally:
-        server.release()
 
 
 def _source_options(command: Any) -> Any:
@@ -149,7 +134,7 @@ def derive(**options: Any) -> None:
 
 @main.command()
 @click.option("--duration", default=30.0, show_default=True, help="Seconds of simulated users.")
-@click.option("--dsn", envvar="PLAIT_DSN", help="PostgreSQL to use; default: the embedded one.")
+@_ANY_DSN
 @click.option("--redis", help="Replicate over this Redis (redis://...) instead of the TCP hub.")
 @click.option("--no-spark", is_flag=True, help="Skip the Spark export at the end.")
 def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) -> None:
@@ -267,7 +252,7 @@ def status(dsn: str | None, watch: bool, every: float, stall_after: float, as_js
 
     from plait.ops import status as ops
 
-    with _server(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+    with dsn_or_embedded(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
         if not watch:
             found = [ops.assess(s, stall_after) for s in ops.read(conn)]
             if as_json:
@@ -322,7 +307,7 @@ def tail(
 
     from plait.ops.tail import Tail
 
-    with _server(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+    with dsn_or_embedded(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
         reader = Tail(conn, stream, writer)
 
         def emit(line: Any) -> None:

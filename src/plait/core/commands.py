@@ -122,11 +122,13 @@ class Rdata:
 
     @classmethod
     def from_args(cls, args: str) -> Rdata:
-        stream, instance, token, row = _split(args, 4, "RDATA <stream> <instance> <token> <row>")
+        stream, instance, token, row = split_args(
+            args, 4, "RDATA <stream> <instance> <token> <row>"
+        )
         return cls(
-            _name(stream, "stream"),
-            _name(instance, "instance"),
-            None if token == _BATCH else _integer(token, "token"),
+            parse_name(stream, "stream"),
+            parse_name(instance, "instance"),
+            None if token == _BATCH else parse_integer(token, "token"),
             _json(row),
         )
 
@@ -147,12 +149,14 @@ class Position:
 
     @classmethod
     def from_args(cls, args: str) -> Position:
-        stream, instance, prev, new = _split(args, 4, "POSITION <stream> <instance> <prev> <new>")
+        stream, instance, prev, new = split_args(
+            args, 4, "POSITION <stream> <instance> <prev> <new>"
+        )
         return cls(
-            _name(stream, "stream"),
-            _name(instance, "instance"),
-            _integer(prev, "prev"),
-            _integer(new, "new"),
+            parse_name(stream, "stream"),
+            parse_name(instance, "instance"),
+            parse_integer(prev, "prev"),
+            parse_integer(new, "new"),
         )
 
     def to_args(self) -> str:
@@ -176,36 +180,37 @@ class Replicate:
 
 
 @dataclass(frozen=True, slots=True)
-class _Named:
-    """A command whose one argument is an instance name."""
+class Named:
+    """A command whose one argument is an instance name (a base for applications'
+    commands too, like the argument helpers below)."""
 
     NAME: ClassVar[str]
     name: str
 
     @classmethod
     def from_args(cls, args: str) -> Self:
-        return cls(_name(args, "name"))
+        return cls(parse_name(args, "name"))
 
     def to_args(self) -> str:
         return _checked(self.name)
 
 
 @dataclass(frozen=True, slots=True)
-class Name(_Named):
+class Name(Named):
     """A client tells the hub its instance name."""
 
     NAME: ClassVar[str] = "NAME"
 
 
 @dataclass(frozen=True, slots=True)
-class Server(_Named):
+class Server(Named):
     """The hub tells a client its instance name."""
 
     NAME: ClassVar[str] = "SERVER"
 
 
 @dataclass(frozen=True, slots=True)
-class Depart(_Named):
+class Depart(Named):
     """An instance is shutting down cleanly: peers drop what they keep per instance at
     once (R-RP-8) instead of waiting for it to time out."""
 
@@ -221,7 +226,7 @@ class Ping:
 
     @classmethod
     def from_args(cls, args: str) -> Ping:
-        return cls(_integer(args, "ms"))
+        return cls(parse_integer(args, "ms"))
 
     def to_args(self) -> str:
         return str(self.ms)
@@ -255,10 +260,10 @@ BUILTIN: tuple[type[Command], ...] = (
 )
 
 
-# -- helpers -----------------------------------------------------------------------------
+# -- argument helpers, for built-in and application commands ---------------------------
 
 
-def _split(args: str, count: int, usage: str) -> list[str]:
+def split_args(args: str, count: int, usage: str) -> list[str]:
     """`count` space-separated fields, the last one taking the rest of the line."""
     parts = args.split(" ", count - 1)
     if len(parts) != count or not all(parts):
@@ -266,7 +271,7 @@ def _split(args: str, count: int, usage: str) -> list[str]:
     return parts
 
 
-def _name(text: str, what: str) -> str:
+def parse_name(text: str, what: str) -> str:
     if not _NAME.fullmatch(text):
         raise CommandParseError(f"bad {what} name {_shorten(text)!r}")
     return text
@@ -278,7 +283,7 @@ def _checked(name: str) -> str:
     return name
 
 
-def _integer(text: str, what: str) -> int:
+def parse_integer(text: str, what: str) -> int:
     if not _INTEGER.fullmatch(text):
         raise CommandParseError(f"bad {what} {_shorten(text)!r}: expected an integer")
     return int(text)

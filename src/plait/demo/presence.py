@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
+from plait.core.commands import Named, parse_integer, parse_name, split_args
 from plait.errors import CommandParseError
 
 
@@ -26,37 +27,25 @@ class UserSync:
 
     @classmethod
     def from_args(cls, args: str) -> UserSync:
-        parts = args.split(" ")
-        if len(parts) != 4:
-            raise CommandParseError("expected <instance> <user> <start|end> <ms>")
-        instance, user, state, ms = parts
+        instance, user, state, ms = split_args(args, 4, "<instance> <user> <start|end> <ms>")
         if state not in ("start", "end"):
             raise CommandParseError(f"state must be start or end, not {state[:20]!r}")
-        if not ms.isdigit() or len(ms) > 15:
-            raise CommandParseError(f"ms must be a non-negative integer, not {ms[:20]!r}")
-        if not instance or not user:
-            raise CommandParseError("instance and user must not be empty")
-        return cls(instance, user, state, int(ms))
+        return cls(
+            parse_name(instance, "instance"),
+            parse_name(user, "user"),
+            state,
+            parse_integer(ms, "ms"),
+        )
 
     def to_args(self) -> str:
         return f"{self.instance} {self.user} {self.state} {self.ms}"
 
 
 @dataclass(frozen=True, slots=True)
-class ClearUserSync:
+class ClearUserSync(Named):
     """`CLEAR_USER_SYNC <instance>`: every user syncing on that instance stopped."""
 
     NAME: ClassVar[str] = "CLEAR_USER_SYNC"
-    instance: str
-
-    @classmethod
-    def from_args(cls, args: str) -> ClearUserSync:
-        if not args or " " in args:
-            raise CommandParseError("expected <instance>")
-        return cls(args)
-
-    def to_args(self) -> str:
-        return self.instance
 
 
 class Syncing:
@@ -67,7 +56,7 @@ class Syncing:
 
     def apply(self, command: UserSync | ClearUserSync) -> None:
         if isinstance(command, ClearUserSync):
-            self._by_instance.pop(command.instance, None)
+            self._by_instance.pop(command.name, None)
         elif command.state == "start":
             self._by_instance.setdefault(command.instance, set()).add(command.user)
         else:

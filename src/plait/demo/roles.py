@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from plait.caches.cached import CachedFunction
@@ -71,25 +72,22 @@ def declare_caches(instance: Instance) -> Caches:
     """The caches every process has; one room change invalidates the member list and
     each member's entries everywhere, in one row (`invalidate_batch`)."""
 
+    async def joined(column: str, where: str, value: str) -> list[str]:
+        """`column` of the joined memberships whose `where` is `value`."""
+        query = sql.SQL(
+            "SELECT {c} FROM current_members WHERE {w} = %s AND membership = 'join' ORDER BY 1"
+        ).format(c=sql.Identifier(column), w=sql.Identifier(where))
+        async with instance.db.connection() as conn:
+            cursor = await conn.execute(query, (value,))
+            return [found for (found,) in await cursor.fetchall()]
+
     @instance.caches.cached(name="room_members")
     async def room_members(room_id: str) -> list[str]:
-        async with instance.db.connection() as conn:
-            cursor = await conn.execute(
-                "SELECT user_id FROM current_members WHERE room_id = %s AND membership = 'join'"
-                " ORDER BY user_id",
-                (room_id,),
-            )
-            return [user for (user,) in await cursor.fetchall()]
+        return await joined("user_id", "room_id", room_id)
 
     @instance.caches.cached(name="rooms_for_user")
     async def rooms_for_user(user_id: str) -> list[str]:
-        async with instance.db.connection() as conn:
-            cursor = await conn.execute(
-                "SELECT room_id FROM current_members WHERE user_id = %s AND membership = 'join'"
-                " ORDER BY room_id",
-                (user_id,),
-            )
-            return [room for (room,) in await cursor.fetchall()]
+        return await joined("room_id", "user_id", user_id)
 
     @instance.caches.pseudo_cache(ROOM_CHANGED)
     def room_changed(room_id: str, users: tuple[str, ...]) -> Iterator[tuple[str, tuple[str]]]:
@@ -257,6 +255,10 @@ class SyncWorker:
             self.typing[str(row["room"])] = (token, list(row["users"]))
         await self.notifier.notify()
 
+    def _typing_position(self) -> int:
+        """The typing stream's position as far as this worker has it."""
+        return max((token for token, _ in self.typing.values()), default=0)
+
     async def _typing_reset(self, stream: str, writer: str) -> None:
         self.typing.clear()  # the writer restarted: its whole state follows
 
@@ -370,7 +372,7 @@ class SyncWorker:
         data = await sync.rows_between(
             db, data_gen.spec, "user_id", [user], since.account_data, now
         )
-        typing_at = max([since.typing, *(token for token, _ in self.typing.values())])
+        typing_at = max(since.typing, self._typing_position())
         typing = {
             room: users
             for room, (token, users) in self.typing.items()
@@ -428,7 +430,7 @@ class SyncWorker:
         """The client's token, clamped to what exists; none: from now."""
         events_gen = self.instance.generator("events")
         data_gen = self.instance.generator("account_data")
-        typing_now = max([0, *(token for token, _ in self.typing.values())])
+        typing_now = self._typing_position()
         if text is None:
             return SyncToken(
                 StreamToken.from_generator(events_gen),
@@ -502,21 +504,19 @@ class Memberships:
         target = gen.get_persisted_upto_position()
         while self.position < target:
             rows, upto, _ = await gen.get_updates_since(None, self.position, target, self.page)
+            changes = [
+                (r.data["user_id"], r.data["room_id"], r.data["membership"], r.stream_id)
+                for r in rows
+                if r.table == "room_state"
+            ]
             async with self.instance.db.transaction() as txn:
-                for row in rows:
-                    if row.table != "room_state":
-                        continue
-                    await txn.execute(
+                if changes:  # one pipelined round trip for the page
+                    await txn.executemany(
                         "INSERT INTO room_memberships (user_id, room_id, membership, stream_id)"
                         " VALUES (%s, %s, %s, %s) ON CONFLICT (user_id, room_id) DO UPDATE"
                         " SET membership = EXCLUDED.membership, stream_id = EXCLUDED.stream_id"
                         " WHERE room_memberships.stream_id < EXCLUDED.stream_id",
-                        (
-                            row.data["user_id"],
-                            row.data["room_id"],
-                            row.data["membership"],
-                            row.stream_id,
-                        ),
+                        changes,
                     )
                 await txn.execute(
                     "INSERT INTO worker_progress (worker, stream_id) VALUES (%s, %s)"

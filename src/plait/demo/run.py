@@ -14,11 +14,10 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import aiohttp
 import psycopg
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from rich.console import Console, Group
@@ -37,6 +37,7 @@ from plait.demo import schema
 from plait.demo.roles import SYNC_PORT_ENV
 from plait.ops import status
 from plait.storage.database import Database
+from plait.storage.embedded import dsn_or_embedded, free_port
 
 SCHEMA = "plait_demo"
 EVENT_WRITERS = ["ev1", "ev2"]
@@ -76,21 +77,15 @@ class Tally:
         return sum(n - 1 for n in self.received.values() if n > 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Processes:
     """The service's processes: started in order, each once it answers; stopped with
     SIGTERM (gracefully), killed if one takes longer than 15 s."""
 
     def __init__(self, dsn: str, redis: str | None, logs: Path) -> None:
         self.dsn, self.redis, self.logs = dsn, redis, logs
-        self.ports = {name: _free_port() for name in ROLES}
-        self.sync_port = _free_port()
-        self.hub_port = _free_port()
+        self.ports = {name: free_port() for name in ROLES}
+        self.sync_port = free_port()
+        self.hub_port = free_port()
         self.running: dict[str, asyncio.subprocess.Process] = {}
 
     @property
@@ -319,27 +314,14 @@ async def positions_of(processes: Processes) -> dict[str, dict[str, int]]:
         for name in ROLES:
             async with session.get(processes.metrics_url(name)) as response:
                 text = await response.text()
-            seen: dict[str, int] = {}
-            for line in text.splitlines():
-                if line.startswith('plait_stream_position{stream="events"'):
-                    writer = line.split('writer="')[1].split('"')[0]
-                    seen[writer] = int(float(line.rsplit(" ", 1)[1]))
-            out[name] = seen
+            out[name] = {
+                sample.labels["writer"]: int(sample.value)
+                for family in text_string_to_metric_families(text)
+                if family.name == "plait_stream_position"
+                for sample in family.samples
+                if sample.labels.get("stream") == "events"
+            }
     return out
-
-
-@contextlib.contextmanager
-def _database(dsn: str | None) -> Iterator[str]:
-    if dsn:
-        yield dsn
-        return
-    from plait.storage.embedded import EmbeddedPostgres
-
-    server = EmbeddedPostgres.acquire()
-    try:
-        yield server.dsn
-    finally:
-        server.release()
 
 
 async def _prepare(server_dsn: str) -> str:
@@ -349,8 +331,7 @@ async def _prepare(server_dsn: str) -> str:
     db = await Database.connect(dsn, min_size=1, max_size=1)
     try:
         await db.migrate()
-        async with db.connection() as conn:
-            await conn.execute(schema.TABLES)
+        await db.run_schema(schema.TABLES)
     finally:
         await db.close()
     return dsn
@@ -441,7 +422,7 @@ async def demo(
 ) -> bool:
     """Run the whole demo; True when every check held."""
     logs = Path(tempfile.mkdtemp(prefix="plait-demo-"))
-    with _database(dsn) as server_dsn:
+    with dsn_or_embedded(dsn) as server_dsn:
         demo_dsn = await _prepare(server_dsn)
         console.print(f"database ready (schema {SCHEMA}); process logs in {logs}")
         async with _running(demo_dsn, redis, logs) as processes:

@@ -52,30 +52,17 @@ async def rows_between(
     if not ranges or not values:
         return Page([], end)
     found: list[tuple[int, dict[str, Any]]] = []
-    for table in spec.tables:
-        columns = COLUMNS[table.name]
-        condition = sql.SQL(" OR ").join(
-            sql.SQL("({})").format(catalog.range_condition(table, spec.backwards, r))
-            for r in ranges
-        )
-        query = sql.SQL(
-            "SELECT {id}, {writer}, {cols} FROM {t} WHERE {by} = ANY(%s) AND ({cond})"
-            " ORDER BY {id} {order} LIMIT {limit}"
-        ).format(
-            order=sql.SQL("DESC" if spec.backwards else "ASC"),  # internal IDs ascending
-            id=sql.Identifier(table.id_column),
-            writer=sql.Identifier(table.instance_column),
-            cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
-            t=sql.Identifier(table.name),
-            by=sql.Identifier(by),
-            cond=condition,
-            limit=limit + 1,
-        )
-        async with db.connection() as conn:
+    async with db.connection() as conn:
+        for table in spec.tables:
+            columns = (table.instance_column, *COLUMNS[table.name])
+            where = sql.SQL("{} = ANY(%s)").format(sql.Identifier(by))
+            query = catalog.page_query(
+                table, spec.backwards, ranges, limit + 1, columns=columns, where=where
+            )
             cursor = await conn.execute(query, (list(values),))
             for stream_id, writer, *row in await cursor.fetchall():
                 item = {"stream_id": stream_id, "writer": writer, "table": table.name}
-                item.update(zip(columns, row, strict=True))
+                item.update(zip(COLUMNS[table.name], row, strict=True))
                 found.append((spec.sign * int(stream_id), item))  # internal ID
     found.sort(key=lambda pair: pair[0])
     if len(found) <= limit:

@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 
 from plait.errors import SchemaError
-from plait.storage.stream_store import ident
+from plait.storage.stream_store import head_of, ident
 
 DEFAULT_STALL_AFTER = 30.0
 
@@ -73,16 +73,11 @@ def assess(stream: StreamRows, stall_after: float = DEFAULT_STALL_AFTER) -> Stre
         return StreamStatus(stream.name, stream.head, None, 0, writers, None)
     low = min(r.position for r in rows.values())
     high = max(r.position for r in rows.values())
-    names = list(stream.writers) or sorted(rows)
     writers = tuple(
         WriterStatus(w, None, None, 0, False)
-        if w not in rows
-        else WriterStatus(w, rows[w].position, rows[w].age, high - rows[w].position, False)
-        for w in names
-    )
-    writers = tuple(
-        WriterStatus(w.writer, w.position, w.age, w.behind, w.position == low and high > low)
-        for w in writers
+        if (row := rows.get(w)) is None
+        else WriterStatus(w, row.position, row.age, high - row.position, row.position == low < high)
+        for w in list(stream.writers) or sorted(rows)
     )
     stuck = [w for w in writers if w.holding and w.age is not None and w.age > stall_after]
     stalled_by = max(stuck, key=lambda w: w.age or 0.0).writer if stuck else None
@@ -128,7 +123,7 @@ def _streams(
         head_row = conn.execute(
             sql.SQL("SELECT last_value, is_called FROM {}").format(ident(sequence))
         ).fetchone()
-        head = None if head_row is None else int(head_row[0]) - (0 if head_row[1] else 1)
+        head = None if head_row is None else head_of(head_row)
         yield StreamRows(
             name,
             tuple(writers or ()),

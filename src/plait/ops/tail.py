@@ -16,14 +16,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError
 from plait.replication.rows import jsonable
 from plait.spark import catalog, offsets
 from plait.spark.offsets import WriterRange
-from plait.storage.stream_store import ident
 from plait.streams.spec import StreamSpec, TableSpec
 
 PAGE = 1000
@@ -83,12 +81,9 @@ class Tail:
     def between(self, start: StreamToken, end: StreamToken, page: int = PAGE) -> Iterator[Line]:
         """The rows in (start, end], in ID order, read `page` rows per table at a time."""
         ranges = self._mine(offsets.ranges(start, end))
-        cursor = start.min if not ranges else min(r.low for r in ranges)
-        while ranges:
-            window = [replace(r, low=max(r.low, cursor)) for r in ranges if r.high > cursor]
-            if not window:
-                return
-            pages = [self._page(t, window, page, descending=False) for t in self.spec.tables]
+        cursor = min((r.low for r in ranges), default=0)
+        while window := [replace(r, low=max(r.low, cursor)) for r in ranges if r.high > cursor]:
+            pages = [self._page(t, window, page, newest_first=False) for t in self.spec.tables]
             full = [p[-1][0] for p in pages if len(p) == page]
             bound = min(full) if full else max(r.high for r in window)
             for internal, table, row in heapq.merge(*pages, key=lambda x: x[0]):
@@ -103,7 +98,7 @@ class Tail:
         ranges = self._mine(offsets.ranges(start, end))
         if not ranges or count < 1:
             return []
-        pages = [self._page(t, ranges, count, descending=True) for t in self.spec.tables]
+        pages = [self._page(t, ranges, count, newest_first=True) for t in self.spec.tables]
         newest = heapq.nlargest(count, (item for p in pages for item in p), key=lambda x: x[0])
         return [
             Line(table, internal, row, offsets.limited(start, end, internal))
@@ -123,26 +118,19 @@ class Tail:
         return out
 
     def _page(
-        self, table: TableSpec, ranges: list[WriterRange], limit: int, *, descending: bool
+        self, table: TableSpec, ranges: list[WriterRange], limit: int, *, newest_first: bool
     ) -> list[tuple[int, str, dict[str, Any]]]:
-        sign, backwards = self.spec.sign, self.spec.backwards
-        condition = sql.SQL(" OR ").join(
-            sql.SQL("({})").format(catalog.range_condition(table, backwards, r)) for r in ranges
-        )
-        # Internal IDs grow; a backwards stream stores them negated.
-        order = sql.SQL("DESC" if descending != backwards else "ASC")
-        query = sql.SQL("SELECT * FROM {} WHERE {} ORDER BY {} {} LIMIT {}").format(
-            ident(table.name), condition, sql.Identifier(table.id_column), order, limit
+        query = catalog.page_query(
+            table, self.spec.backwards, ranges, limit, newest_first=newest_first
         )
         with self.conn.cursor() as cur:
             cur.execute(query)
-            names = [c.name for c in cur.description or []]
-            at = names.index(table.id_column)
+            names = [c.name for c in cur.description or []][1:]  # after the ID
             return [
                 (
-                    sign * int(r[at]),
+                    self.spec.sign * int(r[0]),
                     table.name,
-                    {n: jsonable(v) for n, v in zip(names, r, strict=True)},
+                    dict(zip(names, map(jsonable, r[1:]), strict=True)),
                 )
                 for r in cur.fetchall()
             ]

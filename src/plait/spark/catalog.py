@@ -5,7 +5,7 @@ writers' positions (`stream_positions`), and where a read limit cuts. Plain psyc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -164,6 +164,37 @@ def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
 def range_condition(table: TableSpec, backwards: bool, r: WriterRange) -> sql.Composed:
     """The WHERE clause of one range, in the table's stored form."""
     return sql.SQL("{} AND {}").format(_writers(table, r), _ids(table, backwards, r.low, r.high))
+
+
+def page_query(
+    table: TableSpec,
+    backwards: bool,
+    ranges: Sequence[WriterRange],
+    limit: int,
+    *,
+    columns: Sequence[str] | None = None,
+    where: sql.Composable | None = None,
+    newest_first: bool = False,
+) -> sql.Composed:
+    """One page of a table's rows in `ranges`: the ID column, then `columns` (default:
+    every column), in internal-ID order (newest first on request; a backwards stream
+    stores its IDs negated), at most `limit`; `where` narrows it further."""
+    condition = sql.SQL(" OR ").join(
+        sql.SQL("({})").format(range_condition(table, backwards, r)) for r in ranges
+    )
+    if where is not None:
+        condition = sql.SQL("({}) AND ({})").format(where, condition)
+    picked = sql.SQL("*") if columns is None else sql.SQL(", ").join(map(sql.Identifier, columns))
+    return sql.SQL(
+        "SELECT {id}, {picked} FROM {t} WHERE {cond} ORDER BY {id} {order} LIMIT {n}"
+    ).format(
+        id=sql.Identifier(table.id_column),
+        picked=picked,
+        t=ident(table.name),
+        cond=condition,
+        order=sql.SQL("DESC" if newest_first != backwards else "ASC"),
+        n=limit,
+    )
 
 
 def slice_condition(table: TableSpec, backwards: bool, piece: Slice) -> sql.Composed:

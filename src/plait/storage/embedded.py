@@ -12,6 +12,7 @@ unprivileged system user (PostgreSQL refuses to run as root).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import platform
 import socket
 import subprocess
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from plait.errors import EmbeddedServerError
@@ -97,6 +99,20 @@ class EmbeddedPostgres:
                 return False
             stop(self.data_dir)
             return True
+
+
+@contextlib.contextmanager
+def dsn_or_embedded(dsn: str | None) -> Iterator[str]:
+    """`dsn`, or the embedded server's for as long as the block runs (started if need
+    be, shared with other processes; the last one out stops it)."""
+    if dsn:
+        yield dsn
+        return
+    server = EmbeddedPostgres.acquire()
+    try:
+        yield server.dsn
+    finally:
+        server.release()
 
 
 def stop(data_dir: Path) -> None:
@@ -207,7 +223,8 @@ def _init_if_new(data_dir: Path) -> None:
         )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -215,7 +232,7 @@ def _free_port() -> int:
 
 def _start(data_dir: Path) -> int:
     for _attempt in range(5):
-        port = _free_port()
+        port = free_port()
         logger.info("starting embedded PostgreSQL on 127.0.0.1:%d (%s)", port, data_dir)
         try:
             _run(

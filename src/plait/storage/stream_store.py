@@ -100,7 +100,7 @@ class Survey:
     own_max: int | None
 
 
-def _head(row: tuple[Any, ...]) -> int:
+def head_of(row: tuple[Any, ...]) -> int:
     """The largest ID handed out, from a sequence's (last_value, is_called)."""
     last, called = row
     return int(last) if called else int(last) - 1
@@ -401,7 +401,7 @@ class StreamStore:
         async with self.db.connection() as conn:
             row = await (await conn.execute(self._head_query)).fetchone()
         assert row is not None
-        return _head(row)
+        return head_of(row)
 
     async def survey(self, own: str | None) -> Survey:
         """Everything start-up reads, in one pipelined round trip (R-ID-9, R-ST-4).
@@ -472,7 +472,7 @@ class StreamStore:
             own_max = await self._largest(owns) if loaded else None
         return Survey(
             table_max=table_max,
-            head=_head(head_row),
+            head=head_of(head_row),
             top_position=None if top_row is None else (top_row[0], self._sign * int(top_row[1])),
             positions=loaded,
             ids=ids,
