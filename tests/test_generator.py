@@ -439,3 +439,27 @@ async def test_writers_starting_together_create_the_sequence_once(dsn: str, db: 
     finally:
         for d in databases:
             await d.close()
+
+
+async def test_oldest_unfinished_age_counts_from_when_the_held_id_was_taken(
+    db: Database,
+) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    reader = await create_generator(db, ["master"], "worker")
+    assert gen.oldest_unfinished_age() is None  # nothing pending
+    assert reader.oldest_unfinished_age() is None  # not a writer
+    async with db.transaction() as txn:
+        await gen.get_next_txn(txn)
+        await asyncio.sleep(0.3)
+        async with gen.get_next():  # a later write, finished: the held one still counts
+            pass
+        held = gen.oldest_unfinished_age()
+        assert held is not None
+        assert 0.3 <= held < 5
+    assert gen.oldest_unfinished_age() is None
+    async with gen.get_next():
+        age = gen.oldest_unfinished_age()
+        assert age is not None
+        assert age < 0.3
+    assert gen.oldest_unfinished_age() is None

@@ -7,13 +7,16 @@ import asyncio
 import json
 from typing import Any
 
+import psycopg
 from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
 from plait import Database
 from plait.cli import main
-from plait.ops.status import StreamRows, WriterRow, assess, rates
+from plait.ops.status import StreamRows, WriterRow, assess, pending_ages, rates
+from redis_server import free_port
+from replication_helpers import cluster_of, connected, write
 from stream_helpers import create_generator, create_table
 
 WRITERS = ("w1", "w2", "w3")
@@ -77,8 +80,17 @@ def test_rates_are_ids_per_second_between_two_readings() -> None:
 
 
 def status(dsn: str, *args: str) -> tuple[int, list[dict[str, Any]]]:
-    result = CliRunner().invoke(main, ["status", "--dsn", dsn, "--json", *args])
-    return result.exit_code, [json.loads(line) for line in result.output.splitlines()]
+    code, out, _ = status_run(["--dsn", dsn, *args])
+    return code, out
+
+
+def status_run(args: list[str]) -> tuple[int, list[dict[str, Any]], str]:
+    result = CliRunner().invoke(main, ["status", "--json", *args])
+    return (
+        result.exit_code,
+        [json.loads(line) for line in result.stdout.splitlines()],
+        result.stderr,
+    )
 
 
 async def test_status_reports_positions_and_a_stall_by_a_held_transaction(db: Database) -> None:
@@ -126,3 +138,88 @@ async def test_status_reports_positions_and_a_stall_by_a_held_transaction(db: Da
     finally:
         await w1.close()
         await w2.close()
+
+
+def test_pending_ages_are_read_from_metrics_text() -> None:
+    text = (
+        "# HELP plait_stream_oldest_unfinished_age_seconds How long.\n"
+        "# TYPE plait_stream_oldest_unfinished_age_seconds gauge\n"
+        'plait_stream_oldest_unfinished_age_seconds{stream="events",writer="w1"} 2.5\n'
+        'plait_stream_position{stream="events",writer="w1"} 7.0\n'
+    )
+    assert pending_ages(text) == {("events", "w1"): 2.5}
+    rows = (WriterRow("w1", 5, 1.0), WriterRow("w2", 9, 1.0))
+    got = assess(StreamRows("events", ("w1", "w2"), 9, rows), 30, pending_ages(text))
+    assert [w.pending_age for w in got.writers] == [2.5, None]  # w2: unknown
+
+
+async def test_status_with_the_config_shows_how_long_a_held_id_has_waited(
+    db: Database, tmp_path: Any
+) -> None:
+    async with cluster_of(db, "tcp", hub="w1") as cluster:
+        w1 = await cluster.start(cluster.instance("w1"))
+        w2 = await cluster.start(cluster.instance("w2"))
+        await connected(w1, w2)
+        await write(w1, "a")
+        await write(w2, "b")
+        gone = f"http://127.0.0.1:{free_port()}"
+        config = tmp_path / "deployment.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "database": db.dsn,
+                    "streams": cluster.config("w1")["streams"],
+                    "instance_map": {"w1": w1.http_url, "w2": w2.http_url, "gone": gone},
+                }
+            )
+        )
+        async with db.transaction() as txn:
+            await w1.generator("events").get_next_txn(txn)  # held open
+            await write(w2, "c")
+            await asyncio.sleep(1.2)
+            code, found, errors = await asyncio.to_thread(
+                status_run, ["--config", str(config), "--stall-after", "1"]
+            )
+        events = next(s for s in found if s["name"] == "events")
+        by_writer = {w["writer"]: w for w in events["writers"]}
+        assert 1.2 <= by_writer["w1"]["pending_age"] < 30
+        assert by_writer["w2"]["pending_age"] == 0.0  # nothing pending
+        assert events["stalled_by"] == "w1"
+        assert code == 1
+        assert "no metrics from gone" in errors
+
+
+async def test_rows_written_counts_rows_between_two_readings(db: Database) -> None:
+    from plait.ops import status as ops
+
+    await create_table(db)
+    w1 = await create_generator(db, ["w1"], "w1", position_flush_interval=0.1)
+
+    def reading() -> list[ops.StreamRows]:
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            return ops.read(conn)
+
+    def moved(streams: list[ops.StreamRows], since: dict[tuple[str, str], int]) -> Any:
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            return ops.rows_written(conn, streams, since)
+
+    try:
+        await w1.insert(INSERT, ("w1", 1))
+        await w1.flush_position()
+        before = [ops.assess(s) for s in await asyncio.to_thread(reading)]
+        async with w1.get_next() as stream_id, db.transaction() as txn:
+            for body in ("a", "b", "c"):  # three rows under one ID
+                await txn.execute(
+                    "INSERT INTO events (stream_id, instance_name, payload) VALUES (%s, 'w1', %s)",
+                    (stream_id, body),
+                )
+        await w1.insert(INSERT, ("w1", 2))
+        await w1.flush_position()
+        after = await asyncio.to_thread(reading)
+        assert ops.rates(before, [ops.assess(s) for s in after], 1.0) == {("events", "w1"): 3.0}
+        rows = await asyncio.to_thread(moved, after, ops.positions(before))
+        assert rows == {("events", "w1"): 5}
+        same = ops.positions([ops.assess(s) for s in after])
+        assert await asyncio.to_thread(moved, after, same) == {}
+    finally:
+        await w1.close()

@@ -221,12 +221,11 @@ def migrate(dsn: str | None) -> None:
     async def run() -> None:
         db = await Database.connect(dsn, min_size=1, max_size=1)
         try:
-            await db.migrate()
+            await db.migrate(report=click.echo)
         finally:
             await db.close()
 
     asyncio.run(run())
-    click.echo("plait schema is up to date")
 
 
 @main.command()
@@ -245,21 +244,55 @@ def migrate(dsn: str | None) -> None:
     "are ahead before the stream counts as stalled.",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per stream instead.")
-def status(dsn: str | None, watch: bool, every: float, stall_after: float, as_json: bool) -> None:
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The deployment's YAML config: its instance_map tells where each instance's "
+    "/metrics is, for the age of every writer's oldest unfinished ID; its database is "
+    "the default --dsn.",
+)
+def status(
+    dsn: str | None,
+    watch: bool,
+    every: float,
+    stall_after: float,
+    as_json: bool,
+    config_file: str | None,
+) -> None:
     """Every stream and writer: position, persisted-up-to, gap, age of the position
-    row. Exits 1 when a stream is stalled (after --watch: as last drawn)."""
+    row and, with --config, age of the oldest unfinished ID. Exits 1 when a stream is
+    stalled (after --watch: as last drawn)."""
     import psycopg
 
     from plait.ops import status as ops
 
+    instances: dict[str, str] = {}
+    if config_file is not None:
+        from plait.config import InstanceConfig
+
+        # One file serves every instance of a deployment; status is none of them.
+        config = InstanceConfig.from_yaml(config_file, instance_name="plait-status")
+        instances = dict(config.instance_map)
+        dsn = dsn or config.database
+
+    def look(
+        conn: psycopg.Connection[Any],
+    ) -> tuple[list[ops.StreamRows], list[ops.StreamStatus], dict[str, str]]:
+        pending, failed = ops.scrape(instances)
+        streams = ops.read(conn)
+        return streams, [ops.assess(s, stall_after, pending) for s in streams], failed
+
     with dsn_or_embedded(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
         if not watch:
-            found = [ops.assess(s, stall_after) for s in ops.read(conn)]
+            _, found, failed = look(conn)
             if as_json:
                 for stream in found:
                     click.echo(ops.to_json(stream))
             else:
-                _console().print(_status_table(found, None, 0.0))
+                _console().print(_status_table(found, None, 0.0, failed, bool(instances)))
+            for name, why in failed.items():
+                click.echo(f"no metrics from {name}: {why}", err=True)
             sys.exit(1 if any(s.stalled for s in found) else 0)
         from rich.live import Live
 
@@ -271,8 +304,10 @@ def status(dsn: str | None, watch: bool, every: float, stall_after: float, as_js
         ):
             while True:
                 now = time.monotonic()
-                found = [ops.assess(s, stall_after) for s in ops.read(conn)]
-                live.update(_status_table(found, before, now - taken), refresh=True)
+                streams, found, failed = look(conn)
+                rows = ops.rows_written(conn, streams, ops.positions(before or []))
+                table = _status_table(found, before, now - taken, failed, bool(instances), rows)
+                live.update(table, refresh=True)
                 before, taken = found, now
                 time.sleep(every)
         sys.exit(1 if any(s.stalled for s in found) else 0)
@@ -338,16 +373,27 @@ def _console() -> Any:
     return Console()
 
 
-def _status_table(found: list[Any], before: list[Any] | None, seconds: float) -> Any:
+def _status_table(
+    found: list[Any],
+    before: list[Any] | None,
+    seconds: float,
+    failed: dict[str, str],
+    scraped: bool,
+    rows: dict[tuple[str, str], int] | None = None,
+) -> Any:
+    """`scraped`: the instances' metrics were asked for (--config): show the oldest
+    pending ID's age per writer. With `before` (--watch): IDs/s and `rows`/s."""
     from rich.table import Table
 
     from plait.ops.status import rates
 
-    table = Table(title="plait streams", title_justify="left")
-    for column in ("stream", "writer", "position", "behind", "row age"):
+    caption = f"no metrics from {', '.join(sorted(failed))}" if failed else None
+    table = Table(title="plait streams", title_justify="left", caption=caption)
+    columns = ["stream", "writer", "position", "behind", "row age"]
+    columns += ["oldest pending"] if scraped else []
+    columns += ["IDs/s", "rows/s"] if before is not None else []
+    for column in columns:
         table.add_column(column, justify="left" if column in ("stream", "writer") else "right")
-    if before is not None:
-        table.add_column("IDs/s", justify="right")
     table.add_column("state")
     speeds = rates(before, found, seconds) if before is not None else {}
     for stream in found:
@@ -355,9 +401,7 @@ def _status_table(found: list[Any], before: list[Any] | None, seconds: float) ->
             f"[bold]{stream.name}[/]",
             "",
             _num(stream.head, "head "),
-            "",
-            "",
-            *([""] if before is not None else []),
+            *[""] * (len(columns) - 3),
             f"persisted up to {_num(stream.persisted_up_to)}, gap {stream.gap}",
         )
         for w in stream.writers:
@@ -367,16 +411,29 @@ def _status_table(found: list[Any], before: list[Any] | None, seconds: float) ->
                 else ("holding" if w.holding else ("no row yet" if w.position is None else "ok"))
             )
             speed = speeds.get((stream.name, w.writer))
+            moved = (rows or {}).get((stream.name, w.writer), 0 if speed is not None else None)
             table.add_row(
                 "",
                 w.writer,
                 _num(w.position),
                 str(w.behind),
                 "" if w.age is None else f"{w.age:.1f} s",
-                *([] if before is None else ["" if speed is None else f"{speed:.0f}"]),
+                *([_pending(w.pending_age)] if scraped else []),
+                *([] if before is None else [_rate(speed), _rate(moved, seconds)]),
                 state,
             )
     return table
+
+
+def _rate(value: float | None, seconds: float = 1.0) -> str:
+    return "" if value is None or seconds <= 0 else f"{value / seconds:.0f}"
+
+
+def _pending(age: float | None) -> str:
+    """The oldest unfinished ID's age: '?' when unknown (no metrics), '-' when none."""
+    if age is None:
+        return "?"
+    return "-" if age == 0 else f"{age:.1f} s"
 
 
 def _num(value: int | None, prefix: str = "") -> str:

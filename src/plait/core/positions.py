@@ -439,6 +439,11 @@ class PositionTracker:
     def unfinished(self) -> list[int]:
         return self._unfinished.sorted()
 
+    @property
+    def lowest_unfinished(self) -> int | None:
+        """The lowest local ID handed out and not finished (what holds this writer)."""
+        return self._unfinished.min()
+
     def fetches_in_flight(self) -> int:
         return len(self._in_flight)
 

@@ -92,8 +92,13 @@ class Processes:
     def sync_url(self) -> str:
         return f"http://127.0.0.1:{self.sync_port}"
 
+    @property
+    def api_urls(self) -> dict[str, str]:
+        """Each process's internal HTTP API (its instance_map)."""
+        return {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
+
     def metrics_url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}/metrics"
+        return f"{self.api_urls[name]}/metrics"
 
     async def start(self) -> None:
         for name in ROLES:  # main first: it is the hub
@@ -252,16 +257,20 @@ def dashboard(
     tally: Tally,
     left: float,
 ) -> Group:
+    """`speeds`: rows a second per (stream, writer)."""
     table = Table(title="plait demo: streams and writers", title_justify="left")
-    for column in ("stream", "writer", "position", "persisted up to", "gap", "IDs/s"):
+    columns = ("stream", "writer", "position", "persisted up to", "gap", "rows/s", "oldest pending")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("stream", "writer") else "right")
     for stream in found:
         for w in stream.writers:
             speed = speeds.get((stream.name, w.writer))
+            pending = w.pending_age
             table.add_row(
                 stream.name, w.writer, str(w.position if w.position is not None else "-"),
                 str(stream.persisted_up_to if stream.persisted_up_to is not None else "-"),
                 str(stream.gap), "" if speed is None else f"{speed:.0f}",
+                "?" if pending is None else ("-" if pending == 0 else f"{pending * 1000:.0f} ms"),
             )  # fmt: skip
     p50, p99 = tally.percentile(0.5), tally.percentile(0.99)
     latency = (
@@ -276,6 +285,19 @@ def dashboard(
         Text(f"messages received by the syncing client: {got} of {len(tally.sent)}"),
         Text(f"{max(left, 0):.0f} s left" if left > 0 else "load stopped: catching up", end="\n"),
     )
+
+
+def _look(
+    conn: psycopg.Connection[Any], processes: Processes, before: list[status.StreamStatus] | None
+) -> tuple[list[status.StreamStatus], dict[tuple[str, str], int]]:
+    """The streams as `plait status` sees them, with the processes' pending ages, and the
+    rows each writer persisted since `before`."""
+    pending, _ = status.scrape(processes.api_urls, timeout=1.0)
+    streams = status.read(conn)
+    found = [status.assess(s, pending=pending) for s in streams]
+    if before is None:
+        return found, {}
+    return found, status.rows_written(conn, streams, status.positions(before))
 
 
 def reader_coverage(dsn: str, positions: dict[str, dict[str, int]]) -> tuple[int, dict[str, int]]:
@@ -367,10 +389,8 @@ async def _load(processes: Processes, duration: float, console: Console) -> tupl
             with Live(console=console, auto_refresh=False, transient=False) as live:
                 while True:
                     now = time.monotonic()
-                    found = [status.assess(s) for s in await asyncio.to_thread(status.read, conn)]
-                    speeds: dict[tuple[str, str], float] = (
-                        status.rates(before, found, now - taken) if before else {}
-                    )
+                    found, rows = await asyncio.to_thread(_look, conn, processes, before)
+                    speeds = {key: n / (now - taken) for key, n in rows.items()}
                     before, taken = found, now
                     live.update(dashboard(found, speeds, tally, until - now), refresh=True)
                     done = all(task.done() for task in users)

@@ -1,24 +1,35 @@
-"""Where every stream and writer stands, from the database alone (`plait status`).
+"""Where every stream and writer stands (`plait status`): from the database, plus what
+the instances' `/metrics` say when their addresses are known.
 
 `assess` is pure (what one query returned in, verdicts out), so the rules are tested
 without a server; `read` is that query. A stream is *stalled* when the writer holding
 its persisted-up-to position has not moved its row for `stall_after` seconds while
 another writer is ahead: every linear reader then waits on that writer. An idle live
 writer is never stalled: it moves its row up to the others' positions every second.
+
+Only a writer itself knows how long its oldest unfinished ID has waited (the database
+has no record of IDs taken and not yet committed), so that age comes from its
+`plait_stream_oldest_unfinished_age_seconds` gauge: `scrape` reads it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from plait.errors import SchemaError
+from plait.spark.catalog import range_condition
+from plait.spark.offsets import WriterRange
 from plait.storage.stream_store import head_of, ident
+from plait.streams.spec import TableSpec
 
 DEFAULT_STALL_AFTER = 30.0
 
@@ -41,6 +52,8 @@ class StreamRows:
     writers: tuple[str, ...]  # configured writers; empty: any instance writes
     head: int | None  # the largest ID its sequence handed out
     rows: tuple[WriterRow, ...]
+    tables: tuple[TableSpec, ...] = ()
+    backwards: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +63,8 @@ class WriterStatus:
     age: float | None
     behind: int  # how far below the stream's furthest writer
     holding: bool  # holds the stream's persisted-up-to position
+    # Seconds its oldest unfinished ID has waited (0: none pending); None: unknown.
+    pending_age: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,17 +81,30 @@ class StreamStatus:
         return self.stalled_by is not None
 
 
-def assess(stream: StreamRows, stall_after: float = DEFAULT_STALL_AFTER) -> StreamStatus:
+def assess(
+    stream: StreamRows,
+    stall_after: float = DEFAULT_STALL_AFTER,
+    pending: Mapping[tuple[str, str], float] | None = None,
+) -> StreamStatus:
+    """The verdicts on one stream; `pending` holds the ages of the writers' oldest
+    unfinished IDs, by (stream, writer), where known (`scrape`)."""
+    pending = pending or {}
     rows = {r.writer: r for r in stream.rows if not stream.writers or r.writer in stream.writers}
+
+    def age_of(writer: str) -> float | None:
+        return pending.get((stream.name, writer))
+
     if not rows:
-        writers = tuple(WriterStatus(w, None, None, 0, False) for w in stream.writers)
+        writers = tuple(WriterStatus(w, None, None, 0, False, age_of(w)) for w in stream.writers)
         return StreamStatus(stream.name, stream.head, None, 0, writers, None)
     low = min(r.position for r in rows.values())
     high = max(r.position for r in rows.values())
     writers = tuple(
-        WriterStatus(w, None, None, 0, False)
+        WriterStatus(w, None, None, 0, False, age_of(w))
         if (row := rows.get(w)) is None
-        else WriterStatus(w, row.position, row.age, high - row.position, row.position == low < high)
+        else WriterStatus(
+            w, row.position, row.age, high - row.position, row.position == low < high, age_of(w)
+        )
         for w in list(stream.writers) or sorted(rows)
     )
     stuck = [w for w in writers if w.holding and w.age is not None and w.age > stall_after]
@@ -103,7 +131,7 @@ def read(conn: psycopg.Connection[Any]) -> list[StreamRows]:
             f"{NEEDS_SCHEMA}: run `plait migrate` (or start any plait instance on it)"
         )
     found = conn.execute(
-        "SELECT s.stream_name, s.sequence_name, s.backwards, s.writers,"
+        "SELECT s.stream_name, s.sequence_name, s.backwards, s.writers, s.tables,"
         " p.instance_name, p.stream_id, extract(epoch FROM now() - p.updated_at)::float8"
         " FROM plait_streams s LEFT JOIN stream_positions p ON p.stream_name = s.stream_name"
         " ORDER BY s.stream_name, p.instance_name"
@@ -118,7 +146,7 @@ def _streams(
     for row in found:
         by_stream.setdefault(row[0], []).append(row)
     for name, rows in by_stream.items():
-        _, sequence, backwards, writers, *_ = rows[0]
+        _, sequence, backwards, writers, tables, *_ = rows[0]
         sign = -1 if backwards else 1
         head_row = conn.execute(
             sql.SQL("SELECT last_value, is_called FROM {}").format(ident(sequence))
@@ -133,7 +161,16 @@ def _streams(
                 for *_, writer, position, age in rows
                 if writer is not None
             ),
+            tuple(TableSpec(**table) for table in tables or ()),
+            bool(backwards),
         )
+
+
+def positions(found: Sequence[StreamStatus]) -> dict[tuple[str, str], int]:
+    """Each writer's position, by (stream, writer), where it has one."""
+    return {
+        (s.name, w.writer): w.position for s in found for w in s.writers if w.position is not None
+    }
 
 
 def rates(
@@ -142,13 +179,82 @@ def rates(
     """How many IDs a second each writer's position moved between two readings."""
     if seconds <= 0:
         return {}
-    earlier = {(s.name, w.writer): w.position for s in before for w in s.writers}
+    earlier = positions(before)
     return {
         (s.name, w.writer): (w.position - old) / seconds
         for s in after
         for w in s.writers
         if w.position is not None and (old := earlier.get((s.name, w.writer))) is not None
     }
+
+
+def rows_written(
+    conn: psycopg.Connection[Any],
+    streams: Sequence[StreamRows],
+    since: Mapping[tuple[str, str], int],
+) -> dict[tuple[str, str], int]:
+    """How many rows each writer persisted between the position it had in `since` and
+    the one in `streams` (both read from the database): one count per table and writer
+    that moved, each an index range scan."""
+    counts: dict[tuple[str, str], int] = {}
+    for stream in streams:
+        for row in stream.rows:
+            low = since.get((stream.name, row.writer))
+            if low is None or row.position <= low:
+                continue
+            moved = WriterRange(row.writer, low, row.position)
+            total = 0
+            for table in stream.tables:
+                query = sql.SQL("SELECT count(*) FROM {} WHERE {}").format(
+                    ident(table.name), range_condition(table, stream.backwards, moved)
+                )
+                found = conn.execute(query).fetchone()
+                total += int(found[0]) if found else 0
+            counts[(stream.name, row.writer)] = total
+    return counts
+
+
+PENDING_AGE = "plait_stream_oldest_unfinished_age_seconds"
+
+
+def pending_ages(metrics_text: str) -> dict[tuple[str, str], float]:
+    """The oldest-unfinished-ID ages in one instance's `/metrics` text, by (stream,
+    writer); `ValueError` when the text is not the Prometheus text format."""
+    return {
+        (sample.labels["stream"], sample.labels["writer"]): sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == PENDING_AGE
+        for sample in family.samples
+        if "stream" in sample.labels and "writer" in sample.labels
+    }
+
+
+def scrape(
+    instances: Mapping[str, str], timeout: float = 2.0
+) -> tuple[dict[tuple[str, str], float], dict[str, str]]:
+    """Read every instance's `/metrics` at once (instance name -> base URL of its
+    internal HTTP API). Returns the ages found and, per instance that did not answer
+    with metrics, why."""
+
+    def one(base: str) -> dict[tuple[str, str], float]:
+        if not base.startswith(("http://", "https://")):
+            raise ValueError(f"{base!r} is not an http(s) URL")
+        url = base.rstrip("/") + "/metrics"
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return pending_ages(response.read().decode("utf-8", "replace"))
+
+    ages: dict[tuple[str, str], float] = {}
+    failed: dict[str, str] = {}
+    if not instances:
+        return ages, failed
+    with ThreadPoolExecutor(max_workers=min(16, len(instances))) as pool:
+        futures = {name: pool.submit(one, base) for name, base in instances.items()}
+        for name, future in futures.items():
+            try:
+                ages.update(future.result())
+            except (OSError, ValueError) as err:
+                failed[name] = str(getattr(err, "reason", None) or err)
+    return ages, failed
 
 
 def to_json(stream: StreamStatus) -> str:

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from plait.core.commands import (
 )
 from plait.core.inbound import Inbound
 from plait.core.outbound import Outbound
+from plait.core.progress import Progress
 from plait.errors import CommandParseError
 from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
@@ -322,6 +324,9 @@ class ReplicationHandler:
         pages = stream.catch_up(
             writer, low, to_inclusive, self.catch_up_page, self.catch_up_page_max
         )
+        progress = Progress(
+            f"replication: catching up {name} of {writer}", low, to_inclusive, time.monotonic()
+        )
         async with contextlib.aclosing(pages):
             async for page in pages:
                 if page.reset:
@@ -337,8 +342,12 @@ class ReplicationHandler:
                 self.metrics.catch_up_rows.labels(name).inc(len(page.rows))
                 await self.deliver(stream, writer, upto, page.rows)
                 low = upto
+                if line := progress.step(upto, len(page.rows), time.monotonic()):
+                    logger.info("%s", line)
         if low < to_inclusive:  # the source ended early (it should not): never skip ahead
             raise RuntimeError(f"catch-up of {name}/{writer} stopped at {low}, not {to_inclusive}")
+        if line := progress.done(time.monotonic()):
+            logger.info("%s", line)
 
     async def departed(self, instance: str) -> None:
         if instance == self._name:
@@ -356,7 +365,14 @@ class ReplicationHandler:
 
     def _snapshots(self) -> list[StreamSnapshot]:
         return [
-            StreamSnapshot(name, s.positions(), s.persisted_upto(), self.queue_length(name))
+            StreamSnapshot(
+                name,
+                s.positions(),
+                s.persisted_upto(),
+                self.queue_length(name),
+                own_writer=None if s.own_position() is None else self._name,
+                oldest_unfinished_age=s.oldest_unfinished_age() or 0.0,
+            )
             for name, s in self.streams.items()
         ]
 

@@ -24,6 +24,10 @@ class StreamSnapshot:
     positions: dict[str, int]  # writer -> position
     persisted_upto: int
     queue_length: int
+    # When this instance writes the stream: its name, and seconds its oldest pending
+    # ID has waited (0 when none is pending).
+    own_writer: str | None = None
+    oldest_unfinished_age: float = 0.0
 
 
 class _StreamCollector(Collector):
@@ -51,6 +55,12 @@ class _StreamCollector(Collector):
             "Replication commands waiting, per stream.",
             labels=["stream"],
         )
+        oldest = GaugeMetricFamily(
+            "plait_stream_oldest_unfinished_age_seconds",
+            "How long this writer's lowest unfinished ID (or a fetch of IDs in flight) has "
+            "been pending: what holds its position back; 0 when nothing is pending.",
+            labels=["stream", "writer"],
+        )
         for snap in self._snapshots():
             for writer, value in snap.positions.items():
                 position.add_metric([snap.stream, writer], value)
@@ -58,7 +68,9 @@ class _StreamCollector(Collector):
             values = list(snap.positions.values())
             gap.add_metric([snap.stream], max(values) - min(values) if values else 0)
             queue.add_metric([snap.stream], snap.queue_length)
-        yield from (position, persisted, gap, queue)
+            if snap.own_writer is not None:
+                oldest.add_metric([snap.stream, snap.own_writer], snap.oldest_unfinished_age)
+        yield from (position, persisted, gap, queue, oldest)
 
 
 @dataclass(frozen=True, slots=True)

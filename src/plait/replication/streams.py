@@ -100,6 +100,11 @@ class ReplicatedStream(Protocol):
         """Signed linear position (for metrics)."""
         ...
 
+    def oldest_unfinished_age(self) -> float | None:
+        """Seconds the work holding this instance's own position has been pending;
+        None when not a writer here or nothing is pending (for metrics)."""
+        ...
+
 
 class DatabaseStream:
     """A stream stored in PostgreSQL, through its ID generator. The generator must not
@@ -248,6 +253,9 @@ class DatabaseStream:
     def persisted_upto(self) -> int:
         return self._gen.get_persisted_upto_position()
 
+    def oldest_unfinished_age(self) -> float | None:
+        return self._gen.oldest_unfinished_age()
+
 
 class CatchUpClient(Protocol):
     """Reads another instance's in-memory stream (the internal HTTP API's client)."""
@@ -350,3 +358,6 @@ class InMemoryStream:
 
     def persisted_upto(self) -> int:
         return min(self.positions().values(), default=0)
+
+    def oldest_unfinished_age(self) -> float | None:
+        return None  # in-memory writes finish as they are made

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -432,10 +433,23 @@ class Database:
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
             await conn.execute(statements)
 
-    async def migrate(self) -> None:
-        """Create or update plait's own tables (idempotent, safe to run concurrently)."""
+    async def migrate(self, report: Callable[[str], None] | None = None) -> None:
+        """Create or update plait's own tables (idempotent, safe to run concurrently).
+
+        `report` gets a line per step (the `plait migrate` command prints them); they are
+        logged either way."""
+
+        def say(line: str) -> None:
+            logger.info("%s", line)
+            if report is not None:
+                report(line)
+
         async with self.connection() as conn, conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            cur = await conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            got = await cur.fetchone()
+            if not (got and got[0]):
+                say("another process is migrating plait's schema; waiting for it")
+                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
             await conn.execute(
                 "CREATE TABLE IF NOT EXISTS plait_schema_version ("
                 " version INTEGER PRIMARY KEY, description TEXT NOT NULL,"
@@ -449,15 +463,24 @@ class Database:
                     f"the database's plait schema is version {current}, newer than this plait "
                     f"({LATEST}); upgrade plait before connecting it to this database"
                 )
-            for version, description, statements in MIGRATIONS:
-                if version <= current:
-                    continue
-                logger.info("applying plait schema migration %d: %s", version, description)
+            todo = [m for m in MIGRATIONS if m[0] > current]
+            if not todo:
+                if report is not None:
+                    report(f"plait schema is at version {current}, the latest: nothing to do")
+                return
+            say(f"plait schema is at version {current}; applying {len(todo)} migration(s)")
+            for step, (version, description, statements) in enumerate(todo, 1):
+                started = time.monotonic()
                 await conn.execute(statements)
                 await conn.execute(
                     "INSERT INTO plait_schema_version (version, description) VALUES (%s, %s)",
                     (version, description),
                 )
+                say(
+                    f"[{step}/{len(todo)}] migration {version}: {description} "
+                    f"({time.monotonic() - started:.2f} s)"
+                )
+        say(f"plait schema is now at version {LATEST}")
 
     # -- instance map: compact ids for writer names in tokens -------------------------------
 

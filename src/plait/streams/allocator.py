@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
+from plait.core.pending_ages import PendingAges
 from plait.core.positions import PositionTracker, SequenceWentBackwardsError
 from plait.errors import SequenceBehindError
 from plait.streams.background import let_finish
@@ -25,9 +27,14 @@ class IdAllocator:
     """Batches `allocate(n)` calls into shared `fetch(total)` round trips."""
 
     def __init__(
-        self, tracker: PositionTracker, fetch: Fetch, give_back: Callable[[list[int]], None]
+        self,
+        tracker: PositionTracker,
+        fetch: Fetch,
+        give_back: Callable[[list[int]], None],
+        ages: PendingAges | None = None,
     ) -> None:
         self._tracker = tracker
+        self._ages = ages
         self._fetch = fetch
         # IDs whose caller went away (cancelled) complete at once, with no rows.
         self._give_back = give_back
@@ -58,7 +65,7 @@ class IdAllocator:
         self._busy = True
         try:
             self.round_trips += 1
-            return await take_ids(self._tracker, lambda: self._fetch(n))
+            return await take_ids(self._tracker, lambda: self._fetch(n), ages=self._ages)
         finally:
             self._busy = False
             if self._queue and self._pump is None:
@@ -76,7 +83,7 @@ class IdAllocator:
         self.round_trips += 1
         total = sum(n for n, _ in batch)
         try:
-            ids = await take_ids(self._tracker, lambda: self._fetch(total))
+            ids = await take_ids(self._tracker, lambda: self._fetch(total), ages=self._ages)
         except asyncio.CancelledError:
             for _, future in batch:
                 future.cancel()
@@ -102,23 +109,37 @@ class IdAllocator:
 
 
 async def take_ids(
-    tracker: PositionTracker, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
+    tracker: PositionTracker,
+    fetch: Callable[[], Awaitable[list[int]]],
+    *,
+    completed: bool = False,
+    ages: PendingAges | None = None,
 ) -> list[int]:
     """Run `fetch`, which takes IDs from the sequence, under a fetch ticket, so the
     position cannot pass those IDs before the tracker knows them. With `completed`, the
-    IDs are finished when `fetch` returns (a statement that committed)."""
+    IDs are finished when `fetch` returns (a statement that committed). `ages` learns
+    when the IDs were taken."""
     ticket = tracker.begin_fetch()
+    if ages is not None:
+        ages.began(ticket.serial, time.monotonic())
     try:
         ids = await fetch()
     except BaseException:
         # Whatever it took was never handed out, or is already committed or rolled
         # back: nothing of it is left pending.
         tracker.end_fetch(ticket, [])
+        if ages is not None:
+            ages.ended(ticket.serial, [], tracker.lowest_unfinished)
         raise
+    pending: list[int] = []
     try:
         tracker.end_fetch(ticket, ids, completed=completed)
+        pending = [] if completed else ids
     except SequenceWentBackwardsError as err:
         raise _refusal(err) from None
+    finally:
+        if ages is not None:
+            ages.ended(ticket.serial, pending, tracker.lowest_unfinished)
     return ids
 
 

@@ -9,12 +9,14 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
+from plait.core.pending_ages import PendingAges
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
 from plait.errors import ConfigError, NotAWriterError
 from plait.storage.database import Database, Params, Transaction
@@ -58,7 +60,8 @@ class MultiWriterIdGenerator:
         self._tracker = tracker
         self._sign = spec.sign
         self._insert_sql: dict[str, str] = {}
-        self._allocator = IdAllocator(tracker, store.allocate, self._finish)
+        self._ages = PendingAges()
+        self._allocator = IdAllocator(tracker, store.allocate, self._finish, self._ages)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
         self._position_writer: PositionWriter | None = None
@@ -264,7 +267,7 @@ class MultiWriterIdGenerator:
         self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
     ) -> list[int]:
         before = self._tracker.local_position
-        ids = await take_ids(self._tracker, fetch, completed=completed)
+        ids = await take_ids(self._tracker, fetch, completed=completed, ages=self._ages)
         self._poke_if_moved(before)
         return ids
 
@@ -392,6 +395,16 @@ class MultiWriterIdGenerator:
 
     def get_positions(self) -> dict[str, int]:
         return {w: self._sign * p for w, p in self._tracker.positions().items()}
+
+    def oldest_unfinished_age(self) -> float | None:
+        """Seconds since this writer took the ID that holds its position (the lowest
+        it has not finished, or a fetch of IDs still in flight); None when nothing is
+        pending. A long one is a transaction left open, or a statement stuck."""
+        tracker = self._tracker
+        if not tracker.is_writer:
+            return None
+        began = self._ages.oldest(tracker.lowest_unfinished)
+        return None if began is None else max(0.0, time.monotonic() - began)
 
     def advance(self, instance_name: str, position: int) -> None:
         """Another writer reached `position` (signed); never moves anything backwards."""
@@ -526,6 +539,7 @@ class _InsertAtCommit:
         tracker = self._gen._tracker
         self._before = tracker.local_position
         self._ticket = tracker.begin_fetch()
+        self._gen._ages.began(self._ticket.serial, time.monotonic())
 
     def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
         gen, ticket = self._gen, self._ticket
@@ -545,13 +559,17 @@ class _InsertAtCommit:
             gen._tracker.end_fetch(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
             logger.error("stream %s: %s", gen.stream_name, err)
+        finally:
+            gen._ages.ended(ticket.serial, [], gen._tracker.lowest_unfinished)
         gen._poke_if_moved(self._before)
 
     def failed(self) -> None:
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
-            self._gen._tracker.end_fetch(ticket, [])
-            self._gen._poke_if_moved(self._before)
+            gen = self._gen
+            gen._tracker.end_fetch(ticket, [])
+            gen._ages.ended(ticket.serial, [], gen._tracker.lowest_unfinished)
+            gen._poke_if_moved(self._before)
 
 
 def _names(cursor: Any) -> list[str] | None:
