@@ -132,6 +132,10 @@ class InstanceConfig(_Model):
     http: HttpConfig = Field(default_factory=HttpConfig)
     caches: CachesConfig = Field(default_factory=CachesConfig)
     position_flush_interval: float = Field(1.0, gt=0)
+    # Seconds a writer may hold a stream's linear position without moving before this
+    # instance tries to fence it (which only succeeds when none of its connections is
+    # alive); null: never fence.
+    fence_after: float | None = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> InstanceConfig:

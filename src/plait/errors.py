@@ -52,3 +52,9 @@ class RemoteCallError(PlaitError):
 class CacheKeyError(PlaitError, TypeError):
     """A cache key cannot be used: unhashable, or not a value that survives the trip to
     other instances as JSON (so it could never be invalidated there)."""
+
+
+class FencedError(PlaitError):
+    """This writer incarnation was fenced: another instance found none of its database
+    connections alive and moved its positions past its IDs. It must not write again;
+    restart the process (a new incarnation registers itself and goes on)."""

@@ -47,6 +47,7 @@ from plait.replication.streams import DatabaseStream, InMemoryStream, Replicated
 from plait.replication.tcp_transport import TcpClient, TcpHub
 from plait.replication.waiters import PositionWaiters
 from plait.storage.database import Database
+from plait.storage.incarnation import Incarnation
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
 
@@ -160,7 +161,11 @@ class Instance:
         config = self.config
         try:
             if self._db is None:
-                self._db = await Database.connect(config.database)
+                # Its connections carry this run's name, so that its writers can be
+                # fenced should it die with IDs in flight.
+                self._db = await Database.connect(
+                    config.database, incarnation=Incarnation.new(self.name)
+                )
                 await self._db.migrate()
             for statements in self._schema:
                 await self._db.run_schema(statements)
@@ -353,6 +358,7 @@ class Instance:
             # With replication, other writers' positions move only as their rows are
             # delivered; following the database as well would skip rows.
             follow_database=not replicated,
+            fence_after=self.config.fence_after,
         )
         return self._database_stream(gen, self._codecs.get(config.name, DictRows()))
 

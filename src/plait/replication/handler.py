@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import time
@@ -175,6 +176,12 @@ class ReplicationHandler:
         self._tasks: list[asyncio.Task[None]] = []
         self._unknown_streams: set[str] = set()
         self.sync_streams: set[str] = set()
+        # Held while rows of one (stream, writer) are handed over: a fence's catch-up
+        # and a connection's RDATA or POSITION for that writer never interleave.
+        self._delivering: dict[tuple[str, str], asyncio.Lock] = {}
+        self._fence_tasks: set[asyncio.Task[None]] = set()
+        for stream in self.streams.values():
+            stream.add_fence_listener(functools.partial(self._fenced, stream))
         metrics.watch_streams(self._snapshots)
 
     @property
@@ -204,9 +211,9 @@ class ReplicationHandler:
 
     async def stop(self, *, depart: bool = True) -> None:
         """Send what is left, announce our departure (R-RP-8), end every task."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._fence_tasks]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._fence_tasks]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
@@ -281,6 +288,43 @@ class ReplicationHandler:
             await asyncio.sleep(self.announce_interval)
             for sender in self._senders:
                 sender.wake_if_moved()
+
+    # -- fenced writers ---------------------------------------------------------------------
+
+    def _fenced(self, stream: ReplicatedStream, writer: str, signed: int) -> None:
+        """This instance fenced a dead `writer` up to `signed`: tell the others, who
+        catch up its rows as for any POSITION (prev = new makes them read from wherever
+        they are), and catch them up here too before its position moves."""
+        self.broadcast([Position(stream.name, writer, signed, signed)])
+        task = asyncio.create_task(
+            self._catch_up_fenced(stream, writer, stream.sign * signed),
+            name=f"plait-fenced-{stream.name}-{writer}",
+        )
+        self._fence_tasks.add(task)
+        task.add_done_callback(self._fence_tasks.discard)
+
+    async def _catch_up_fenced(self, stream: ReplicatedStream, writer: str, token: int) -> None:
+        try:
+            async with self.delivering(stream.name, writer):
+                current = stream.seen(writer)
+                if token > current:
+                    await self.catch_up(stream, writer, current, token)
+        except Exception as err:  # the next fence (or the writer's return) retries
+            logger.warning(
+                "replication: catching up fenced %s of %s failed: %s", stream.name, writer, err
+            )
+
+    def delivering(self, stream: str, writer: str) -> asyncio.Lock:
+        """The lock held while rows of `writer` on `stream` are handed over."""
+        key = (stream, writer)
+        lock = self._delivering.get(key)
+        if lock is None:
+            lock = self._delivering[key] = asyncio.Lock()
+        return lock
+
+    def is_delivering(self, stream: str, writer: str) -> bool:
+        lock = self._delivering.get((stream, writer))
+        return lock is not None and lock.locked()
 
     # -- delivering -------------------------------------------------------------------------
 
@@ -558,6 +602,7 @@ class _Session:
                 and command.stream in handler.sync_streams
                 and command.stream not in self._busy
                 and not self.queue_length(command.stream)
+                and not handler.is_delivering(command.stream, command.instance)
             ):
                 self._rdata_now(stream, command)  # nothing queued before it: no task switch
                 return
@@ -610,9 +655,11 @@ class _Session:
     async def _handle(self, command: Command) -> None:
         handler = self._handler
         if isinstance(command, Rdata):
-            await self._rdata(command)
+            async with handler.delivering(command.stream, command.instance):
+                await self._rdata(command)
         elif isinstance(command, Position):
-            await self._position(command)
+            async with handler.delivering(command.stream, command.instance):
+                await self._position(command)
         elif isinstance(command, Depart):
             await handler.departed(command.name)
         else:

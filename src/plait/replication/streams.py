@@ -105,6 +105,11 @@ class ReplicatedStream(Protocol):
         None when not a writer here or nothing is pending (for metrics)."""
         ...
 
+    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
+        """Call `listener(writer, signed position)` when this instance fenced a dead
+        writer of the stream (the listener then moves it along)."""
+        ...
+
 
 class DatabaseStream:
     """A stream stored in PostgreSQL, through its ID generator. The generator must not
@@ -256,6 +261,9 @@ class DatabaseStream:
     def oldest_unfinished_age(self) -> float | None:
         return self._gen.oldest_unfinished_age()
 
+    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
+        self._gen.add_fence_listener(listener)
+
 
 class CatchUpClient(Protocol):
     """Reads another instance's in-memory stream (the internal HTTP API's client)."""
@@ -361,3 +369,6 @@ class InMemoryStream:
 
     def oldest_unfinished_age(self) -> float | None:
         return None  # in-memory writes finish as they are made
+
+    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
+        pass  # nothing to fence: in-memory rows are caught up from their writer

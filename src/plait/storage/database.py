@@ -20,10 +20,11 @@ import psycopg
 from psycopg import AsyncConnection, AsyncCursor, pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow, scalar_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from plait.errors import DatabaseUnavailableError
+from plait.errors import DatabaseUnavailableError, FencedError
 from plait.storage.embedded import EmbeddedPostgres
+from plait.storage.incarnation import Incarnation, refuse_if_fenced
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,15 @@ def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:
     )
 
 
+class _FenceState:
+    """Set once a new connection found this incarnation fenced."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: FencedError | None = None
+
+
 class _Lease:
     """`Database.connection()`: the hot connection while it is free, else a pooled one.
 
@@ -222,16 +232,25 @@ class _Lease:
 
     async def __aenter__(self) -> AsyncConnection[TupleRow]:
         db = self._db
+        if db._fence.error is not None:
+            raise db._fence.error
         if db._hot_busy or db._closed:
             self._pooled = db._pool.connection()
-            return await self._pooled.__aenter__()
+            try:
+                return await self._pooled.__aenter__()
+            except PoolTimeout:
+                if db._fence.error is not None:
+                    raise db._fence.error from None
+                raise
         db._hot_busy = True
         try:
             hot = db._hot
             if hot is None or hot.closed:
                 hot = db._hot = await db._pool.getconn()
-        except BaseException:
+        except BaseException as err:
             db._hot_busy = False
+            if isinstance(err, PoolTimeout) and db._fence.error is not None:
+                raise db._fence.error from None
             raise
         self._hot = hot
         return hot
@@ -310,6 +329,9 @@ class Database:
         self._instance_names: dict[int, str] = {}
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
+        # Who this pool's connections say they are (`connect(incarnation=...)`).
+        self.incarnation: Incarnation | None = None
+        self._fence = _FenceState()
 
     @classmethod
     async def connect(
@@ -320,12 +342,31 @@ class Database:
         min_size: int = 1,
         max_size: int = 10,
         application_name: str = "plait",
+        incarnation: Incarnation | None = None,
     ) -> Database:
-        """Connect to `dsn`, or start (or reuse) the embedded server when it is None."""
+        """Connect to `dsn`, or start (or reuse) the embedded server when it is None.
+
+        With an `incarnation` (what `Instance` passes) every connection carries its
+        name, so that the instance's writers can be fenced when it dies, and a new
+        connection is refused once they were (`FencedError`)."""
         embedded = None
         if dsn is None:
             embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
             dsn = embedded.dsn
+        if incarnation is not None:
+            application_name = incarnation.application_name
+        fence = _FenceState()
+        configure = None
+        if incarnation is not None:
+            bound = incarnation
+
+            async def configure(conn: AsyncConnection[TupleRow]) -> None:
+                try:
+                    await refuse_if_fenced(conn, bound)
+                except FencedError as err:
+                    fence.error = err  # later leases fail at once instead of waiting
+                    raise
+
         try:
             await _probe(dsn)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
@@ -333,6 +374,7 @@ class Database:
                 min_size=min_size,
                 max_size=max_size,
                 kwargs={"autocommit": True, "application_name": application_name},
+                configure=configure,
                 open=False,
                 name="plait",
             )
@@ -341,7 +383,10 @@ class Database:
             if embedded is not None:
                 await asyncio.to_thread(embedded.release)
             raise
-        return cls(pool, dsn, embedded)
+        db = cls(pool, dsn, embedded)
+        db.incarnation = incarnation
+        db._fence = fence
+        return db
 
     @property
     def dsn(self) -> str:

@@ -62,6 +62,19 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             ADD COLUMN IF NOT EXISTS updated_at TIMESTAMPTZ NOT NULL DEFAULT now();
         """,
     ),
+    (
+        4,
+        "writer incarnations, for fencing crashed writers",
+        # A writer registers the epoch its connections carry in application_name before
+        # its first allocation; a fence moves a dead incarnation's row and stamps
+        # fenced_at, after which that incarnation may open no new connection. Rows
+        # without an epoch (older writers, shared pools) are never fenced.
+        """
+        ALTER TABLE stream_positions
+            ADD COLUMN IF NOT EXISTS epoch BIGINT,
+            ADD COLUMN IF NOT EXISTS fenced_at TIMESTAMPTZ;
+        """,
+    ),
 )
 
 LATEST = MIGRATIONS[-1][0]

@@ -22,6 +22,7 @@ from psycopg.rows import TupleRow
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
 from plait.errors import SchemaError, SequenceBehindError
 from plait.storage.database import Database, Transaction
+from plait.storage.incarnation import name_prefix
 from plait.streams.spec import StreamSpec, TableSpec
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,17 @@ class _Table:
         return sql.SQL("SELECT * FROM {t} WHERE {writer}{id} = %(id)s").format(
             t=self.table, writer=writer, id=self.id
         )
+
+
+@dataclass(frozen=True, slots=True)
+class FenceResult:
+    """What `StreamStore.fence` found: the writer's registered epoch (None: it has none
+    and is never fenced), how many of its connections are alive (then nothing moved),
+    and its position after the fence (internal) when it was fenced."""
+
+    epoch: int | None
+    alive: int
+    position: int | None
 
 
 class StreamStore:
@@ -564,6 +576,82 @@ class StreamStore:
         )
         async with self.db.cursor() as cur:
             await cur.execute(query, (self.spec.name, instance, self._sign * position))
+
+    async def register(self, instance: str, position: int, epoch: int | None) -> None:
+        """This writer's row before its first allocation: its position (forwards only)
+        and the epoch its connections carry (None: they carry none, and it can never be
+        fenced). A fence of an earlier run no longer applies. Durable, and it waits for
+        a fence in progress on the row (which then finds this run's connections)."""
+        keep = ">" if self.spec.backwards else "<"
+        async with self.db.connection() as conn:
+            await conn.execute(
+                "INSERT INTO stream_positions (stream_name, instance_name, stream_id, epoch)"
+                " VALUES (%s, %s, %s, %s)"
+                " ON CONFLICT (stream_name, instance_name) DO UPDATE SET"
+                f" stream_id = CASE WHEN stream_positions.stream_id {keep} EXCLUDED.stream_id"
+                " THEN EXCLUDED.stream_id ELSE stream_positions.stream_id END,"
+                " epoch = EXCLUDED.epoch, fenced_at = NULL, updated_at = now()",
+                (self.spec.name, instance, self._sign * position, epoch),
+            )
+
+    async def fence(self, writer: str, target: int) -> FenceResult:
+        """Move a dead writer's position up to `target` (internal; a completed ID, such
+        as another writer's position), in one transaction that proves it dead first.
+
+        Under the row's lock: its registered epoch, then whether any server process
+        still carries that epoch's name (none: everything the run did is committed or
+        rolled back, and it may open no new connection once fenced), then the sequence
+        head S. The row moves to min(target, S), or to the writer's last row at or
+        below S when that is higher, never backwards, and is stamped fenced. Only
+        completed IDs, never S itself: S may be another writer's ID still in flight,
+        and a position is a promise that it completed. A later run registers a new
+        epoch under the same lock, before it allocates, so a fence never claims its
+        IDs."""
+        async with self.db.transaction() as txn:
+            row = await (
+                await txn.execute(
+                    "SELECT stream_id, epoch FROM stream_positions"
+                    " WHERE stream_name = %s AND instance_name = %s FOR UPDATE",
+                    (self.spec.name, writer),
+                )
+            ).fetchone()
+            if row is None or row[1] is None:
+                return FenceResult(None, 0, None)
+            current, epoch = self._sign * int(row[0]), int(row[1])
+            alive_row = await (
+                await txn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE starts_with(application_name, %s)",
+                    (name_prefix(epoch),),
+                )
+            ).fetchone()
+            alive = int(alive_row[0]) if alive_row else 0
+            if alive:
+                return FenceResult(epoch, alive, None)
+            head_row = await (await txn.execute(self._head_query)).fetchone()
+            assert head_row is not None
+            head = head_of(head_row)
+            # Its own rows up to S are committed, so completed IDs too: the last of them
+            # may pass `target` (when every writer died, nobody else is ahead).
+            own_max = current
+            for table in self._tables:
+                found = await (
+                    await txn.execute(
+                        table.own_max_above_query(sql.Literal(table.stored(current))),
+                        {"inst": writer},
+                    )
+                ).fetchone()
+                if found is not None and found[0] is not None:
+                    last = self._sign * int(found[0])
+                    if last <= head:
+                        own_max = max(own_max, last)
+            moved = max(current, min(target, head), own_max)
+            await txn.execute(
+                "UPDATE stream_positions SET stream_id = %s, updated_at = now(),"
+                " fenced_at = COALESCE(fenced_at, now())"
+                " WHERE stream_name = %s AND instance_name = %s",
+                (self._sign * moved, self.spec.name, writer),
+            )
+        return FenceResult(epoch, 0, moved)
 
     # -- rows seen at start-up ---------------------------------------------------------------
 

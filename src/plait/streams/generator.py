@@ -22,6 +22,7 @@ from plait.errors import ConfigError, NotAWriterError
 from plait.storage.database import Database, Params, Transaction
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import IdAllocator, take_ids
+from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
 from plait.streams.spec import StreamSpec
 
@@ -52,6 +53,7 @@ class MultiWriterIdGenerator:
         *,
         position_flush_interval: float,
         follow_database: bool,
+        fence_after: float | None = None,
     ) -> None:
         self._db = db
         self._spec = spec
@@ -78,8 +80,19 @@ class MultiWriterIdGenerator:
                 name=f"{spec.name}/{instance_name}",
             )
         self._moved_listeners: list[Callable[[], None]] = []
+        self._fence_listeners: list[Callable[[str, int], None]] = []
         self._written: WrittenListener | None = None
         self._closed = False
+        self._fencer: Fencer | None = None
+        others = set(spec.writers) - {instance_name}
+        if fence_after is not None and others:
+            self._fencer = Fencer(
+                store,
+                self._all_positions,
+                self._on_fenced,
+                fence_after=fence_after,
+                own=instance_name if tracker.is_writer else None,
+            )
 
     @classmethod
     async def create(
@@ -90,13 +103,17 @@ class MultiWriterIdGenerator:
         *,
         position_flush_interval: float = 1.0,
         follow_database: bool = True,
+        fence_after: float | None = None,
     ) -> MultiWriterIdGenerator:
         """Check the stream's tables and sequence, load positions, register this writer.
 
         `position_flush_interval` bounds how stale this writer's row in `stream_positions`
         gets while it is idle. With `follow_database` the generator also refreshes the
         other writers' positions from the database that often (needed when no
-        replication feeds it).
+        replication feeds it). With `fence_after` (seconds), a writer that holds the
+        stream's linear position that long without moving is fenced once none of its
+        connections is alive (`Instance` sets it; writers need a `Database` connected
+        with their `incarnation` to be fenceable).
         """
         if not isinstance(spec, StreamSpec):
             raise ConfigError(f"spec must be a StreamSpec, not {type(spec).__name__}")
@@ -104,6 +121,8 @@ class MultiWriterIdGenerator:
             raise ConfigError(f"instance_name must be a non-empty string, not {instance_name!r}")
         if position_flush_interval <= 0:
             raise ConfigError("position_flush_interval must be positive (seconds)")
+        if fence_after is not None and fence_after <= 0:
+            raise ConfigError("fence_after must be positive (seconds), or None to never fence")
         store = StreamStore(db, spec)
         logger.info(
             "stream %s: starting as %s; checking tables and sequence %s",
@@ -126,11 +145,18 @@ class MultiWriterIdGenerator:
             tracker,
             position_flush_interval=position_flush_interval,
             follow_database=follow_database,
+            fence_after=fence_after,
         )
         if gen._keeps_rows and tracker.is_writer:
             # Registered before the first allocation, so database-only readers know
-            # every live writer.
-            await store.upsert_position(instance_name, tracker.local_position, durable=True)
+            # every live writer, and a fence of an earlier run cannot claim new IDs.
+            incarnation = db.incarnation
+            epoch = (
+                incarnation.epoch
+                if incarnation is not None and incarnation.instance == instance_name
+                else None
+            )
+            await store.register(instance_name, tracker.local_position, epoch)
         gen._start()
         logger.info(
             "stream %s: %s ready; persisted up to %d, positions %s",
@@ -472,7 +498,39 @@ class MultiWriterIdGenerator:
     def _start(self) -> None:
         if self._position_writer is not None:
             self._position_writer.start()
+        if self._fencer is not None:
+            self._fencer.start()
         self._db.on_close(self.close)
+
+    # -- fencing ---------------------------------------------------------------------------
+
+    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
+        """Call `listener(writer, position)` (signed) when this instance fenced a dead
+        writer, instead of advancing it here: replication announces the new position
+        and catches the writer's rows up before it advances. Without a listener the
+        generator advances the writer itself."""
+        self._fence_listeners.append(listener)
+
+    @property
+    def fences(self) -> int:
+        """How many times this instance fenced a writer forward."""
+        return 0 if self._fencer is None else self._fencer.fences
+
+    def _all_positions(self) -> dict[str, int]:
+        """Every writer's position (internal), this one's idle-advanced: what a fence
+        may move a dead writer up to is the highest of them, a completed ID."""
+        tracker = self._tracker
+        positions = tracker.positions()
+        if tracker.is_writer:
+            positions[self._instance] = tracker.local_position
+        return positions
+
+    def _on_fenced(self, writer: str, position: int) -> None:
+        signed = self._sign * position
+        if not self._fence_listeners:
+            self.advance(writer, signed)
+        for listener in self._fence_listeners:
+            listener(writer, signed)
 
     async def _store_own_position(self, position: int) -> None:
         await self._store.upsert_position(self._instance, position, durable=False)
@@ -483,6 +541,8 @@ class MultiWriterIdGenerator:
             return
         self._closed = True
         self._db.forget_on_close(self.close)
+        if self._fencer is not None:
+            await self._fencer.stop()
         await self._allocator.close()
         if self._position_writer is not None:
             await self._position_writer.stop(final_flush=self._tracker.is_writer)

@@ -1,0 +1,70 @@
+"""Writer incarnations: how another instance proves a writer is gone (issue: fencing).
+
+Each run of an instance picks an epoch, names every database connection after it
+(`application_name` "plait#<epoch> <instance>") and registers it in its position rows
+before its first allocation. A fence then needs no timeout to be safe: once no server
+process carries that name, PostgreSQL has committed or rolled back everything the run
+did, and a fenced epoch may open no new connection (`refuse_if_fenced`), so nothing it
+still holds in memory can commit afterwards.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from plait.errors import FencedError
+
+PREFIX = "plait#"
+
+
+@dataclass(frozen=True, slots=True)
+class Incarnation:
+    """One run of one instance."""
+
+    instance: str
+    epoch: int
+
+    @classmethod
+    def new(cls, instance: str) -> Incarnation:
+        """A fresh epoch: microseconds since 1970 (later runs get larger ones) with three
+        random digits, so two instances starting in the same microsecond differ too."""
+        return cls(instance, time.time_ns() // 1000 * 1000 + secrets.randbelow(1000))
+
+    @property
+    def application_name(self) -> str:
+        # The server keeps 63 bytes: the epoch comes first so it always survives.
+        return f"{name_prefix(self.epoch)}{self.instance}".encode()[:63].decode("utf-8", "ignore")
+
+
+def name_prefix(epoch: int) -> str:
+    """What every connection of that epoch's `application_name` starts with."""
+    return f"{PREFIX}{epoch} "
+
+
+async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Incarnation) -> None:
+    """Run on every new connection of a writer: raise `FencedError` if its epoch was
+    fenced. The row lock (KEY SHARE) waits out a fence in progress, which holds the row
+    FOR UPDATE from before it looks for live connections: a connection either is seen
+    by the fence (which then gives up) or sees the fence."""
+    try:
+        cursor = await conn.execute(
+            "SELECT stream_name, fenced_at FROM stream_positions WHERE epoch = %s FOR KEY SHARE",
+            (incarnation.epoch,),
+        )
+        fenced = [row[0] for row in await cursor.fetchall() if row[1] is not None]
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+        fenced = []  # no plait schema yet (the first connection migrates it)
+    if not conn.autocommit:
+        await conn.rollback()
+    if fenced:
+        raise FencedError(
+            f"instance {incarnation.instance!r} (epoch {incarnation.epoch}) was fenced on "
+            f"{', '.join(sorted(fenced))}: another instance found none of its connections "
+            "alive and moved its position past the IDs it held. This process must not "
+            "write again: restart it"
+        )

@@ -1,0 +1,271 @@
+"""Fencing dead writers on a real PostgreSQL.
+
+The store-level tests check the proof itself: a fence moves nothing while a connection
+of the writer's incarnation lives, moves it once none does, refuses the dead run any
+new connection (also one opened while the fence held the row), and never touches a
+new run. The process tests kill -9 a writer in the middle of its transactions and
+pause one with SIGSTOP, with another writer and a linear reader running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from plait import Database, FencedError, MultiWriterIdGenerator
+from plait.storage.incarnation import Incarnation, refuse_if_fenced
+from plait.storage.stream_store import StreamStore
+from stream_helpers import create_generator, create_table, spec_for
+
+ROLE = Path(__file__).with_name("fence_roles.py")
+INSERT = (
+    "INSERT INTO events (stream_id, instance_name, payload)"
+    " SELECT {id}, %s, 'p' || g FROM generate_series(1, %s) g RETURNING stream_id"
+)
+
+
+async def row(db: Database, writer: str) -> tuple[int, int | None, bool]:
+    async with db.connection() as conn:
+        found = await (
+            await conn.execute(
+                "SELECT stream_id, epoch, fenced_at IS NOT NULL FROM stream_positions"
+                " WHERE stream_name = 'events' AND instance_name = %s",
+                (writer,),
+            )
+        ).fetchone()
+    assert found is not None
+    return found[0], found[1], found[2]
+
+
+async def test_a_fence_needs_every_connection_of_the_run_gone(db: Database, dsn: str) -> None:
+    await create_table(db)
+    run = Incarnation.new("w1")
+    w1_db = await Database.connect(dsn, incarnation=run)
+    w1 = await create_generator(w1_db, ["w1", "w2"], "w1")
+    w2 = await create_generator(db, ["w1", "w2"], "w2")  # a shared pool: no incarnation
+    store = StreamStore(db, spec_for(["w1", "w2"]))
+    assert (await row(db, "w1"))[1] == run.epoch
+    assert (await row(db, "w2"))[1] is None
+    assert (await store.fence("w2", 100)).epoch is None  # never fenced
+
+    await w1.insert(INSERT, ("w1", 2))
+    ids = await w2.insert(INSERT, ("w2", 5))
+    result = await store.fence("w1", ids[-1])
+    assert (result.epoch, result.position) == (run.epoch, None)
+    assert result.alive >= 1
+    assert not (await row(db, "w1"))[2]
+
+    await w1.close()
+    await w1_db.close()
+    result = await store.fence("w1", ids[-1])
+    assert (result.epoch, result.alive, result.position) == (run.epoch, 0, ids[-1])
+    assert await row(db, "w1") == (ids[-1], run.epoch, True)
+    # Never past the sequence, never backwards.
+    assert (await store.fence("w1", 10**9)).position == await w2.get_max_allocated_token()
+    assert (await store.fence("w1", 1)).position == await w2.get_max_allocated_token()
+
+    # The dead run may open no new connection.
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, application_name=run.application_name
+    ) as conn:
+        with pytest.raises(FencedError, match=r"'w1' .* was fenced on events"):
+            await refuse_if_fenced(conn, run)
+
+    # A new run registers a new epoch, clears the fence, and is alive.
+    rerun = Incarnation.new("w1")
+    w1_again_db = await Database.connect(dsn, incarnation=rerun)
+    try:
+        w1_again = await create_generator(w1_again_db, ["w1", "w2"], "w1")
+        assert (await row(db, "w1"))[1:] == (rerun.epoch, False)
+        assert (await store.fence("w1", 10**9)).position is None
+        await w1_again.close()
+    finally:
+        await w1_again_db.close()
+    await w2.close()
+
+
+async def test_a_connection_opened_during_a_fence_sees_it(db: Database, dsn: str) -> None:
+    """The fence holds the row from before it looks for live connections: a connection
+    that starts meanwhile waits for the fence to end, then learns it was fenced."""
+    await create_table(db)
+    run = Incarnation.new("w1")
+    w1_db = await Database.connect(dsn, incarnation=run)
+    w1 = await create_generator(w1_db, ["w1", "w2"], "w1")
+    await w1.close()
+    await w1_db.close()
+    async with await psycopg.AsyncConnection.connect(dsn) as fencer:
+        await fencer.execute("SELECT 1 FROM stream_positions WHERE instance_name = 'w1' FOR UPDATE")
+        late = await psycopg.AsyncConnection.connect(
+            dsn, autocommit=True, application_name=run.application_name
+        )
+        check = asyncio.create_task(refuse_if_fenced(late, run))
+        await asyncio.sleep(0.3)
+        assert not check.done()  # waits for the fence
+        await fencer.execute(
+            "UPDATE stream_positions SET fenced_at = now() WHERE instance_name = 'w1'"
+        )
+        await fencer.commit()
+    with pytest.raises(FencedError):
+        await check
+    await late.close()
+
+
+async def test_a_live_writer_holding_a_transaction_is_not_fenced(db: Database, dsn: str) -> None:
+    await create_table(db)
+    w1_db = await Database.connect(dsn, incarnation=Incarnation.new("w1"))
+    w2_db = await Database.connect(dsn, incarnation=Incarnation.new("w2"))
+    w1 = await create_generator(w1_db, ["w1", "w2"], "w1", position_flush_interval=0.1)
+    w2 = await create_generator(
+        w2_db, ["w1", "w2"], "w2", position_flush_interval=0.1, fence_after=0.2
+    )
+    try:
+        async with w1_db.transaction() as txn:
+            held = await w1.get_next_txn(txn)
+            await w2.insert(INSERT, ("w2", 3))
+            await asyncio.sleep(1.0)  # five times fence_after
+            assert w2.fences == 0
+            assert w2.get_current_token() < held
+        await asyncio.sleep(0.5)
+        assert w2.get_current_token() > held  # it moved on by itself
+        assert w2.fences == 0
+    finally:
+        await w1.close()
+        await w2.close()
+        await w1_db.close()
+        await w2_db.close()
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+async def spawn(dsn: str, name: str) -> asyncio.subprocess.Process:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(ROLE),
+        json.dumps({"dsn": dsn, "name": name, "writers": ["w1", "w2"]}),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(30):
+        line = await process.stdout.readline()
+    assert line == b"started\n", (line, await process.stderr.read() if process.stderr else b"")
+    return process
+
+
+class LinearReader:
+    """Follows persisted-up-to, reading every row at or below it once."""
+
+    def __init__(self, gen: MultiWriterIdGenerator) -> None:
+        self.gen = gen
+        self.linear = gen.get_current_token()
+        self.seen: list[tuple[int, str]] = []
+
+    async def catch_up(self) -> int:
+        target = self.gen.get_current_token()
+        while self.linear < target:
+            rows, upto, _ = await self.gen.get_updates_since(None, self.linear, target, 500)
+            self.seen.extend((r.stream_id, r.instance_name) for r in rows)
+            self.linear = upto
+        return self.linear
+
+    async def until(self, position: int, within: float) -> float:
+        """Seconds until the linear position reached `position`."""
+        started = time.monotonic()
+        async with asyncio.timeout(within):
+            while await self.catch_up() < position:  # noqa: ASYNC110 - polls the database
+                await asyncio.sleep(0.02)
+        return time.monotonic() - started
+
+
+async def committed(db: Database) -> list[tuple[int, str]]:
+    async with db.connection() as conn:
+        cursor = await conn.execute("SELECT stream_id, instance_name FROM events ORDER BY 1")
+        return [(r[0], r[1]) for r in await cursor.fetchall()]
+
+
+def stop(*processes: asyncio.subprocess.Process) -> None:
+    for process in processes:
+        if process.returncode is None:
+            process.kill()
+
+
+@pytest.mark.slow
+async def test_a_killed_writer_is_fenced_and_nothing_is_lost(db: Database, dsn: str) -> None:
+    await create_table(db)
+    reader_db = await Database.connect(dsn, incarnation=Incarnation.new("reader"))
+    reader_gen = await create_generator(
+        reader_db, ["w1", "w2"], "reader", position_flush_interval=0.1, fence_after=1.0
+    )
+    reader = LinearReader(reader_gen)
+    w1 = await spawn(dsn, "w1")
+    w2 = await spawn(dsn, "w2")
+    try:
+        await asyncio.sleep(1.0)  # both write, four transactions at a time each
+        w1.send_signal(signal.SIGKILL)
+        await w1.wait()
+        head = await reader_gen.get_max_allocated_token()
+        # The readers pass everything the dead writer held within 2 s, while it stays dead.
+        took = await reader.until(head, within=2.0)
+        print(f"linear position passed the dead writer {took:.2f} s after kill -9")
+        # And keep following the live writer, with the dead one fenced along.
+        head = await reader_gen.get_max_allocated_token()
+        await reader.until(head, within=2.0)
+
+        # A new run of w1 writes again; nothing of it is claimed by the fence.
+        w1 = await spawn(dsn, "w1")
+        await asyncio.sleep(1.0)
+        stop(w1, w2)
+        await w1.wait()
+        await w2.wait()
+        # Both are dead now: each is fenced up to its own last committed row.
+        truth = await committed(db)
+        await reader.until(truth[-1][0], within=5.0)
+        assert sorted(reader.seen) == truth  # every committed row once, nothing else
+        assert sum(1 for _, w in truth if w == "w1") > 0
+    finally:
+        stop(w1, w2)
+        await reader_gen.close()
+        await reader_db.close()
+
+
+@pytest.mark.slow
+async def test_a_paused_writer_is_not_fenced_while_its_connections_live(
+    db: Database, dsn: str
+) -> None:
+    await create_table(db)
+    reader_db = await Database.connect(dsn, incarnation=Incarnation.new("reader"))
+    reader_gen = await create_generator(
+        reader_db, ["w1", "w2"], "reader", position_flush_interval=0.1, fence_after=1.0
+    )
+    reader = LinearReader(reader_gen)
+    w1 = await spawn(dsn, "w1")
+    w2 = await spawn(dsn, "w2")
+    try:
+        await asyncio.sleep(0.5)
+        assert w1.pid is not None
+        os.kill(w1.pid, signal.SIGSTOP)
+        await asyncio.sleep(10.0)
+        assert reader_gen.fences == 0
+        assert not (await row(db, "w1"))[2]
+        os.kill(w1.pid, signal.SIGCONT)
+        await asyncio.sleep(1.0)
+        stop(w1, w2)
+        await w1.wait()
+        await w2.wait()
+        assert not (await row(db, "w1"))[2]  # killed only now: not fenced yet
+        truth = await committed(db)
+        await reader.until(max(i for i, w in truth if w == "w2"), within=5.0)
+        assert sorted(reader.seen) == [r for r in truth if r[0] <= reader.linear]
+    finally:
+        stop(w1, w2)
+        await reader_gen.close()
+        await reader_db.close()

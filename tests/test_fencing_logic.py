@@ -1,0 +1,115 @@
+"""`HoldWatch`: when a writer holding a stream's linear position is a fencing candidate
+(pure, no database)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.core.fencing import HoldWatch
+
+
+def test_a_writer_that_holds_without_moving_becomes_a_candidate_after_fence_after() -> None:
+    watch = HoldWatch(1.0, own="w3")
+    assert watch.candidate({"w1": 5, "w2": 5, "w3": 5}, 0.0) is None  # level: nobody holds
+    assert watch.candidate({"w1": 5, "w2": 9, "w3": 9}, 10.0) is None  # held since 10.0
+    assert watch.candidate({"w1": 5, "w2": 12, "w3": 12}, 10.9) is None
+    assert watch.candidate({"w1": 5, "w2": 12, "w3": 12}, 11.0) == "w1"
+    watch.tried("w1", 11.0, fenced=False)  # it was alive
+    assert watch.candidate({"w1": 5, "w2": 12, "w3": 12}, 11.5) is None  # waits again
+    assert watch.candidate({"w1": 5, "w2": 12, "w3": 12}, 12.0) == "w1"
+
+
+def test_a_holder_that_moves_starts_over() -> None:
+    watch = HoldWatch(1.0)
+    watch.candidate({"w1": 5, "w2": 9}, 0.0)
+    assert watch.candidate({"w1": 6, "w2": 9}, 0.9) is None  # moved: held since 0.9
+    assert watch.candidate({"w1": 6, "w2": 9}, 1.5) is None
+    assert watch.candidate({"w1": 6, "w2": 9}, 2.0) == "w1"
+
+
+def test_this_instance_is_never_a_candidate() -> None:
+    watch = HoldWatch(1.0, own="w1")
+    watch.candidate({"w1": 5, "w2": 9}, 0.0)
+    assert watch.candidate({"w1": 5, "w2": 9}, 60.0) is None
+
+
+def test_a_fenced_writer_is_fenced_again_quickly_while_it_keeps_holding() -> None:
+    watch = HoldWatch(1.0)
+    watch.candidate({"w1": 5, "w2": 9}, 0.0)
+    assert watch.candidate({"w1": 5, "w2": 9}, 1.0) == "w1"
+    watch.tried("w1", 1.0, fenced=True)
+    assert watch.is_fenced("w1")
+    assert watch.candidate({"w1": 9, "w2": 9}, 1.01) is None  # moved up to the others
+    assert watch.candidate({"w1": 9, "w2": 15}, 1.05) is None
+    assert watch.candidate({"w1": 9, "w2": 15}, 1.2) == "w1"  # after fence_after / 10
+    watch.tried("w1", 1.2, fenced=False)  # a new run came back: alive
+    assert not watch.is_fenced("w1")
+    assert watch.candidate({"w1": 9, "w2": 15}, 1.3) is None
+
+
+def test_fence_after_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        HoldWatch(0)
+
+
+_STEPS = st.lists(
+    st.tuples(
+        st.dictionaries(st.sampled_from(["w1", "w2", "w3"]), st.integers(0, 3), min_size=3),
+        st.floats(0, 0.7),
+        st.booleans(),
+    ),
+    max_size=60,
+)
+
+
+@given(_STEPS)
+def test_candidates_held_the_stream_long_enough(
+    steps: list[tuple[dict[str, int], float, bool]],
+) -> None:
+    """Model: positions only grow; a candidate is a lowest writer, not level with the
+    top, and neither moved nor was level with the top within the last fence_after."""
+    fence_after = 1.0
+    watch = HoldWatch(fence_after, own="w3")
+    positions = {"w1": 0, "w2": 0, "w3": 0}
+    last_change = dict.fromkeys(positions, 0.0)
+    last_level = dict.fromkeys(positions, 0.0)
+    last_try: dict[str, float] = {}
+    now = 0.0
+    watch.candidate(positions, now)
+    for growth, pause, alive in steps:
+        now += pause
+        for writer, step in growth.items():
+            if step:
+                positions[writer] += step
+                last_change[writer] = now
+        top = max(positions.values())
+        for writer, position in positions.items():
+            if position == top:
+                last_level[writer] = now
+        chosen = watch.candidate(positions, now)
+        if chosen is None:
+            continue
+        assert chosen != "w3"
+        assert positions[chosen] == min(positions.values()) < top
+        held_since = max(last_change[chosen], last_level[chosen])
+        wait = fence_after * (0.1 if watch.is_fenced(chosen) else 1.0)
+        assert now - held_since >= wait - 1e-9
+        assert now - last_try.get(chosen, float("-inf")) >= wait - 1e-9
+        watch.tried(chosen, now, fenced=not alive)
+        last_try[chosen] = now
+
+
+def test_level_writers_below_the_sequence_head_are_candidates_once_quiet() -> None:
+    """Every writer died: all level, but the sequence handed out IDs above them (the
+    last rows of a dead writer may be committed and never announced)."""
+    watch = HoldWatch(1.0, own="reader")
+    positions = {"w1": 50, "w2": 50}
+    assert not watch.needs_head(positions, 0.0)
+    assert not watch.needs_head(positions, 0.9)  # not quiet for long enough yet
+    assert watch.needs_head(positions, 1.0)
+    assert not watch.needs_head(positions, 1.1)  # asked just now
+    assert watch.candidate(positions, 1.0, head=50) is None  # at the head: nothing held
+    assert watch.candidate(positions, 1.0, head=57) in {"w1", "w2"}
+    assert not watch.needs_head({"w1": 50, "w2": 60}, 5.0)  # not level: no head needed
