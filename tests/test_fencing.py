@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from plait import Database, FencedError, MultiWriterIdGenerator
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
 from plait.storage.stream_store import StreamStore
+from replication_helpers import Seen, cluster_of, connected, until, write
 from stream_helpers import create_generator, create_table, spec_for
 
 ROLE = Path(__file__).with_name("fence_roles.py")
@@ -146,11 +148,14 @@ async def test_a_live_writer_holding_a_transaction_is_not_fenced(db: Database, d
 # -- processes ------------------------------------------------------------------------------
 
 
-async def spawn(dsn: str, name: str) -> asyncio.subprocess.Process:
+async def spawn(dsn: str, name: str, config: Any = None) -> asyncio.subprocess.Process:
+    args: dict[str, Any] = {"dsn": dsn, "name": name, "writers": ["w1", "w2"]}
+    if config is not None:
+        args["config"] = config
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(ROLE),
-        json.dumps({"dsn": dsn, "name": name, "writers": ["w1", "w2"]}),
+        json.dumps(args),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -269,3 +274,40 @@ async def test_a_paused_writer_is_not_fenced_while_its_connections_live(
         stop(w1, w2)
         await reader_gen.close()
         await reader_db.close()
+
+
+@pytest.mark.slow
+async def test_over_replication_a_killed_instance_is_fenced_and_its_rows_reach_readers(
+    db: Database, dsn: str
+) -> None:
+    """w1 runs as an Instance in its own process, w2 (the TCP hub) and r in this one:
+    when w1 dies mid-transaction, a fence's POSITION makes r read its last committed
+    rows from the database, each once, and r's linear position moves on."""
+    async with cluster_of(db, "tcp", hub="w2") as cluster:
+        seen = Seen()
+        w2 = await cluster.start(cluster.instance("w2"))
+        reader = cluster.instance("r")
+        reader.on_rows("events", seen.on_rows)
+        r = await cluster.start(reader)
+        await connected(w2, r)
+        w1 = await spawn(dsn, "w1", {**cluster.config("w1"), "database": dsn})
+        try:
+            await until(lambda: sum(1 for row in seen.rows if row[2] == "w1") >= 20)
+            w1.send_signal(signal.SIGKILL)
+            await w1.wait()
+            killed = time.monotonic()
+            for i in range(5):
+                await write(w2, f"after-{i}")
+            truth = await committed(db)
+            last_w1 = max(i for i, w in truth if w == "w1")
+            gen = r.generator("events")
+            await until(lambda: gen.get_current_token() >= truth[-1][0], within=5.0)
+            took = time.monotonic() - killed
+            print(f"r's linear position passed the dead w1 {took:.2f} s after kill -9")
+            # Every committed row of both writers reached r once, w1's last ones read
+            # from the database after the fence; nothing w1 did not commit.
+            assert sorted((row[1], row[2]) for row in seen.rows) == truth
+            assert gen.get_current_token_for_writer("w1") >= last_w1
+            assert w2.generator("events").fences + gen.fences >= 1
+        finally:
+            stop(w1)
