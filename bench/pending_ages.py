@@ -1,0 +1,75 @@
+"""What tracking the age of the oldest unfinished ID costs a write (R-OP-2).
+
+Every allocation path now stamps its fetch with `time.monotonic()` and hands its IDs to a
+`PendingAges`. This measures the client CPU of the position bookkeeping of one write,
+in-process and without a database (where the difference would drown in noise): the
+tracker's begin/end of a fetch and the completion, with and without the ages, for a
+single ID and for a 100-ID batch, alternating the variants, median of the repetitions.
+The figure is the ratio with / without, plus the absolute difference in microseconds.
+
+Run: python bench/pending_ages.py [--reps 9] [--writes 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from common import emit, log, median, rnd
+from plait.core.pending_ages import PendingAges
+from plait.core.positions import PositionTracker
+
+
+def bookkeeping(batch: int, ages: bool) -> Callable[[int], float]:
+    """A loop of `n` writes of `batch` IDs each: seconds per write."""
+
+    def run(n: int) -> float:
+        tracker = PositionTracker("w", writers=["w", "x"], floor=1)
+        pending = PendingAges() if ages else None
+        next_id = 2
+        started = time.perf_counter()
+        for _ in range(n):
+            ticket = tracker.begin_fetch()
+            if pending is not None:
+                pending.began(ticket.serial, time.monotonic())
+            ids = list(range(next_id, next_id + batch))
+            next_id += batch
+            tracker.end_fetch(ticket, ids)
+            if pending is not None:
+                pending.ended(ticket.serial, ids, tracker.lowest_unfinished)
+            tracker.complete(ids)
+        return (time.perf_counter() - started) / n
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--writes", type=int, default=100_000)
+    args = parser.parse_args()
+    for batch in (1, 100):
+        n = args.writes if batch == 1 else args.writes // 10
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for rep in range(args.reps):
+            for ages in (False, True) if rep % 2 == 0 else (True, False):
+                samples[ages].append(bookkeeping(batch, ages)(n))
+        without, with_ages = median(samples[False]), median(samples[True])
+        log(f"batch {batch}: {without * 1e6:.2f} µs without, {with_ages * 1e6:.2f} µs with")
+        emit(
+            {
+                "bench": "pending_ages_bookkeeping",
+                "ids_per_write": batch,
+                "without_us_per_write": rnd(without * 1e6, 3),
+                "with_us_per_write": rnd(with_ages * 1e6, 3),
+                "added_us_per_write": rnd((with_ages - without) * 1e6, 3),
+                "ratio": rnd(with_ages / without),
+                "reps": args.reps,
+                "writes": n,
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
