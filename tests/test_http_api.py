@@ -775,3 +775,30 @@ async def test_stop_ends_calls_in_progress_and_closes_the_port(
     assert api._calls == {}
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("plait-call-")]
     await api.stop()  # twice is fine
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "", "::", "example.org", "10.1.2.3"])
+async def test_no_secret_means_no_listening_beyond_this_machine(host: str) -> None:
+    api = InternalApi(
+        instance_name="server",
+        secret=None,
+        catch_up=_no_streams,
+        own_positions=dict,
+        await_positions=_seen,
+    )
+    with pytest.raises(ConfigError, match="without a secret"):
+        await api.start(host=host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+async def test_loopback_needs_no_secret_and_any_address_is_fine_with_one(host: str) -> None:
+    for secret, where in ((None, host), (SECRET, "0.0.0.0")):
+        api = InternalApi(
+            instance_name="server",
+            secret=secret,
+            catch_up=_no_streams,
+            own_positions=dict,
+            await_positions=_seen,
+        )
+        await api.start(host=where)
+        await api.stop()

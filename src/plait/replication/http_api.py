@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -70,6 +71,17 @@ _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
 # What a secret may hold: it travels in an HTTP header, so visible ASCII only.
 _SECRET = re.compile(r"[!-~]+")
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only listens on this machine. Names other
+    than localhost may resolve anywhere, and an empty host means every interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_secret(secret: str | None) -> bytes | None:
@@ -214,9 +226,17 @@ class InternalApi:
         return f"http://{host}:{self.port}"
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Listen on (host, port); returns once connections are accepted."""
+        """Listen on (host, port); returns once connections are accepted. Without a
+        secret only a loopback address is allowed: the API hands out stream rows and
+        runs endpoints for whoever reaches it."""
         if self._runner is not None:
             raise RuntimeError("InternalApi is already started")
+        if self._secret is None and not _is_loopback(host):
+            raise ConfigError(
+                f"the internal HTTP API would listen on {host!r} without a secret, so "
+                "anyone who reaches it could read streams and call endpoints: set "
+                "http.secret (every instance then sends it), or listen on 127.0.0.1"
+            )
         middlewares = [self._errors_middleware]
         if self._secret is not None:
             middlewares.append(self._auth_middleware)
