@@ -51,11 +51,14 @@ async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Inca
     fenced. The row lock (KEY SHARE) waits out a fence in progress, which holds the row
     FOR UPDATE from before it looks for live connections: a connection either is seen
     by the fence (which then gives up) or sees the fence."""
+    query = "SELECT stream_name, fenced_at FROM stream_positions WHERE epoch = %s"
     try:
-        cursor = await conn.execute(
-            "SELECT stream_name, fenced_at FROM stream_positions WHERE epoch = %s FOR KEY SHARE",
-            (incarnation.epoch,),
-        )
+        try:
+            cursor = await conn.execute(query + " FOR KEY SHARE", (incarnation.epoch,))
+        except psycopg.errors.InsufficientPrivilege:
+            # A role that may not lock the rows may not write them either: it is no
+            # writer, has no IDs to protect, and only needs to know.
+            cursor = await conn.execute(query, (incarnation.epoch,))
         fenced = [row[0] for row in await cursor.fetchall() if row[1] is not None]
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
         fenced = []  # no plait schema yet (the first connection migrates it)
