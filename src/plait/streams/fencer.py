@@ -42,6 +42,10 @@ class Fencer:
         self._unfenceable: set[str] = set()  # said so once
         self.fences = 0  # successful fences that moved a position
 
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"plait-fencer-{self._store.spec.name}")
 

@@ -79,6 +79,7 @@ class MultiWriterIdGenerator:
                 written=tracker.local_position,
                 name=f"{spec.name}/{instance_name}",
             )
+        self._follow_database = follow_database
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._written: WrittenListener | None = None
@@ -498,8 +499,8 @@ class MultiWriterIdGenerator:
     def _start(self) -> None:
         if self._position_writer is not None:
             self._position_writer.start()
-        if self._fencer is not None:
-            self._fencer.start()
+        if self._fencer is not None and self._follow_database:
+            self._fencer.start()  # else once replication listens (`add_fence_listener`)
         self._db.on_close(self.close)
 
     # -- fencing ---------------------------------------------------------------------------
@@ -508,8 +509,11 @@ class MultiWriterIdGenerator:
         """Call `listener(writer, position)` (signed) when this instance fenced a dead
         writer, instead of advancing it here: replication announces the new position
         and catches the writer's rows up before it advances. Without a listener the
-        generator advances the writer itself."""
+        generator advances the writer itself. A generator that does not follow the
+        database starts fencing only then: before, nothing would deliver the rows."""
         self._fence_listeners.append(listener)
+        if self._fencer is not None and not self._fencer.started and not self._closed:
+            self._fencer.start()
 
     @property
     def fences(self) -> int:
