@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
+from plait.core.pages import Page, TablePage, cut_pages, merge_pages, needs_whole_id
 
 # A row is (stream ID, table index, row index within the table): unique and traceable.
 Row = tuple[int, int, int]
@@ -208,3 +208,11 @@ def test_full_page_is_cut_below_its_last_id() -> None:
     b = TablePage(ids=[2], rows=["b2"], limit=3)
     # A may have more rows of 2, so nothing of 2 is returned yet, from either table.
     assert merge_pages([a, b], 10, 3) == Page(rows=["a1"], upto=1, limited=True)
+
+
+def test_cut_pages_asks_for_a_larger_read_when_a_full_page_holds_one_id() -> None:
+    one_id = TablePage([5, 5], ["a", "b"], limit=2)
+    other = TablePage([3, 6], ["c", "d"], limit=2)
+    assert cut_pages([one_id, other], 10, 2) is None
+    wider = TablePage([5, 5, 5, 7], ["a", "b", "e", "f"], limit=4)
+    assert cut_pages([wider, other], 10, 2) == merge_pages([wider, other], 10, 2)

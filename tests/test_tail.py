@@ -99,3 +99,39 @@ async def test_tail_follow_prints_rows_written_after_it_started(db: Database) ->
         follower.terminate()
         await asyncio.wait_for(follower.wait(), 10)
         await w1.close()
+
+
+async def test_an_id_with_several_rows_is_never_split_or_skipped(db: Database) -> None:
+    """Three rows under one ID in one table and one in the other, then a row under the
+    next ID: pages of 1 and 2 rows still print all five, and resuming from a row in the
+    middle of the ID prints its other rows again rather than skip them."""
+    for table in TABLES:
+        await create_table(db, table)
+    w1 = await create_generator(db, ["w1"], "w1", tables=TABLES)
+    try:
+        async with w1.get_next() as shared, db.transaction() as txn:
+            for table, body in (("events", "a"), ("events", "b"), ("state", "c"), ("events", "d")):
+                await txn.execute(
+                    f"INSERT INTO {table} (stream_id, instance_name, payload)"
+                    " VALUES (%s, 'w1', %s)",
+                    (shared, body),
+                )
+        (after,) = await write(w1, "events", 1)
+
+        def read(page: int, since: str = "earliest") -> list[tuple[int, str]]:
+            with psycopg.connect(db.dsn, autocommit=True) as conn:
+                reader = Tail(conn, "events")
+                lines = reader.between(reader.token(since), reader.latest(), page=page)
+                return [(line.id, line.row["payload"]) for line in lines]
+
+        everything = sorted([(shared, p) for p in "abcd"] + [(after, "events1")])
+        for page in (1, 2, 1000):
+            assert sorted(await asyncio.to_thread(read, page)) == everything
+        lines = await asyncio.to_thread(tail, db.dsn, "--from", "earliest")
+        assert [line["row"]["stream_id"] for line in lines] == [shared] * 4 + [after]
+        middle = await asyncio.to_thread(tail, db.dsn, "--from", lines[1]["token"])
+        assert len(middle) == 5  # the shared ID again, whole, then the next
+        end_of_id = await asyncio.to_thread(tail, db.dsn, "--from", lines[3]["token"])
+        assert [line["row"]["stream_id"] for line in end_of_id] == [after]
+    finally:
+        await w1.close()

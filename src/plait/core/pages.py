@@ -95,6 +95,14 @@ def merge_pages(
     return Page(rows=[item[3] for item in merged], upto=upto, limited=limited)
 
 
+def cut_pages(pages: Sequence[TablePage[Row]], to_inclusive: int, limit: int) -> Page[Row] | None:
+    """`merge_pages` for readers that read again with a larger limit rather than
+    fetching one ID whole: None when a full page holds one ID only."""
+    if any(needs_whole_id(page) is not None for page in pages):
+        return None
+    return merge_pages(pages, to_inclusive, limit)
+
+
 def _one_table(page: TablePage[Row], upto: int, limited: bool, limit: int) -> Page[Row]:
     """`merge_pages` for a single table, whose rows are sorted already: the same cuts,
     without building and sorting a merged list (catch-up reads millions of rows)."""

@@ -1,7 +1,8 @@
 """What `GET /sync` returns: a user's new rows of a stream between two vector tokens
 (events of the user's rooms, the user's account data), read from the database in ID
-order across the stream's tables, at most `limit` rows; when cut short, the token moves
-only as far as the rows returned, so the next sync repeats and skips nothing.
+order across the stream's tables, about `limit` rows (cut only between IDs); when cut
+short, the token moves only as far as the rows returned, so the next sync repeats and
+skips nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from psycopg import sql
 
+from plait.core.pages import TablePage, cut_pages
 from plait.core.tokens import StreamToken
 from plait.spark import catalog, offsets
 from plait.storage.database import Database
@@ -51,24 +53,30 @@ async def rows_between(
     ranges = offsets.ranges(start, end)
     if not ranges or not values:
         return Page([], end)
-    found: list[tuple[int, dict[str, Any]]] = []
-    async with db.connection() as conn:
-        for table in spec.tables:
-            columns = (table.instance_column, *COLUMNS[table.name])
-            where = sql.SQL("{} = ANY(%s)").format(sql.Identifier(by))
-            query = catalog.page_query(
-                table, spec.backwards, ranges, limit + 1, columns=columns, where=where
-            )
-            cursor = await conn.execute(query, (list(values),))
-            for stream_id, writer, *row in await cursor.fetchall():
-                item = {"stream_id": stream_id, "writer": writer, "table": table.name}
-                item.update(zip(COLUMNS[table.name], row, strict=True))
-                found.append((spec.sign * int(stream_id), item))  # internal ID
-    found.sort(key=lambda pair: pair[0])
-    if len(found) <= limit:
-        return Page([item for _, item in found], end)
-    kept = found[:limit]
-    return Page([item for _, item in kept], offsets.limited(start, end, kept[-1][0]))
+    where = sql.SQL("{} = ANY(%s)").format(sql.Identifier(by))
+    read = limit
+    while True:  # pages are cut between IDs (`core.pages`); one ID filling a page: read more
+        pages = []
+        async with db.connection() as conn:
+            for table in spec.tables:
+                columns = (table.instance_column, *COLUMNS[table.name])
+                query = catalog.page_query(
+                    table, spec.backwards, ranges, read, columns=columns, where=where
+                )
+                cursor = await conn.execute(query, (list(values),))
+                ids, items = [], []
+                for stream_id, writer, *row in await cursor.fetchall():
+                    item = {"stream_id": stream_id, "writer": writer, "table": table.name}
+                    item.update(zip(COLUMNS[table.name], row, strict=True))
+                    ids.append(spec.sign * int(stream_id))  # internal ID
+                    items.append(item)
+                pages.append(TablePage(ids, items, read))
+        cut = cut_pages(pages, max(r.high for r in ranges), limit)
+        if cut is not None:
+            break
+        read *= 2
+    token = offsets.limited(start, end, cut.upto) if cut.limited else end
+    return Page(cut.rows, token)
 
 
 class Notifier:

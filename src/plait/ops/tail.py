@@ -4,7 +4,8 @@ Rows come from the database between two tokens (the ranges the Spark source read
 `stream_positions`, so never a row a writer has not persisted), in ID order across the
 stream's tables, a page at a time. A row's token is the end token cut at the row's ID:
 every row of the window up to it has been printed, so `--from` that token goes on with
-the next row and repeats none.
+the next row and repeats none (for a row with more rows of its ID after it, the token
+stops before the ID: its rows come again rather than be skipped).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from plait.core.pages import TablePage, cut_pages
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError
 from plait.replication.rows import jsonable
@@ -25,6 +27,7 @@ from plait.spark.offsets import WriterRange
 from plait.streams.spec import StreamSpec, TableSpec
 
 PAGE = 1000
+Item = tuple[int, str, dict[str, Any]]  # internal ID, table, row
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +82,19 @@ class Tail:
         return token.encode_text(self._ids)
 
     def between(self, start: StreamToken, end: StreamToken, page: int = PAGE) -> Iterator[Line]:
-        """The rows in (start, end], in ID order, read `page` rows per table at a time."""
+        """The rows in (start, end], in ID order, read about `page` rows at a time.
+
+        Pages are cut between IDs (`core.pages`), so an ID with many rows is never
+        split across them."""
         ranges = self._mine(offsets.ranges(start, end))
         cursor = min((r.low for r in ranges), default=0)
         while window := [replace(r, low=max(r.low, cursor)) for r in ranges if r.high > cursor]:
-            pages = [self._page(t, window, page, newest_first=False) for t in self.spec.tables]
-            full = [p[-1][0] for p in pages if len(p) == page]
-            bound = min(full) if full else max(r.high for r in window)
-            for internal, table, row in heapq.merge(*pages, key=lambda x: x[0]):
-                if internal > bound:
-                    break
-                yield Line(table, internal, row, offsets.limited(start, end, internal))
-            cursor = bound
+            high = max(r.high for r in window)
+            limit = page
+            while (cut := cut_pages(self._pages(window, limit), high, page)) is None:
+                limit *= 2  # a full page of one ID: read more of it
+            yield from _lines(start, end, cut.rows)
+            cursor = cut.upto
 
     def last(self, count: int, end: StreamToken) -> list[Line]:
         """The last `count` rows at or below `end`, oldest first."""
@@ -100,10 +104,7 @@ class Tail:
             return []
         pages = [self._page(t, ranges, count, newest_first=True) for t in self.spec.tables]
         newest = heapq.nlargest(count, (item for p in pages for item in p), key=lambda x: x[0])
-        return [
-            Line(table, internal, row, offsets.limited(start, end, internal))
-            for internal, table, row in reversed(newest)
-        ]
+        return list(_lines(start, end, newest[::-1]))
 
     def _mine(self, ranges: list[WriterRange]) -> list[WriterRange]:
         """The ranges narrowed to `--writer`, when given."""
@@ -117,9 +118,17 @@ class Tail:
                 out.append(WriterRange(self.writer, r.low, r.high))
         return out
 
+    def _pages(self, ranges: list[WriterRange], limit: int) -> list[TablePage[Item]]:
+        """A page of each table, oldest first."""
+        pages = []
+        for table in self.spec.tables:
+            items = self._page(table, ranges, limit, newest_first=False)
+            pages.append(TablePage([item[0] for item in items], items, limit))
+        return pages
+
     def _page(
         self, table: TableSpec, ranges: list[WriterRange], limit: int, *, newest_first: bool
-    ) -> list[tuple[int, str, dict[str, Any]]]:
+    ) -> list[Item]:
         query = catalog.page_query(
             table, self.spec.backwards, ranges, limit, newest_first=newest_first
         )
@@ -134,3 +143,12 @@ class Tail:
                 )
                 for r in cur.fetchall()
             ]
+
+
+def _lines(start: StreamToken, end: StreamToken, items: list[Item]) -> Iterator[Line]:
+    """Rows in ID order as lines, each with the token after it; a row followed by more
+    rows of its own ID gets the token before that ID, so resuming skips none of them."""
+    for k, (internal, table, row) in enumerate(items):
+        shared = k + 1 < len(items) and items[k + 1][0] == internal
+        token = offsets.limited(start, end, internal - 1 if shared else internal)
+        yield Line(table, internal, row, token)
