@@ -1,10 +1,11 @@
 """What tracking the age of the oldest unfinished ID costs a write (R-OP-2).
 
-Every allocation path now stamps its fetch with `time.monotonic()` and hands its IDs to a
-`PendingAges`. This measures the client CPU of the position bookkeeping of one write,
-in-process and without a database (where the difference would drown in noise): the
-tracker's begin/end of a fetch and the completion, with and without the ages, for a
-single ID and for a 100-ID batch, alternating the variants, median of the repetitions.
+Every allocation path now goes through `streams.allocator.Fetches`, which stamps each
+fetch with `time.monotonic()` and hands its IDs to a `PendingAges`. This measures the
+client CPU of the position bookkeeping of one write, in-process and without a database
+(where the difference would drown in noise): begin/end of a fetch and the completion,
+through `Fetches` and straight on the tracker, for a single ID and for a 100-ID batch,
+alternating the variants, median of the repetitions.
 The figure is the ratio with / without, plus the absolute difference in microseconds.
 
 Run: python bench/pending_ages.py [--reps 9] [--writes 100000]
@@ -17,27 +18,29 @@ import time
 from collections.abc import Callable
 
 from common import emit, log, median, rnd
-from plait.core.pending_ages import PendingAges
 from plait.core.positions import PositionTracker
+from plait.streams.allocator import Fetches
 
 
 def bookkeeping(batch: int, ages: bool) -> Callable[[int], float]:
-    """A loop of `n` writes of `batch` IDs each: seconds per write."""
+    """A loop of `n` writes of `batch` IDs each: seconds per write. With `ages`, the
+    fetch goes through `Fetches` (what every allocation path does); without, straight to
+    the tracker (what they did before)."""
 
     def run(n: int) -> float:
         tracker = PositionTracker("w", writers=["w", "x"], floor=1)
-        pending = PendingAges() if ages else None
+        fetches = Fetches(tracker)
         next_id = 2
         started = time.perf_counter()
         for _ in range(n):
-            ticket = tracker.begin_fetch()
-            if pending is not None:
-                pending.began(ticket.serial, time.monotonic())
             ids = list(range(next_id, next_id + batch))
             next_id += batch
-            tracker.end_fetch(ticket, ids)
-            if pending is not None:
-                pending.ended(ticket.serial, ids, tracker.lowest_unfinished)
+            if ages:
+                ticket = fetches.begin()
+                fetches.end(ticket, ids)
+            else:
+                ticket = tracker.begin_fetch()
+                tracker.end_fetch(ticket, ids)
             tracker.complete(ids)
         return (time.perf_counter() - started) / n
 

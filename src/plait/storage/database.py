@@ -204,13 +204,24 @@ def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:
     )
 
 
-class _FenceState:
-    """Set once a new connection found this incarnation fenced."""
+class _Identity:
+    """Who a pool's connections say they are, and whether a new one found that run
+    fenced (then every later lease fails at once instead of waiting for the pool)."""
 
-    __slots__ = ("error",)
+    __slots__ = ("fenced", "incarnation")
 
-    def __init__(self) -> None:
-        self.error: FencedError | None = None
+    def __init__(self, incarnation: Incarnation | None = None) -> None:
+        self.incarnation = incarnation
+        self.fenced: FencedError | None = None
+
+    async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
+        """The pool's hook for each new connection."""
+        assert self.incarnation is not None
+        try:
+            await refuse_if_fenced(conn, self.incarnation)
+        except FencedError as err:
+            self.fenced = err
+            raise
 
 
 class _Lease:
@@ -232,25 +243,24 @@ class _Lease:
 
     async def __aenter__(self) -> AsyncConnection[TupleRow]:
         db = self._db
-        if db._fence.error is not None:
-            raise db._fence.error
-        if db._hot_busy or db._closed:
-            self._pooled = db._pool.connection()
-            try:
-                return await self._pooled.__aenter__()
-            except PoolTimeout:
-                if db._fence.error is not None:
-                    raise db._fence.error from None
-                raise
-        db._hot_busy = True
+        identity = db._identity
+        if identity.fenced is not None:
+            raise identity.fenced
         try:
-            hot = db._hot
-            if hot is None or hot.closed:
-                hot = db._hot = await db._pool.getconn()
-        except BaseException as err:
-            db._hot_busy = False
-            if isinstance(err, PoolTimeout) and db._fence.error is not None:
-                raise db._fence.error from None
+            if db._hot_busy or db._closed:
+                self._pooled = db._pool.connection()
+                return await self._pooled.__aenter__()
+            db._hot_busy = True
+            try:
+                hot = db._hot
+                if hot is None or hot.closed:
+                    hot = db._hot = await db._pool.getconn()
+            except BaseException:
+                db._hot_busy = False
+                raise
+        except PoolTimeout:  # waiting for a connection the pool refused to make?
+            if identity.fenced is not None:
+                raise identity.fenced from None
             raise
         self._hot = hot
         return hot
@@ -315,6 +325,7 @@ class Database:
         pool: AsyncConnectionPool[AsyncConnection[TupleRow]],
         dsn: str,
         embedded: EmbeddedPostgres | None,
+        identity: _Identity | None = None,
     ) -> None:
         self._pool = pool
         # One connection kept out of the pool and lent to whoever needs a connection
@@ -329,9 +340,7 @@ class Database:
         self._instance_names: dict[int, str] = {}
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
-        # Who this pool's connections say they are (`connect(incarnation=...)`).
-        self.incarnation: Incarnation | None = None
-        self._fence = _FenceState()
+        self._identity = identity or _Identity()
 
     @classmethod
     async def connect(
@@ -353,20 +362,9 @@ class Database:
         if dsn is None:
             embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
             dsn = embedded.dsn
+        identity = _Identity(incarnation)
         if incarnation is not None:
             application_name = incarnation.application_name
-        fence = _FenceState()
-        configure = None
-        if incarnation is not None:
-            bound = incarnation
-
-            async def configure(conn: AsyncConnection[TupleRow]) -> None:
-                try:
-                    await refuse_if_fenced(conn, bound)
-                except FencedError as err:
-                    fence.error = err  # later leases fail at once instead of waiting
-                    raise
-
         try:
             await _probe(dsn)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
@@ -374,7 +372,7 @@ class Database:
                 min_size=min_size,
                 max_size=max_size,
                 kwargs={"autocommit": True, "application_name": application_name},
-                configure=configure,
+                configure=None if incarnation is None else identity.configure,
                 open=False,
                 name="plait",
             )
@@ -383,10 +381,7 @@ class Database:
             if embedded is not None:
                 await asyncio.to_thread(embedded.release)
             raise
-        db = cls(pool, dsn, embedded)
-        db.incarnation = incarnation
-        db._fence = fence
-        return db
+        return cls(pool, dsn, embedded, identity)
 
     @property
     def dsn(self) -> str:
@@ -396,6 +391,11 @@ class Database:
     @property
     def embedded(self) -> EmbeddedPostgres | None:
         return self._embedded
+
+    @property
+    def incarnation(self) -> Incarnation | None:
+        """Who this pool's connections say they are (`connect(incarnation=...)`)."""
+        return self._identity.incarnation
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[TupleRow]]:
         """A pooled connection in autocommit mode."""

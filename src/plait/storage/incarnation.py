@@ -47,7 +47,7 @@ def name_prefix(epoch: int) -> str:
 
 
 async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Incarnation) -> None:
-    """Run on every new connection of a writer: raise `FencedError` if its epoch was
+    """Run on every new (autocommit) connection of a writer: raise `FencedError` if its epoch was
     fenced. The row lock (KEY SHARE) waits out a fence in progress, which holds the row
     FOR UPDATE from before it looks for live connections: a connection either is seen
     by the fence (which then gives up) or sees the fence."""
@@ -62,8 +62,6 @@ async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Inca
         fenced = [row[0] for row in await cursor.fetchall() if row[1] is not None]
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
         fenced = []  # no plait schema yet (the first connection migrates it)
-    if not conn.autocommit:
-        await conn.rollback()
     if fenced:
         raise FencedError(
             f"instance {incarnation.instance!r} (epoch {incarnation.epoch}) was fenced on "

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from plait.core.pending_ages import PendingAges
-from plait.core.positions import PositionTracker, SequenceWentBackwardsError
+from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
 from plait.errors import SequenceBehindError
 from plait.streams.background import let_finish
 
@@ -27,14 +27,9 @@ class IdAllocator:
     """Batches `allocate(n)` calls into shared `fetch(total)` round trips."""
 
     def __init__(
-        self,
-        tracker: PositionTracker,
-        fetch: Fetch,
-        give_back: Callable[[list[int]], None],
-        ages: PendingAges | None = None,
+        self, fetches: Fetches, fetch: Fetch, give_back: Callable[[list[int]], None]
     ) -> None:
-        self._tracker = tracker
-        self._ages = ages
+        self._fetches = fetches
         self._fetch = fetch
         # IDs whose caller went away (cancelled) complete at once, with no rows.
         self._give_back = give_back
@@ -65,7 +60,7 @@ class IdAllocator:
         self._busy = True
         try:
             self.round_trips += 1
-            return await take_ids(self._tracker, lambda: self._fetch(n), ages=self._ages)
+            return await take_ids(self._fetches, lambda: self._fetch(n))
         finally:
             self._busy = False
             if self._queue and self._pump is None:
@@ -83,7 +78,7 @@ class IdAllocator:
         self.round_trips += 1
         total = sum(n for n, _ in batch)
         try:
-            ids = await take_ids(self._tracker, lambda: self._fetch(total), ages=self._ages)
+            ids = await take_ids(self._fetches, lambda: self._fetch(total))
         except asyncio.CancelledError:
             for _, future in batch:
                 future.cancel()
@@ -108,38 +103,56 @@ class IdAllocator:
             await let_finish(self._pump)
 
 
+class Fetches:
+    """Every fetch of IDs goes through here: the tracker's ticket, which keeps this
+    writer's position below IDs still on their way, and when the fetch began, for the
+    age of the oldest unfinished ID (`PendingAges`)."""
+
+    __slots__ = ("_ages", "tracker")
+
+    def __init__(self, tracker: PositionTracker) -> None:
+        self.tracker = tracker
+        self._ages = PendingAges()
+
+    def begin(self) -> FetchTicket:
+        ticket = self.tracker.begin_fetch()
+        self._ages.began(ticket.serial, time.monotonic())
+        return ticket
+
+    def end(self, ticket: FetchTicket, ids: list[int], *, completed: bool = False) -> None:
+        """The fetch returned `ids` (none if it failed); with `completed` they are
+        finished already. Raises what `PositionTracker.end_fetch` raises."""
+        tracker = self.tracker
+        pending: list[int] = []
+        try:
+            tracker.end_fetch(ticket, ids, completed=completed)
+            pending = [] if completed else ids
+        finally:
+            self._ages.ended(ticket.serial, pending, tracker.lowest_unfinished)
+
+    def oldest_began(self) -> float | None:
+        """When the work holding this writer's position began (`time.monotonic`)."""
+        return self._ages.oldest(self.tracker.lowest_unfinished)
+
+
 async def take_ids(
-    tracker: PositionTracker,
-    fetch: Callable[[], Awaitable[list[int]]],
-    *,
-    completed: bool = False,
-    ages: PendingAges | None = None,
+    fetches: Fetches, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
 ) -> list[int]:
     """Run `fetch`, which takes IDs from the sequence, under a fetch ticket, so the
     position cannot pass those IDs before the tracker knows them. With `completed`, the
-    IDs are finished when `fetch` returns (a statement that committed). `ages` learns
-    when the IDs were taken."""
-    ticket = tracker.begin_fetch()
-    if ages is not None:
-        ages.began(ticket.serial, time.monotonic())
+    IDs are finished when `fetch` returns (a statement that committed)."""
+    ticket = fetches.begin()
     try:
         ids = await fetch()
     except BaseException:
         # Whatever it took was never handed out, or is already committed or rolled
         # back: nothing of it is left pending.
-        tracker.end_fetch(ticket, [])
-        if ages is not None:
-            ages.ended(ticket.serial, [], tracker.lowest_unfinished)
+        fetches.end(ticket, [])
         raise
-    pending: list[int] = []
     try:
-        tracker.end_fetch(ticket, ids, completed=completed)
-        pending = [] if completed else ids
+        fetches.end(ticket, ids, completed=completed)
     except SequenceWentBackwardsError as err:
         raise _refusal(err) from None
-    finally:
-        if ages is not None:
-            ages.ended(ticket.serial, pending, tracker.lowest_unfinished)
     return ids
 
 

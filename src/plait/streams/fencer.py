@@ -70,21 +70,21 @@ class Fencer:
                 writer = self._watch.candidate(positions, time.monotonic(), head)
                 if writer is None:
                     continue
-                await self.attempt(writer, max(positions.values()), positions[writer])
+                await self._attempt(writer, max(positions.values()), positions[writer])
             except (psycopg.Error, OSError) as err:
                 if writer is not None:
                     self._watch.tried(writer, time.monotonic(), fenced=False)
                 logger.warning("stream %s: could not try fencing: %s", self._store.spec.name, err)
 
-    async def attempt(self, writer: str, target: int, before: int) -> bool:
-        """Try to fence `writer` up to `target`; True when its position moved."""
+    async def _attempt(self, writer: str, target: int, before: int) -> None:
+        """Try to fence `writer` up to `target` (`before`: where it is now)."""
         result = await self._store.fence(writer, target)
         now = time.monotonic()
         name = self._store.spec.name
         if result.epoch is None:
             self._watch.tried(writer, now, fenced=False)
             if writer in self._unfenceable:
-                return False
+                return
             self._unfenceable.add(writer)
             logger.info(
                 "stream %s: %s holds it but registered no incarnation (an older plait, or a "
@@ -92,7 +92,7 @@ class Fencer:
                 name,
                 writer,
             )
-            return False
+            return
         if result.position is None:
             self._watch.tried(writer, now, fenced=False)
             logger.debug(
@@ -101,7 +101,7 @@ class Fencer:
                 writer,
                 result.alive,
             )
-            return False
+            return
         self._watch.tried(writer, now, fenced=True)
         if self._epochs.get(writer) != result.epoch:
             self._epochs[writer] = result.epoch
@@ -115,8 +115,6 @@ class Fencer:
                 before,
                 result.position,
             )
-        if result.position <= before:
-            return False
-        self.fences += 1
-        self._fenced(writer, result.position)
-        return True
+        if result.position > before:
+            self.fences += 1
+            self._fenced(writer, result.position)

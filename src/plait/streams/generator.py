@@ -16,12 +16,11 @@ from typing import Any, Generic, TypeVar
 
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
-from plait.core.pending_ages import PendingAges
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
 from plait.errors import ConfigError, NotAWriterError
 from plait.storage.database import Database, Params, Transaction
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
-from plait.streams.allocator import IdAllocator, take_ids
+from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
 from plait.streams.spec import StreamSpec
@@ -62,8 +61,8 @@ class MultiWriterIdGenerator:
         self._tracker = tracker
         self._sign = spec.sign
         self._insert_sql: dict[str, str] = {}
-        self._ages = PendingAges()
-        self._allocator = IdAllocator(tracker, store.allocate, self._finish, self._ages)
+        self._fetches = Fetches(tracker)
+        self._allocator = IdAllocator(self._fetches, store.allocate, self._finish)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
         self._position_writer: PositionWriter | None = None
@@ -294,7 +293,7 @@ class MultiWriterIdGenerator:
         self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
     ) -> list[int]:
         before = self._tracker.local_position
-        ids = await take_ids(self._tracker, fetch, completed=completed, ages=self._ages)
+        ids = await take_ids(self._fetches, fetch, completed=completed)
         self._poke_if_moved(before)
         return ids
 
@@ -427,10 +426,9 @@ class MultiWriterIdGenerator:
         """Seconds since this writer took the ID that holds its position (the lowest
         it has not finished, or a fetch of IDs still in flight); None when nothing is
         pending. A long one is a transaction left open, or a statement stuck."""
-        tracker = self._tracker
-        if not tracker.is_writer:
+        if not self._tracker.is_writer:
             return None
-        began = self._ages.oldest(tracker.lowest_unfinished)
+        began = self._fetches.oldest_began()
         return None if began is None else max(0.0, time.monotonic() - began)
 
     def advance(self, instance_name: str, position: int) -> None:
@@ -600,10 +598,8 @@ class _InsertAtCommit:
         return self._text, None if self._params is None else self._params()
 
     def sending(self) -> None:
-        tracker = self._gen._tracker
-        self._before = tracker.local_position
-        self._ticket = tracker.begin_fetch()
-        self._gen._ages.began(self._ticket.serial, time.monotonic())
+        self._before = self._gen._tracker.local_position
+        self._ticket = self._gen._fetches.begin()
 
     def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
         gen, ticket = self._gen, self._ticket
@@ -620,20 +616,16 @@ class _InsertAtCommit:
         if ids and gen._written is not None:
             gen._written(ids, gen._rows_of(columns, records))
         try:
-            gen._tracker.end_fetch(ticket, ids, completed=True)
+            gen._fetches.end(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
             logger.error("stream %s: %s", gen.stream_name, err)
-        finally:
-            gen._ages.ended(ticket.serial, [], gen._tracker.lowest_unfinished)
         gen._poke_if_moved(self._before)
 
     def failed(self) -> None:
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
-            gen = self._gen
-            gen._tracker.end_fetch(ticket, [])
-            gen._ages.ended(ticket.serial, [], gen._tracker.lowest_unfinished)
-            gen._poke_if_moved(self._before)
+            self._gen._fetches.end(ticket, [])
+            self._gen._poke_if_moved(self._before)
 
 
 def _names(cursor: Any) -> list[str] | None:
