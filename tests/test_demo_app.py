@@ -165,6 +165,11 @@ async def test_bad_and_future_tokens(db: Database) -> None:
         status, got = await sync(session, url, "alice", "m1~77.9_s0_t0")
         assert status == 400
         assert "instance id 77" in got["error"]
+        # A user id that could not travel in a USER_SYNC line is refused, not a 500.
+        for user in ("bad user", "line\nbreak"):
+            status, got = await sync(session, url, user)
+            assert status == 400
+            assert "bad user name" in got["error"]
         # A token from the future is clamped to what exists, not waited on.
         started = time.monotonic()
         status, got = await sync(session, url, "alice", "s999999_s0_t0", wait_ms=1_000)

@@ -38,7 +38,14 @@ class UserSync:
         )
 
     def to_args(self) -> str:
-        return f"{self.instance} {self.user} {self.state} {self.ms}"
+        check_user(self.user)
+        return f"{parse_name(self.instance, 'instance')} {self.user} {self.state} {self.ms}"
+
+
+def check_user(user: str) -> str:
+    """A user id as it may travel in a command line (no spaces or control characters);
+    `CommandParseError` otherwise."""
+    return parse_name(user, "user")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,13 +34,14 @@ from psycopg.types.json import Jsonb
 from plait.caches.cached import CachedFunction
 from plait.core.tokens import StreamToken
 from plait.demo import presence, sharding, sync
+from plait.demo.schema import MAIN
 from plait.demo.tokens import SyncToken, parse, resolve, writer_ids
 from plait.errors import ConfigError, PlaitError
 from plait.instance import Instance
+from plait.streams.generator import MultiWriterIdGenerator
 
 logger = logging.getLogger(__name__)
 
-MAIN = "main"
 SYNC_PORT_ENV = "PLAIT_DEMO_SYNC_PORT"
 # Public writes whose answer carries an `after` token, by the stream they write.
 _WRITES_TO = {
@@ -332,6 +333,7 @@ class SyncWorker:
         if not user:
             return web.json_response({"error": "user is required"}, status=400)
         try:
+            presence.check_user(user)
             timeout_ms = min(int(request.query.get("timeout", "0")), MAX_TIMEOUT_MS)
             if "after" in request.query:
                 await self._wait_after(request.query["after"])
@@ -396,12 +398,16 @@ class SyncWorker:
         )
         return token.encode(await self.instance.db.get_instance_ids([owner]))
 
-    async def _wait_after(self, text: str) -> None:
-        """Until this worker has seen every write `text` (an `after` token) names."""
+    async def _resolve(self, text: str) -> SyncToken:
+        """A sync token's text, with its writers' compact ids turned into names."""
         parsed = parse(text)
-        token = resolve(
+        return resolve(
             parsed, await self.instance.db.get_instance_names(sorted(writer_ids(parsed)))
         )
+
+    async def _wait_after(self, text: str) -> None:
+        """Until this worker has seen every write `text` (an `after` token) names."""
+        token = await self._resolve(text)
         for stream, part in (("events", token.events), ("account_data", token.account_data)):
             for writer, position in part.writers.items():
                 await self.instance.wait_for_stream_position(writer, stream, position)
@@ -437,13 +443,20 @@ class SyncWorker:
                 StreamToken.from_generator(data_gen),
                 typing_now,
             )
-        parsed = parse(text)
-        names = await self.instance.db.get_instance_names(sorted(writer_ids(parsed)))
-        return resolve(parsed, names).clamp(
-            await events_gen.get_max_allocated_token(),
-            await data_gen.get_max_allocated_token(),
+        token = await self._resolve(text)
+        return token.clamp(
+            await _head(token.events, events_gen),
+            await _head(token.account_data, data_gen),
             typing_now,
         )
+
+
+async def _head(part: StreamToken, gen: MultiWriterIdGenerator) -> int:
+    """What to clamp a token's `part` to: the sequence head when it is ahead of what this
+    process has seen (a token from the future), read only then."""
+    if part.is_before_or_eq(StreamToken.from_generator(gen)):
+        return part.max  # clamping to its own largest position changes nothing
+    return await gen.get_max_allocated_token()
 
 
 def sync_worker(instance: Instance, port: int | None = None) -> Callable[[], Awaitable[None]]:
@@ -477,13 +490,10 @@ class Memberships:
         self.position = 0
         self.notifier = sync.Notifier()
         declare_shared(instance)
+        # After every delivery, with rows or without, once the position moved.
         instance.on_position("events", self._moved)
-        instance.on_rows("events", self._rows)
 
     async def _moved(self, stream: str, writer: str, token: int) -> None:
-        await self.notifier.notify()
-
-    async def _rows(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
         await self.notifier.notify()
 
     async def run(self) -> None:

@@ -206,11 +206,11 @@ class Load:
                 if answer:
                     self.tally.sent[int(answer["stream_id"])] = time.monotonic()
                     self.tally.count("message")
-            elif roll < 0.85:
-                state = (
-                    "leave" if room in self.joined[user] and len(self.joined[user]) > 1 else "join"
-                )
-                await self.membership(session, user, self.random.choice(ROOMS), state)
+            elif roll < 0.85:  # join any room, or leave one of several
+                target = self.random.choice(ROOMS)
+                joined = self.joined[user]
+                state = "leave" if target in joined and len(joined) > 1 else "join"
+                await self.membership(session, user, target, state)
             elif roll < 0.93:
                 if await self.post(
                     session, "/typing", {"room": room, "user": user, "typing": roll < 0.9}
@@ -415,7 +415,7 @@ async def _load(processes: Processes, duration: float, console: Console) -> tupl
     return tally, least == total and messages_ok and tally.errors == 0, line
 
 
-def _export(dsn: str, folder: Path, console: Console) -> tuple[int, int]:
+def _export(dsn: str, folder: Path) -> tuple[int, int]:
     """The Spark export of `events` (its `events` table) to Parquet, exactly once, and
     the rows on each side."""
     from plait.spark import pipelines
@@ -459,7 +459,7 @@ async def demo(
         )
         if spark:
             console.print("exporting events to Parquet with Spark (plait source, exactly once)")
-            in_pg, in_parquet = await asyncio.to_thread(_export, demo_dsn, logs, console)
+            in_pg, in_parquet = await asyncio.to_thread(_export, demo_dsn, logs)
             same = in_pg == in_parquet
             console.print(
                 Text(

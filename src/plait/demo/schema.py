@@ -18,7 +18,6 @@ from typing import Any
 from plait.config import InstanceConfig
 
 MAIN = "main"
-BACKGROUND = "bg"
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS events (
