@@ -44,7 +44,7 @@ async def start_api() -> AsyncIterator[StartApi]:
     """Starts InternalApis on free ports (or the given one); stops them after the test."""
     apis: list[InternalApi] = []
 
-    async def start(*, port: int = 0, **overrides: Any) -> InternalApi:
+    async def start(*, port: int = 0, host: str = "127.0.0.1", **overrides: Any) -> InternalApi:
         kwargs: dict[str, Any] = {
             "instance_name": "server",
             "secret": None,
@@ -55,7 +55,7 @@ async def start_api() -> AsyncIterator[StartApi]:
         kwargs.update(overrides)
         api = InternalApi(**kwargs)
         apis.append(api)
-        await api.start(port=port)
+        await api.start(host=host, port=port)
         return api
 
     yield start
@@ -778,27 +778,17 @@ async def test_stop_ends_calls_in_progress_and_closes_the_port(
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "", "::", "example.org", "10.1.2.3"])
-async def test_no_secret_means_no_listening_beyond_this_machine(host: str) -> None:
-    api = InternalApi(
-        instance_name="server",
-        secret=None,
-        catch_up=_no_streams,
-        own_positions=dict,
-        await_positions=_seen,
-    )
+async def test_no_secret_means_no_listening_beyond_this_machine(
+    start_api: StartApi, host: str
+) -> None:
     with pytest.raises(ConfigError, match="without a secret"):
-        await api.start(host=host)
+        await start_api(host=host)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
-async def test_loopback_needs_no_secret_and_any_address_is_fine_with_one(host: str) -> None:
-    for secret, where in ((None, host), (SECRET, "0.0.0.0")):
-        api = InternalApi(
-            instance_name="server",
-            secret=secret,
-            catch_up=_no_streams,
-            own_positions=dict,
-            await_positions=_seen,
-        )
-        await api.start(host=where)
-        await api.stop()
+async def test_loopback_needs_no_secret(start_api: StartApi, host: str) -> None:
+    await start_api(host=host)
+
+
+async def test_with_a_secret_any_address_will_do(start_api: StartApi) -> None:
+    await start_api(host="0.0.0.0", secret=SECRET)

@@ -105,9 +105,11 @@ def test_a_slice_reads_everyone_only_when_every_writer_spans_it(
     pair: tuple[StreamToken, StreamToken], max_ids: int, writer: str
 ) -> None:
     rs = offsets.ranges(*pair)
-    for p in offsets.slices(rs, max_ids) + offsets.by_writer(rs, max_ids):
+    for p in offsets.slices(rs, max_ids):
         if p.everyone:
             assert covered(list(p.ranges), writer) == set(range(p.low + 1, p.high + 1))
+    for p in offsets.by_writer(rs, max_ids):  # one range each: everyone only if it is
+        assert p.everyone == (p.ranges[0].writer is None and not p.ranges[0].others_than)
 
 
 def test_interleaved_writers_share_slices() -> None:

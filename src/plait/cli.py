@@ -284,6 +284,7 @@ def status(
         return streams, [ops.assess(s, stall_after, pending) for s in streams], failed
 
     with dsn_or_embedded(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+        ops.check_schema(conn)
         if not watch:
             _, found, failed = look(conn)
             if as_json:

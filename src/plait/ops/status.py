@@ -26,10 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from plait.errors import SchemaError
+from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark.catalog import range_condition
 from plait.spark.offsets import WriterRange
 from plait.storage.stream_store import head_of, ident
-from plait.streams.spec import TableSpec
+from plait.streams.spec import StreamSpec
 
 DEFAULT_STALL_AFTER = 30.0
 
@@ -52,8 +53,7 @@ class StreamRows:
     writers: tuple[str, ...]  # configured writers; empty: any instance writes
     head: int | None  # the largest ID its sequence handed out
     rows: tuple[WriterRow, ...]
-    tables: tuple[TableSpec, ...] = ()
-    backwards: bool = False
+    spec: StreamSpec | None = None  # as recorded in plait_streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +115,9 @@ def assess(
 NEEDS_SCHEMA = 3  # stream_positions.updated_at
 
 
-def read(conn: psycopg.Connection[Any]) -> list[StreamRows]:
-    """Every recorded stream with its writers' rows (one query, then one per sequence)."""
+def check_schema(conn: psycopg.Connection[Any]) -> None:
+    """`SchemaError` unless the database has a plait schema `read` can use (once per
+    command: `--watch` reads again and again)."""
     try:
         row = conn.execute("SELECT max(version) FROM plait_schema_version").fetchone()
     except psycopg.errors.UndefinedTable:
@@ -130,6 +131,10 @@ def read(conn: psycopg.Connection[Any]) -> list[StreamRows]:
             f"this database's plait schema is version {version}; reading its status needs "
             f"{NEEDS_SCHEMA}: run `plait migrate` (or start any plait instance on it)"
         )
+
+
+def read(conn: psycopg.Connection[Any]) -> list[StreamRows]:
+    """Every recorded stream with its writers' rows (one query, then one per sequence)."""
     found = conn.execute(
         "SELECT s.stream_name, s.sequence_name, s.backwards, s.writers, s.tables,"
         " p.instance_name, p.stream_id, extract(epoch FROM now() - p.updated_at)::float8"
@@ -161,8 +166,15 @@ def _streams(
                 for *_, writer, position, age in rows
                 if writer is not None
             ),
-            tuple(TableSpec(**table) for table in tables or ()),
-            bool(backwards),
+            StreamSpec.from_json(
+                {
+                    "name": name,
+                    "sequence": sequence,
+                    "backwards": backwards,
+                    "writers": writers,
+                    "tables": tables,
+                }
+            ),
         )
 
 
@@ -198,23 +210,22 @@ def rows_written(
     that moved, each an index range scan."""
     counts: dict[tuple[str, str], int] = {}
     for stream in streams:
+        if stream.spec is None:
+            continue
         for row in stream.rows:
             low = since.get((stream.name, row.writer))
             if low is None or row.position <= low:
                 continue
             moved = WriterRange(row.writer, low, row.position)
             total = 0
-            for table in stream.tables:
+            for table in stream.spec.tables:
                 query = sql.SQL("SELECT count(*) FROM {} WHERE {}").format(
-                    ident(table.name), range_condition(table, stream.backwards, moved)
+                    ident(table.name), range_condition(table, stream.spec.backwards, moved)
                 )
                 found = conn.execute(query).fetchone()
                 total += int(found[0]) if found else 0
             counts[(stream.name, row.writer)] = total
     return counts
-
-
-PENDING_AGE = "plait_stream_oldest_unfinished_age_seconds"
 
 
 def pending_ages(metrics_text: str) -> dict[tuple[str, str], float]:
@@ -223,7 +234,7 @@ def pending_ages(metrics_text: str) -> dict[tuple[str, str], float]:
     return {
         (sample.labels["stream"], sample.labels["writer"]): sample.value
         for family in text_string_to_metric_families(metrics_text)
-        if family.name == PENDING_AGE
+        if family.name == OLDEST_UNFINISHED_AGE
         for sample in family.samples
         if "stream" in sample.labels and "writer" in sample.labels
     }

@@ -76,8 +76,12 @@ class Tail:
                 " ON CONFLICT (instance_name) DO NOTHING",
                 (missing,),
             )
-            self._ids = dict(
-                self.conn.execute("SELECT instance_name, instance_id FROM instance_map")
+            self._ids.update(
+                self.conn.execute(
+                    "SELECT instance_name, instance_id FROM instance_map"
+                    " WHERE instance_name = ANY(%s)",
+                    (missing,),
+                )
             )
         return token.encode_text(self._ids)
 

@@ -15,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+# Read back by `plait status` from every instance's /metrics.
+OLDEST_UNFINISHED_AGE = "plait_stream_oldest_unfinished_age_seconds"
+
 
 @dataclass(frozen=True, slots=True)
 class StreamSnapshot:
@@ -56,7 +59,7 @@ class _StreamCollector(Collector):
             labels=["stream"],
         )
         oldest = GaugeMetricFamily(
-            "plait_stream_oldest_unfinished_age_seconds",
+            OLDEST_UNFINISHED_AGE,
             "How long this writer's lowest unfinished ID (or a fetch of IDs in flight) has "
             "been pending: what holds its position back; 0 when nothing is pending.",
             labels=["stream", "writer"],

@@ -178,22 +178,35 @@ def page_query(
 ) -> sql.Composed:
     """One page of a table's rows in `ranges`: the ID column, then `columns` (default:
     every column), in internal-ID order (newest first on request; a backwards stream
-    stores its IDs negated), at most `limit`; `where` narrows it further."""
-    condition = sql.SQL(" OR ").join(
-        sql.SQL("({})").format(range_condition(table, backwards, r)) for r in ranges
-    )
-    if where is not None:
-        condition = sql.SQL("({}) AND ({})").format(where, condition)
+    stores its IDs negated), at most `limit`; `where` narrows it further.
+
+    Each range is read on its own, limited, as `cutoff` does: PostgreSQL then walks at
+    most `limit` entries of the (writer, ID) index per range, where one query over all
+    the ranges at once would sort every row in them for each page."""
+    if not ranges:
+        raise ValueError("page_query needs at least one range")
+    order = sql.SQL("DESC" if newest_first != backwards else "ASC")
     picked = sql.SQL("*") if columns is None else sql.SQL(", ").join(map(sql.Identifier, columns))
-    return sql.SQL(
-        "SELECT {id}, {picked} FROM {t} WHERE {cond} ORDER BY {id} {order} LIMIT {n}"
-    ).format(
-        id=sql.Identifier(table.id_column),
-        picked=picked,
-        t=ident(table.name),
-        cond=condition,
-        order=sql.SQL("DESC" if newest_first != backwards else "ASC"),
-        n=limit,
+    parts = []
+    for r in ranges:
+        condition = range_condition(table, backwards, r)
+        if where is not None:
+            condition = sql.SQL("({}) AND {}").format(where, condition)
+        parts.append(
+            sql.SQL(
+                "(SELECT {id}, {picked} FROM {t} WHERE {c} ORDER BY {id} {o} LIMIT {n})"
+            ).format(
+                id=sql.Identifier(table.id_column),
+                picked=picked,
+                t=ident(table.name),
+                c=condition,
+                o=order,
+                n=sql.Literal(limit),
+            )
+        )
+    # By position: with every column picked, the ID column's name comes twice.
+    return sql.SQL("SELECT * FROM ({}) AS page ORDER BY 1 {} LIMIT {}").format(
+        sql.SQL(" UNION ALL ").join(parts), order, sql.Literal(limit)
     )
 
 
