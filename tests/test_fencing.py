@@ -10,11 +10,13 @@ pause one with SIGSTOP, with another writer and a linear reader running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -203,77 +205,74 @@ def stop(*processes: asyncio.subprocess.Process) -> None:
             process.kill()
 
 
-@pytest.mark.slow
-async def test_a_killed_writer_is_fenced_and_nothing_is_lost(db: Database, dsn: str) -> None:
+@contextlib.asynccontextmanager
+async def two_writers_and_a_reader(
+    db: Database, dsn: str
+) -> AsyncIterator[tuple[LinearReader, dict[str, asyncio.subprocess.Process]]]:
+    """Writer processes w1 and w2 (replace one in the dict to restart it: every process
+    in it is killed at the end) and a linear reader that fences, in this process."""
     await create_table(db)
     reader_db = await Database.connect(dsn, incarnation=Incarnation.new("reader"))
     reader_gen = await create_generator(
         reader_db, ["w1", "w2"], "reader", position_flush_interval=0.1, fence_after=1.0
     )
-    reader = LinearReader(reader_gen)
-    w1 = await spawn(dsn, "w1")
-    w2 = await spawn(dsn, "w2")
+    writers = {name: await spawn(dsn, name) for name in ("w1", "w2")}
     try:
+        yield LinearReader(reader_gen), writers
+    finally:
+        stop(*writers.values())
+        await reader_gen.close()
+        await reader_db.close()
+
+
+@pytest.mark.slow
+async def test_a_killed_writer_is_fenced_and_nothing_is_lost(db: Database, dsn: str) -> None:
+    async with two_writers_and_a_reader(db, dsn) as (reader, writers):
         await asyncio.sleep(1.0)  # both write, four transactions at a time each
-        w1.send_signal(signal.SIGKILL)
-        await w1.wait()
-        head = await reader_gen.get_max_allocated_token()
+        writers["w1"].send_signal(signal.SIGKILL)
+        await writers["w1"].wait()
+        head = await reader.gen.get_max_allocated_token()
         # The readers pass everything the dead writer held within 2 s, while it stays dead.
         took = await reader.until(head, within=2.0)
         print(f"linear position passed the dead writer {took:.2f} s after kill -9")
         # And keep following the live writer, with the dead one fenced along.
-        head = await reader_gen.get_max_allocated_token()
+        head = await reader.gen.get_max_allocated_token()
         await reader.until(head, within=2.0)
 
         # A new run of w1 writes again; nothing of it is claimed by the fence.
-        w1 = await spawn(dsn, "w1")
+        writers["w1"] = await spawn(dsn, "w1")
         await asyncio.sleep(1.0)
-        stop(w1, w2)
-        await w1.wait()
-        await w2.wait()
+        stop(*writers.values())
+        for process in writers.values():
+            await process.wait()
         # Both are dead now: each is fenced up to its own last committed row.
         truth = await committed(db)
         await reader.until(truth[-1][0], within=5.0)
         assert sorted(reader.seen) == truth  # every committed row once, nothing else
         assert sum(1 for _, w in truth if w == "w1") > 0
-    finally:
-        stop(w1, w2)
-        await reader_gen.close()
-        await reader_db.close()
 
 
 @pytest.mark.slow
 async def test_a_paused_writer_is_not_fenced_while_its_connections_live(
     db: Database, dsn: str
 ) -> None:
-    await create_table(db)
-    reader_db = await Database.connect(dsn, incarnation=Incarnation.new("reader"))
-    reader_gen = await create_generator(
-        reader_db, ["w1", "w2"], "reader", position_flush_interval=0.1, fence_after=1.0
-    )
-    reader = LinearReader(reader_gen)
-    w1 = await spawn(dsn, "w1")
-    w2 = await spawn(dsn, "w2")
-    try:
+    async with two_writers_and_a_reader(db, dsn) as (reader, writers):
         await asyncio.sleep(0.5)
+        w1 = writers["w1"]
         assert w1.pid is not None
         os.kill(w1.pid, signal.SIGSTOP)
         await asyncio.sleep(10.0)
-        assert reader_gen.fences == 0
+        assert reader.gen.fences == 0
         assert not (await row(db, "w1"))[2]
         os.kill(w1.pid, signal.SIGCONT)
         await asyncio.sleep(1.0)
-        stop(w1, w2)
-        await w1.wait()
-        await w2.wait()
+        stop(*writers.values())
+        for process in writers.values():
+            await process.wait()
         assert not (await row(db, "w1"))[2]  # killed only now: not fenced yet
         truth = await committed(db)
         await reader.until(max(i for i, w in truth if w == "w2"), within=5.0)
         assert sorted(reader.seen) == [r for r in truth if r[0] <= reader.linear]
-    finally:
-        stop(w1, w2)
-        await reader_gen.close()
-        await reader_db.close()
 
 
 @pytest.mark.slow
