@@ -361,35 +361,40 @@ async def test_read_your_writes_across_sync_workers(db: Database) -> None:
 
 
 async def test_a_sync_page_is_cut_between_ids_so_nothing_is_skipped(db: Database) -> None:
-    """An ID with rows in both tables of `events` (a membership change and its
-    message): pages of 1 and 2 rows return all of them, each once, and the token of a
-    cut page resumes at the first row not returned."""
+    """IDs with rows in both tables of `events` (a membership change and its message),
+    from two writers at different positions (so the read covers several ranges): pages
+    of 1, 2, 4 and 100 rows return all of them, each once, and the token of a cut page
+    resumes at the first row not returned."""
     from plait import MultiWriterIdGenerator, StreamSpec, StreamToken, TableSpec
     from plait.demo import sync
 
     await db.run_schema(schema.TABLES)
     spec = StreamSpec(
-        "events", tables=[TableSpec("events"), TableSpec("room_state")], writers=["ev1"]
+        "events", tables=[TableSpec("events"), TableSpec("room_state")], writers=WRITERS
     )
-    gen = await MultiWriterIdGenerator.create(db, spec, "ev1")
+    gens = [await MultiWriterIdGenerator.create(db, spec, w) for w in WRITERS]
     room = "!r:demo"
     try:
         written = []
-        for n in range(3):
+        last: dict[str, int] = {}
+        for n in range(5):
+            gen = gens[n % 2]
+            writer = gen.instance_name
             async with gen.get_next() as sid, db.transaction() as txn:
                 await txn.execute(
                     "INSERT INTO room_state (stream_id, instance_name, room_id, user_id,"
-                    " membership) VALUES (%s, 'ev1', %s, %s, 'join')",
-                    (sid, room, f"@u{n}"),
+                    " membership) VALUES (%s, %s, %s, %s, 'join')",
+                    (sid, writer, room, f"@u{n}"),
                 )
                 for body in ("hi", "there"):
                     await txn.execute(
                         "INSERT INTO events (stream_id, instance_name, room_id, sender, body)"
-                        " VALUES (%s, 'ev1', %s, %s, %s)",
-                        (sid, room, f"@u{n}", body),
+                        " VALUES (%s, %s, %s, %s, %s)",
+                        (sid, writer, room, f"@u{n}", body),
                     )
             written += [(sid, "room_state"), (sid, "events"), (sid, "events")]
-        end = StreamToken.from_generator(gen)
+            last[writer] = sid
+        end = StreamToken(0, last)  # each writer at its own last ID: one range each
         for limit in (1, 2, 4, 100):
             got, since = [], StreamToken(0)
             while True:
@@ -400,4 +405,5 @@ async def test_a_sync_page_is_cut_between_ids_so_nothing_is_skipped(db: Database
                 since = page.token
             assert sorted(got) == sorted(written), limit
     finally:
-        await gen.close()
+        for gen in gens:
+            await gen.close()

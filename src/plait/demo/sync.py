@@ -53,7 +53,7 @@ async def rows_between(
     ranges = offsets.ranges(start, end)
     if not ranges or not values:
         return Page([], end)
-    where = sql.SQL("{} = ANY(%s)").format(sql.Identifier(by))
+    where = sql.SQL("{} = ANY({})").format(sql.Identifier(by), sql.Literal(list(values)))
     read = limit
     while True:  # pages are cut between IDs (`core.pages`); one ID filling a page: read more
         pages = []
@@ -63,7 +63,7 @@ async def rows_between(
                 query = catalog.page_query(
                     table, spec.backwards, ranges, read, columns=columns, where=where
                 )
-                cursor = await conn.execute(query, (list(values),))
+                cursor = await conn.execute(query)
                 ids, items = [], []
                 for stream_id, writer, *row in await cursor.fetchall():
                     item = {"stream_id": stream_id, "writer": writer, "table": table.name}

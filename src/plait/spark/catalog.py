@@ -178,7 +178,9 @@ def page_query(
 ) -> sql.Composed:
     """One page of a table's rows in `ranges`: the ID column, then `columns` (default:
     every column), in internal-ID order (newest first on request; a backwards stream
-    stores its IDs negated), at most `limit`; `where` narrows it further.
+    stores its IDs negated), at most `limit`; `where` narrows it further (it is
+    repeated in each range's subquery: write values into it as literals, not
+    placeholders).
 
     Each range is read on its own, limited, as `cutoff` does: PostgreSQL then walks at
     most `limit` entries of the (writer, ID) index per range, where one query over all
