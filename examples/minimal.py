@@ -27,7 +27,8 @@ async def main() -> None:
         seen.put_nowait(len(rows))
 
     instance.on_rows("notes", show)
-    async with instance:
+    async with instance:  # rows written from here on reach `show`: start the worker first
+        print(NAME, "started", flush=True)
         for i in range(5 if NAME != "worker" else 0):
             await instance.generator("notes").insert(INSERT, (NAME, f"{NAME}: note {i}"))
         notes = 0

@@ -16,6 +16,7 @@ import pytest
 
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES
+from plait.replication import tcp_transport
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.tcp_transport import TcpClient, TcpHub
@@ -36,7 +37,14 @@ class RecordingSession:
         self.closed_calls = 0
 
     def received(self, line: str | bytes) -> None:
-        self.lines.append(line.decode(errors="replace") if isinstance(line, bytes) else line)
+        text = line.decode(errors="replace") if isinstance(line, bytes) else line
+        self.lines.append(text)
+        # As the real handler: a line it cannot parse is answered with ERROR, at once.
+        if text.startswith(("RDATA bad", "APP_UNKNOWN")) or isinstance(line, bytes):
+            self.link.send(f"ERROR cannot parse {text[:20]}")
+        # As a listener that writes at once when it sees a row.
+        if text.startswith("REACT "):
+            self.handler.send_all(f"REACTION to {text}")
 
     async def wait_up(self) -> None:
         await self.handler.up.wait()
@@ -144,6 +152,18 @@ class RawPeer:
         self.writer.close()
         with suppress(OSError):
             await self.writer.wait_closed()
+
+
+async def connected_trio(
+    hub: TcpHub, hub_handler: RecordingHandler, other: RecordingHandler, name: str = "raw"
+) -> RawPeer:
+    """A raw peer `name` and a client of `other`, both past the handshake at the hub."""
+    peer = await RawPeer.connect(hub.port)
+    await peer.handshake(name)
+    assert await peer.line() == "REPLICATE"
+    await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
+    await eventually(lambda: len(other.sessions) == 1, "the other opened")
+    return peer
 
 
 class FakeHub:
@@ -376,10 +396,7 @@ async def test_a_burst_beyond_the_queue_to_a_peer_that_keeps_up_is_sent_not_refu
         running_client(other, hub.port) as client,
     ):
         assert await client.wait_open(WAIT)
-        peer = await RawPeer.connect(hub.port)
-        await peer.handshake("slow")
-        assert await peer.line() == "REPLICATE"
-        await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
+        peer = await connected_trio(hub, hub_handler, other, "slow")
         slow_link = hub_handler.session_of("tcp:slow").link
         other_link = hub_handler.session_of("tcp:other").link
         for i in range(25):  # more than twice what the queue holds, in one go
@@ -413,41 +430,68 @@ async def _recv_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> by
     return data
 
 
+class StuckPeer:
+    """A peer "stuck" that, once past the handshake, reads nothing (until `last_line`)
+    through a small window: the hub's buffers for it fill, and its writer waits in
+    drain()."""
+
+    def __init__(self, hub: TcpHub, hub_handler: RecordingHandler) -> None:
+        self.hub = hub
+        self.hub_handler = hub_handler
+        self.sock = _small_window_socket()
+        self.loop = asyncio.get_running_loop()
+
+    async def __aenter__(self) -> RecordingSession:
+        """Its session at the hub."""
+        await self.loop.sock_connect(self.sock, (HOST, self.hub.port))
+        await self.loop.sock_sendall(self.sock, b"NAME stuck\n")
+        assert await _recv_line(self.loop, self.sock) == b"SERVER hub\n"
+        live = self.hub_handler.live
+        await eventually(lambda: any(s.link.label == "tcp:stuck" for s in live()), "at the hub")
+        return self.hub_handler.session_of("tcp:stuck")
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    async def last_line(self) -> str:
+        """Read everything the hub sent, until it hung up; the last line of it."""
+        data = b""
+        async with asyncio.timeout(WAIT):
+            while chunk := await self.loop.sock_recv(self.sock, 1 << 20):
+                data += chunk
+        return data.decode().splitlines()[-1]
+
+
+async def _send_until_closed(
+    hub_handler: RecordingHandler, stuck: RecordingSession, size: int
+) -> int:
+    """Send a line of about `size` bytes to every peer of the hub, a line each
+    millisecond, until `stuck` is closed; how many were sent."""
+    sent = 0
+    payload = "x" * size
+    async with asyncio.timeout(WAIT):
+        while not stuck.closed_calls:
+            hub_handler.send_all(f"POSITION s hub {sent} {sent + 1} {payload}")
+            sent += 1
+            await asyncio.sleep(0.001)
+    return sent
+
+
 async def test_a_peer_that_never_reads_is_closed_and_others_get_everything() -> None:
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
-    loop = asyncio.get_running_loop()
     async with (
         running_hub(hub_handler, send_queue=10) as hub,
         running_client(other, hub.port) as client,
     ):
         assert await client.wait_open(WAIT)
-        sock = _small_window_socket()
-        try:
-            await loop.sock_connect(sock, (HOST, hub.port))
-            await loop.sock_sendall(sock, b"NAME stuck\n")
-            assert await _recv_line(loop, sock) == b"SERVER hub\n"
-            await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
-            stuck = hub_handler.session_of("tcp:stuck")
-            # From here on the peer reads nothing: its window and the hub's buffers fill,
-            # the writer waits in drain(), and the queue overflows.
-            sent = 0
-            payload = "x" * 16_000
-            async with asyncio.timeout(WAIT):
-                while not stuck.closed_calls:
-                    hub_handler.send_all(f"POSITION s hub {sent} {sent + 1} {payload}")
-                    sent += 1
-                    await asyncio.sleep(0.001)
+        peer = StuckPeer(hub, hub_handler)
+        async with peer as stuck:
+            sent = await _send_until_closed(hub_handler, stuck, 16_000)
             assert sent > 10
             # The ERROR came after everything already written; the hub still lets the
             # peer read it before hanging up.
-            data = b""
-            async with asyncio.timeout(WAIT):
-                while chunk := await loop.sock_recv(sock, 1 << 20):
-                    data += chunk
-            last = data.decode().splitlines()[-1]
+            last = await peer.last_line()
             assert last.startswith("ERROR send queue full (10 lines)"), last[:100]
-        finally:
-            sock.close()
         # the other client got every line, in order, and stayed up
         await eventually(lambda: len(other.sessions[0].matching("POSITION")) == sent, "all")
         numbers = [int(line.split()[3]) for line in other.sessions[0].matching("POSITION")]
@@ -505,10 +549,7 @@ async def test_line_limit_after_the_handshake() -> None:
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
         assert await client.wait_open(WAIT)
-        peer = await RawPeer.connect(hub.port)
-        await peer.handshake("raw")
-        assert await peer.line() == "REPLICATE"
-        await eventually(lambda: len(hub_handler.live()) == 2, "both at the hub")
+        peer = await connected_trio(hub, hub_handler, other)
         at_hub = hub_handler.session_of("tcp:raw")
         # exactly the limit (with "\r\n") is fine, and relayed
         longest = "RDATA " + "x" * (MAX_LINE_BYTES - 6)
@@ -653,3 +694,122 @@ async def test_stop_flushes_what_is_queued() -> None:
         at_hub = hub_handler.sessions[0]
         await eventually(lambda: at_hub.closed_calls == 1, "closed at the hub")
         assert len(at_hub.matching("POSITION")) == 100
+
+
+# -- 8. hostile and broken clients -------------------------------------------------------
+
+
+async def test_a_line_the_hub_refuses_is_never_relayed_and_reactions_follow_the_relay() -> None:
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
+    async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
+        assert await client.wait_open(WAIT)
+        peer = await connected_trio(hub, hub_handler, other)
+        at_other = other.sessions[0]
+        await peer.send(
+            b"RDATA bad line\nRDATA \xff\nno command\nAPP_UNKNOWN 1\nREACT 1\nPOSITION s raw 0 1\n"
+        )
+        assert (await peer.line()).startswith("ERROR cannot parse RDATA bad")
+        assert (await peer.line()).startswith("ERROR cannot parse RDATA")
+        assert (await peer.line()).startswith("ERROR cannot parse APP_UNKNOWN")
+        await eventually(lambda: "POSITION s raw 0 1" in at_other.lines, "the good lines")
+        # Refused lines reached the hub's session only, but for an application's command
+        # (the hub need not know it); the hub's reaction to a line comes after that line.
+        assert at_other.lines == [
+            "REPLICATE",
+            "APP_UNKNOWN 1",
+            "REACT 1",
+            "REACTION to REACT 1",
+            "POSITION s raw 0 1",
+        ]
+        assert (await peer.line()) == "REACTION to REACT 1"
+        await peer.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(b"RDATA bad line\n", id="refused by the session"),
+        pytest.param(b"no command here\n", id="no command name"),
+        pytest.param(b"NAME again\n", id="NAME after the handshake"),
+        pytest.param(b"REPLICATE\n", id="REPLICATE over and over"),
+        pytest.param(b"RDATA s hub 5 {}\n", id="rows in the hub's name"),
+    ],
+)
+async def test_bad_lines_past_the_budget_close_the_peer_and_only_it(bad: bytes) -> None:
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
+    async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
+        assert await client.wait_open(WAIT)
+        peer = await connected_trio(hub, hub_handler, other)
+        at_hub = hub_handler.session_of("tcp:raw")
+        marker = "POSITION s raw 0 1"  # once the hub has it, it has taken every line before
+        await peer.send(bad * 50 + f"{marker}\n".encode())  # within the budget of 100
+        await eventually(lambda: marker in at_hub.lines, "the marker at the hub")
+        assert at_hub.closed_calls == 0
+        started = time.monotonic()
+        await peer.send(bad * 200)
+        rest = await peer.rest()
+        assert rest[-1].startswith("ERROR too many bad lines (over 100"), rest[-1]
+        # hung up at once, not at the end of the hub's close grace
+        assert time.monotonic() - started < tcp_transport._CLOSE_GRACE / 2
+        await eventually(lambda: at_hub.closed_calls == 1, "closed at the hub")
+        relayed = other.sessions[0].lines[1:].count(bad.decode().strip())  # past the hub's
+        assert relayed == (3 if bad.startswith(b"REPLICATE") else 0)  # a few are free
+        assert other.sessions[0].closed_calls == 0
+        if bad.startswith(b"RDATA s hub"):
+            assert "ERROR RDATA of hub refused" in rest[0]
+        await peer.close()
+
+
+async def test_errors_from_a_peer_past_the_budget_are_dropped_not_fatal() -> None:
+    """An ERROR may answer a line that was fine for the hub (another version), so it
+    never closes a connection; past the budget, ERRORs no longer reach the session."""
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler) as hub:
+        peer = await RawPeer.connect(hub.port)
+        await peer.handshake("raw")
+        await eventually(lambda: len(hub_handler.live()) == 1, "at the hub")
+        at_hub = hub_handler.sessions[0]
+        await peer.send(b"ERROR you are wrong\n" * 500 + b"POSITION s raw 0 1\n")
+        await eventually(lambda: "POSITION s raw 0 1" in at_hub.lines, "the marker")
+        assert 100 <= len(at_hub.matching("ERROR")) < 110
+        assert at_hub.closed_calls == 0
+        await peer.close()
+
+
+async def test_connections_past_the_handshake_limit_are_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp_transport, "_MAX_HANDSHAKING", 5)
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+    async with running_hub(hub_handler, handshake_timeout=0.5) as hub:
+        waiting = [await RawPeer.connect(hub.port) for _ in range(5)]  # never say NAME
+        await eventually(lambda: hub._handshaking == 5, "five in the handshake at the hub")
+        started = time.monotonic()
+        refused = await RawPeer.connect(hub.port)
+        assert await refused.rest() == [
+            "ERROR too many connections in the handshake; try again later"
+        ]
+        assert time.monotonic() - started < 0.3
+        # once the silent ones are cut off at the handshake timeout, clients get in
+        for peer in waiting:
+            assert (await peer.rest())[0].startswith("ERROR expected NAME <name> within")
+        async with running_client(handler, hub.port) as client:
+            assert await client.wait_open(WAIT)
+        for peer in (*waiting, refused):
+            await peer.close()
+
+
+async def test_a_slow_peer_is_closed_at_the_byte_limit_before_the_line_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lines may be up to a MiB each: `send_queue` lines of them could be gigabytes."""
+    monkeypatch.setattr(tcp_transport, "_MAX_BUFFERED_BYTES", 1 << 20)
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler, send_queue=10_000) as hub:
+        peer = StuckPeer(hub, hub_handler)
+        async with peer as stuck:
+            sent = await _send_until_closed(hub_handler, stuck, 64_000)
+            assert sent < 100  # far below the 10 000 lines send_queue allows
+            assert await peer.last_line() == (
+                "ERROR send queue full (1 MiB): closing; reconnect and catch up"
+            )

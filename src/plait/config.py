@@ -15,9 +15,23 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from plait.caches.invalidations import CACHES_STREAM
 from plait.errors import ConfigError
+from plait.replication.redis_transport import CertReqs, RedisTls, client_options
 from plait.streams.spec import StreamSpec, TableSpec
 
 _NAME_PATTERN = r"^[^\s]+$"
+# Largest configuration file read; real ones are a few kilobytes.
+MAX_CONFIG_BYTES = 1 << 20
+# Bounds on a loaded configuration (see `_check_size`), and on the problems one error lists.
+_MAX_VALUES = 100_000
+_MAX_DEPTH = 32
+_MAX_PROBLEMS = 20
+_TLS_SETTINGS = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
 
 
 class _Model(BaseModel):
@@ -62,10 +76,50 @@ class StreamConfig(_Model):
 
 
 class RedisConfig(_Model):
+    """Where the Redis of the deployment is. `rediss://` URLs speak TLS; the `ssl_*`
+    settings (redis-py's names) apply to them only. The password may sit in the URL or,
+    to keep it out of a URL, in `password`; it is never logged."""
+
     url: str = "redis://127.0.0.1:6379/0"
+    password: SecretStr | None = None
     # One channel per deployment: "<channel_prefix>.<deployment>".
     channel_prefix: str = "plait"
     ping_interval: float = Field(30.0, gt=0)
+    # PEM file of the CA(s) that signed the server's certificate; unset: the system's CAs.
+    ssl_ca_certs: str | None = None
+    # A client certificate (PEM), for a server that asks for one (tls-auth-clients), and
+    # its unencrypted private key unless the certificate file holds it too.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # Verify the server's certificate: required (unset) or none (optional: as required,
+    # for a client; accepted as redis-py accepts it).
+    ssl_cert_reqs: CertReqs | None = None
+    # Verify the server's host name against its certificate; unset: unless ssl_cert_reqs
+    # is none.
+    ssl_check_hostname: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> RedisConfig:
+        # ConfigError (a ValueError, so reported like any other bad value): a missing
+        # certificate file, TLS settings on a redis:// URL, a password given twice.
+        client_options(self.url, tls=self.tls(), password=self.password_value())
+        return self
+
+    def tls(self) -> RedisTls | None:
+        """The TLS settings, or None when none of them is set (rediss:// URLs then verify
+        the server against the system's CAs)."""
+        if all(getattr(self, name) is None for name in _TLS_SETTINGS):
+            return None
+        return RedisTls(
+            ca_certs=self.ssl_ca_certs,
+            certfile=self.ssl_certfile,
+            keyfile=self.ssl_keyfile,
+            cert_reqs=self.ssl_cert_reqs or "required",
+            check_hostname=self.ssl_check_hostname,
+        )
+
+    def password_value(self) -> str | None:
+        return None if self.password is None else self.password.get_secret_value()
 
 
 class TcpConfig(_Model):
@@ -75,6 +129,8 @@ class TcpConfig(_Model):
     ping_interval: float = Field(5.0, gt=0)
     dead_after: float = Field(25.0, gt=0)
     send_queue: int = Field(10_000, ge=1)
+    # The hub closes a connection that has not sent NAME within this many seconds.
+    handshake_timeout: float = Field(10.0, gt=0)
 
 
 class ReplicationConfig(_Model):
@@ -158,27 +214,117 @@ class InstanceConfig(_Model):
         """From a mapping (as parsed from YAML or JSON); `ConfigError` when invalid."""
         if isinstance(value, InstanceConfig):
             return value
+        _check_size(value)
         try:
             return cls.model_validate(value)
         except ValidationError as err:
+            errors = err.errors()
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"
-                for e in err.errors()
+                for e in errors[:_MAX_PROBLEMS]
             )
+            if len(errors) > _MAX_PROBLEMS:
+                problems += f"; and {len(errors) - _MAX_PROBLEMS} more problems"
             raise ConfigError(f"invalid plait configuration: {problems}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> InstanceConfig:
-        """From a YAML file; `overrides` replace top-level keys (one file can serve every
-        instance of a deployment: `instance_name=...`)."""
+        """From a YAML file of at most `MAX_CONFIG_BYTES`; `overrides` replace top-level
+        keys (one file can serve every instance of a deployment: `instance_name=...`)."""
         try:
-            text = Path(path).read_text()
+            with Path(path).open("rb") as file:
+                data = file.read(MAX_CONFIG_BYTES + 1)
         except OSError as err:
             raise ConfigError(f"cannot read configuration file {path}: {err}") from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"configuration file {path} is over {MAX_CONFIG_BYTES} bytes; "
+                "a plait configuration is far smaller: is it the right file?"
+            )
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"configuration file {path} is not valid YAML: {err}") from None
+            # Bytes: PyYAML checks the encoding itself.
+            value = yaml.load(data, Loader=_BoundedLoader)  # a SafeLoader
+        except Exception as err:  # PyYAML's constructors raise anything (ValueError, ...)
+            raise ConfigError(
+                f"configuration file {path} is not valid YAML: {_yaml_problem(err)}"
+            ) from None
         if not isinstance(value, dict):
             raise ConfigError(f"configuration file {path} must hold a mapping at the top")
         return cls.load({**value, **overrides})
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing nesting deeper than `_MAX_DEPTH` as soon as it
+    reads it: its scanner takes time quadratic in the depth of `[[[[...`, and its
+    composer recurses once per level."""
+
+    def __init__(self, stream: bytes) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        if self.flow_level >= _MAX_DEPTH:
+            raise yaml.scanner.ScannerError(
+                None, None, f"nested more than {_MAX_DEPTH} levels deep", self.get_mark()
+            )
+        super().fetch_flow_collection_start(TokenClass)
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > _MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nested more than {_MAX_DEPTH} levels deep",
+                    self.get_mark(),
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _check_size(value: Any) -> None:
+    """`ConfigError` for a value nested deeper than `_MAX_DEPTH` or holding more than
+    `_MAX_VALUES` values, counting shared ones once per place they appear.
+
+    YAML aliases let a few kilobytes name millions of values (a "billion laughs"), or a
+    value that holds itself; validating that would take minutes or never end. No real
+    configuration comes near either bound."""
+    seen = 0
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        seen += 1
+        if seen > _MAX_VALUES or depth > _MAX_DEPTH:
+            what = (
+                f"is nested more than {_MAX_DEPTH} levels deep"
+                if depth > _MAX_DEPTH
+                else f"holds more than {_MAX_VALUES} values"
+            )
+            raise ConfigError(
+                f"invalid plait configuration: it {what}; check for YAML aliases (*name) "
+                "that repeat large parts or refer to themselves"
+            )
+        if isinstance(item, dict):
+            pending.extend((v, depth + 1) for v in item.values())
+            pending.extend((k, depth + 1) for k in item)
+        elif isinstance(item, list | tuple | set | frozenset):
+            pending.extend((v, depth + 1) for v in item)
+
+
+def _yaml_problem(err: Exception) -> str:
+    """What is wrong and where, without quoting the file: the offending line may hold
+    a secret, and this message ends up in logs."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        where = err.problem_mark or err.context_mark
+        problem = err.problem or err.context or "malformed YAML"
+        if where is None:
+            return problem
+        return f"{problem} (line {where.line + 1}, column {where.column + 1})"
+    if isinstance(err, yaml.YAMLError):
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, RecursionError):
+        return "nested too deeply"
+    # A tagged or implicitly typed scalar PyYAML could not build (2020-13-45, !!int x).
+    return f"a value could not be read ({type(err).__name__}: {err})"

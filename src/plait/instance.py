@@ -453,6 +453,8 @@ class Instance:
                 url=config.redis.url,
                 channel=self.config.channel,
                 ping_interval=config.redis.ping_interval,
+                tls=config.redis.tls(),
+                password=config.redis.password_value(),
                 backoff=backoff,
                 metrics=self.metrics,
             )
@@ -468,7 +470,9 @@ class Instance:
                 metrics=self.metrics,
             )
             if tcp.hub == self.name:
-                self._transport = TcpHub(self._handler, **common)
+                self._transport = TcpHub(
+                    self._handler, handshake_timeout=tcp.handshake_timeout, **common
+                )
             else:
                 self._transport = TcpClient(self._handler, backoff=backoff, **common)
         await self._handler.start()

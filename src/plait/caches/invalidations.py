@@ -132,7 +132,7 @@ class InvalidationRows:
 
     def from_db(self, row: StreamRow) -> Invalidation:
         data = row.data
-        return Invalidation(data["cache_name"], freeze(data["keys"]))
+        return Invalidation(data["cache_name"], _received_keys(data["keys"]))
 
     def to_json(self, row: Invalidation) -> Any:
         return [row.cache_name, None if row.keys is None else list(row.keys)]
@@ -145,7 +145,22 @@ class InvalidationRows:
             or not (value[1] is None or isinstance(value[1], list))
         ):
             raise ValueError(f"expected [cache name, keys or null], not {_shorten(value)}")
-        return Invalidation(value[0], freeze(value[1]))
+        return Invalidation(value[0], _received_keys(value[1]))
+
+
+def _received_keys(value: Any) -> Key | None:
+    """Keys from a peer or a stored row as a tuple; None ("every entry of that cache")
+    for keys no cache could hold, such as an object: a key that cannot be looked up
+    would fail the whole batch of invalidations, and dropping every entry never leaves
+    one stale."""
+    frozen = freeze(value)
+    if not isinstance(frozen, tuple):
+        return None
+    try:
+        hash(frozen)
+    except TypeError:
+        return None
+    return frozen
 
 
 def as_rows(invalidations: Iterable[Invalidation]) -> str:

@@ -32,7 +32,7 @@ class UserSync:
             raise CommandParseError(f"state must be start or end, not {state[:20]!r}")
         return cls(
             parse_name(instance, "instance"),
-            parse_name(user, "user"),
+            check_user(user),
             state,
             parse_integer(ms, "ms"),
         )
@@ -42,10 +42,24 @@ class UserSync:
         return f"{parse_name(self.instance, 'instance')} {self.user} {self.state} {self.ms}"
 
 
+MAX_ID = 255  # characters in a room or user id
+
+
+def check_id(value: str, what: str) -> str:
+    """A room or user id as it may travel in a command line and be stored in PostgreSQL:
+    1-255 printable characters, no whitespace (so no control characters, NULs or lone
+    surrogates); `CommandParseError` naming `what` otherwise."""
+    parse_name(value, what)
+    if len(value) > MAX_ID or not value.isprintable():
+        raise CommandParseError(
+            f"bad {what} {value[:40]!r}: it must be 1-{MAX_ID} printable characters "
+            "without whitespace"
+        )
+    return value
+
+
 def check_user(user: str) -> str:
-    """A user id as it may travel in a command line (no spaces or control characters);
-    `CommandParseError` otherwise."""
-    return parse_name(user, "user")
+    return check_id(user, "user")
 
 
 @dataclass(frozen=True, slots=True)

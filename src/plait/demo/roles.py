@@ -33,7 +33,7 @@ from psycopg.types.json import Jsonb
 
 from plait.caches.cached import CachedFunction
 from plait.core.tokens import StreamToken
-from plait.demo import presence, sharding, sync
+from plait.demo import api_requests, presence, sharding, sync
 from plait.demo.schema import MAIN
 from plait.demo.tokens import SyncToken, parse, resolve, writer_ids
 from plait.errors import ConfigError, PlaitError
@@ -314,11 +314,12 @@ class SyncWorker:
 
         async def handle(request: web.Request) -> web.Response:
             try:
-                body = await request.json()
-                owner = to or sharding.owner(str(body["room"]), self.writers)
-                answer = await self.instance.call(owner, endpoint, body)
-            except (ValueError, KeyError, TypeError) as err:
+                body = api_requests.body(endpoint, await request.read())
+            except api_requests.BadRequest as err:
                 return web.json_response({"error": f"bad request: {err}"}, status=400)
+            try:
+                owner = to or sharding.owner(body["room"], self.writers)
+                answer = await self.instance.call(owner, endpoint, body)
             except PlaitError as err:
                 return web.json_response({"error": str(err)}, status=502)
             after = await self._after(endpoint, owner, answer)
@@ -334,7 +335,7 @@ class SyncWorker:
             return web.json_response({"error": "user is required"}, status=400)
         try:
             presence.check_user(user)
-            timeout_ms = min(int(request.query.get("timeout", "0")), MAX_TIMEOUT_MS)
+            timeout_ms = _milliseconds(request.query.get("timeout", "0"))
             if "after" in request.query:
                 await self._wait_after(request.query["after"])
             since = await self._since(request.query.get("since"))
@@ -408,23 +409,35 @@ class SyncWorker:
     async def _wait_after(self, text: str) -> None:
         """Until this worker has seen every write `text` (an `after` token) names."""
         token = await self._resolve(text)
-        for stream, part in (("events", token.events), ("account_data", token.account_data)):
-            for writer, position in part.writers.items():
-                await self.instance.wait_for_stream_position(writer, stream, position)
+        # A position beyond what the sequences handed out (a token from the future) is
+        # clamped (R-TK-2), and the waits run together: a bad token costs at most one
+        # wait timeout, not one per writer it names.
+        events_gen = self.instance.generator("events")
+        data_gen = self.instance.generator("account_data")
+        token = token.clamp(
+            await _head(token.events, events_gen), await _head(token.account_data, data_gen), 0
+        )
+        await asyncio.gather(
+            *(
+                self.instance.wait_for_stream_position(writer, stream, position)
+                for stream, part in (("events", token.events), ("account_data", token.account_data))
+                for writer, position in part.writers.items()
+            )
+        )
 
     async def _backfilled(self, request: web.Request) -> web.Response:
         """`GET /backfill?room=R&since=TOKEN`: history imported into a room after
         `since` (a token of the `backfill` stream; none: from the start), newest import
         first, and the token to ask from next."""
         gen = self.instance.generator("backfill")
-        room = request.query.get("room", "")
         try:
+            room = api_requests.identifier(request.query.get("room", ""), "room")
             since = (
                 StreamToken(0)
                 if "since" not in request.query
                 else (await StreamToken.parse(self.instance.db, request.query["since"]))
             )
-        except PlaitError as err:
+        except (api_requests.BadRequest, PlaitError) as err:
             return web.json_response({"error": str(err)}, status=400)
         now = since.copy_and_advance(StreamToken.from_generator(gen))
         page = await sync.rows_between(self.instance.db, gen.spec, "room_id", [room], since, now)
@@ -449,6 +462,13 @@ class SyncWorker:
             await _head(token.account_data, data_gen),
             typing_now,
         )
+
+
+def _milliseconds(text: str) -> int:
+    """A long-poll timeout: digits, capped at `MAX_TIMEOUT_MS`; `ValueError` otherwise."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 12):
+        raise ValueError(f"timeout must be a number of milliseconds, not {text[:20]!r}")
+    return min(int(text), MAX_TIMEOUT_MS)
 
 
 async def _head(part: StreamToken, gen: MultiWriterIdGenerator) -> int:

@@ -10,11 +10,14 @@ on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import TokenParseError
+
+_TYPING = re.compile(r"t[0-9]{1,19}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +67,8 @@ def parse(text: str) -> Parsed:
             f"account data, typing), not {len(parts)}"
         )
     events, account_data, typing = parts
-    if not typing.startswith("t") or not typing[1:].isdigit() or len(typing) > 20:
+    # ASCII digits only: str.isdigit() also takes superscripts, which int() refuses.
+    if not _TYPING.fullmatch(typing):
         raise TokenParseError(f"sync token {text[:80]!r}: typing part must be t<position>")
     return Parsed(
         text,

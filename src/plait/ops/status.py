@@ -14,7 +14,9 @@ has no record of IDs taken and not yet committed), so that age comes from its
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,8 @@ from plait.storage.stream_store import head_of, ident
 from plait.streams.spec import StreamSpec
 
 DEFAULT_STALL_AFTER = 30.0
+# Largest /metrics answer read from an instance; a real one is a few hundred kilobytes.
+MAX_METRICS_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,13 +234,17 @@ def rows_written(
 
 def pending_ages(metrics_text: str) -> dict[tuple[str, str], float]:
     """The oldest-unfinished-ID ages in one instance's `/metrics` text, by (stream,
-    writer); `ValueError` when the text is not the Prometheus text format."""
+    writer); `ValueError` when the text is not the Prometheus text format. An age that
+    is not a finite number of seconds (NaN, -3) counts as unknown."""
     return {
-        (sample.labels["stream"], sample.labels["writer"]): sample.value
+        (sample.labels["stream"], sample.labels["writer"]): float(sample.value)
         for family in text_string_to_metric_families(metrics_text)
         if family.name == OLDEST_UNFINISHED_AGE
         for sample in family.samples
-        if "stream" in sample.labels and "writer" in sample.labels
+        if "stream" in sample.labels
+        and "writer" in sample.labels
+        and math.isfinite(sample.value)
+        and sample.value >= 0
     }
 
 
@@ -252,7 +260,10 @@ def scrape(
             raise ValueError(f"{base!r} is not an http(s) URL")
         url = base.rstrip("/") + "/metrics"
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return pending_ages(response.read().decode("utf-8", "replace"))
+            body = response.read(MAX_METRICS_BYTES + 1)
+        if len(body) > MAX_METRICS_BYTES:
+            raise ValueError(f"its /metrics is over {MAX_METRICS_BYTES} bytes")
+        return pending_ages(body.decode("utf-8", "replace"))
 
     ages: dict[tuple[str, str], float] = {}
     failed: dict[str, str] = {}
@@ -263,8 +274,11 @@ def scrape(
         for name, future in futures.items():
             try:
                 ages.update(future.result())
-            except (OSError, ValueError) as err:
-                failed[name] = str(getattr(err, "reason", None) or err)
+            # HTTPException: whatever answered is not an HTTP server (a bad status
+            # line, a body cut short, too many headers).
+            except (OSError, ValueError, http.client.HTTPException) as err:
+                why = str(getattr(err, "reason", None) or err) or type(err).__name__
+                failed[name] = why[:200]
     return ages, failed
 
 

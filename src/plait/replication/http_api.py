@@ -39,6 +39,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from plait.core import strict_json
 from plait.core.backoff import Backoff
 from plait.errors import ConfigError, RemoteCallError
 from plait.replication.metrics import ReplicationMetrics
@@ -359,8 +360,8 @@ class InternalApi:
         if handler is None:
             return _error(404, f"instance {self.instance_name!r} has no endpoint {name!r}")
         try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = strict_json.loads(await request.read())
+        except ValueError as exc:  # UnicodeDecodeError included
             return _error(400, f"the request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
@@ -634,7 +635,7 @@ class InternalClient:
             raise _Transient(f"HTTP {status}: {_error_text(raw)}")
         if status == 200:
             try:
-                payload = json.loads(raw)
+                payload = strict_json.loads(raw)
             except ValueError as exc:
                 raise RemoteCallError(f"{what}: the answer is not JSON: {exc}") from None
             if not isinstance(payload, dict):
@@ -657,7 +658,7 @@ def _failure(status: int, raw: bytes, what: str) -> RemoteCallError:
 def _error_text(raw: bytes) -> str:
     """The server's error message: the `error` of a JSON body, else the body's start."""
     try:
-        payload = json.loads(raw)
+        payload = strict_json.loads(raw)
     except ValueError:
         payload = None
     if isinstance(payload, dict) and isinstance(payload.get("error"), str):

@@ -20,17 +20,24 @@ Rules:
   says every stream caught up (`Session.wait_up`, R-RP-3), so a connection that fails
   while catching up never reconnects in a tight loop.
 - Every task belongs to the transport; `stop()` ends them all.
+- TLS (rediss:// URLs) and a password given apart from the URL are checked when the
+  transport is built (`client_options`): a missing certificate file or a TLS option on a
+  plain URL is a `ConfigError` before anything connects, not a reconnect loop. Neither
+  the password nor a URL holding one is ever logged (`plait.core.redact`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
+import os
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -40,6 +47,8 @@ from redis.exceptions import RedisError
 
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, Ping, to_line
+from plait.core.redact import redact
+from plait.errors import ConfigError
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,
@@ -75,6 +84,149 @@ _NAME_BYTES = 16
 # Failures that are the network's or the server's, logged without a traceback. Anything
 # else is a bug somewhere and is logged with one; both end the connection alike.
 _EXPECTED_FAILURES = (RedisError, OSError, TimeoutError)
+
+CertReqs = Literal["required", "optional", "none"]
+_CERT_REQS = ("required", "optional", "none")
+
+
+# -- options -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTls:
+    """TLS settings of a rediss:// connection, named after redis-py's `ssl_*` options;
+    files are PEM. The defaults verify the server's certificate against the system's CAs
+    and its host name against the URL's. Checked when made: `ConfigError` names the
+    setting, the file and what to do, so nothing fails later at connect time."""
+
+    ca_certs: str | None = None  # the CA(s) that signed the server's certificate
+    certfile: str | None = None  # a client certificate, for a server that asks for one
+    keyfile: str | None = None  # its private key, unless certfile holds it too
+    cert_reqs: CertReqs = "required"  # verify the server's certificate
+    check_hostname: bool | None = None  # None: verify the host name unless cert_reqs is none
+
+    def __post_init__(self) -> None:
+        if self.cert_reqs not in _CERT_REQS:
+            raise ConfigError(
+                f"redis: ssl_cert_reqs {self.cert_reqs!r} is not one of {', '.join(_CERT_REQS)}"
+            )
+        if self.check_hostname and self.cert_reqs == "none":
+            raise ConfigError(
+                "redis: ssl_check_hostname needs the server's certificate checked, but "
+                "ssl_cert_reqs is 'none'; set ssl_check_hostname to false, or verify the "
+                "server (ssl_cert_reqs 'required', with ssl_ca_certs naming its CA)"
+            )
+        if self.keyfile is not None and self.certfile is None:
+            raise ConfigError(
+                "redis: ssl_keyfile is set without ssl_certfile; give the client "
+                "certificate in ssl_certfile too (or drop ssl_keyfile)"
+            )
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Load every file into a throw-away context: a missing, unreadable or wrong file
+        is reported now, naming it, rather than as a reconnect loop later."""
+        context = ssl.create_default_context()
+        if self.ca_certs is not None:
+            _check_file("ssl_ca_certs", self.ca_certs, "the CA of the server's certificate")
+            try:
+                context.load_verify_locations(cafile=self.ca_certs)
+            except (ssl.SSLError, OSError) as err:
+                raise ConfigError(
+                    f"redis: ssl_ca_certs {self.ca_certs!r} holds no usable CA certificate "
+                    f"({err}); give the PEM file of the CA that signed the server's certificate"
+                ) from None
+        if self.certfile is not None:
+            _check_file("ssl_certfile", self.certfile, "the client certificate")
+            if self.keyfile is not None:
+                _check_file("ssl_keyfile", self.keyfile, "the client certificate's private key")
+            try:
+                # A callable password: an encrypted key fails here instead of OpenSSL
+                # prompting for a pass phrase on the terminal (redis-py would, at connect).
+                context.load_cert_chain(self.certfile, self.keyfile, password=_no_pass_phrase)
+            except (ssl.SSLError, OSError) as err:
+                files = repr(self.certfile) + (f" and {self.keyfile!r}" if self.keyfile else "")
+                raise ConfigError(
+                    f"redis: ssl_certfile/ssl_keyfile: {files} are not a PEM certificate "
+                    f"with its unencrypted private key ({err}); give the client certificate "
+                    "in ssl_certfile and its key (unencrypted) in ssl_keyfile or in the same file"
+                ) from None
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """The settings as redis-py's keyword arguments."""
+        check_hostname = self.check_hostname
+        if check_hostname is None:
+            check_hostname = self.cert_reqs != "none"
+        return {
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_cert_reqs": self.cert_reqs,
+            "ssl_check_hostname": check_hostname,
+        }
+
+
+def _check_file(option: str, path: str, what: str) -> None:
+    if not os.path.isfile(path):
+        problem = "is not a file" if os.path.exists(path) else "does not exist"
+        raise ConfigError(
+            f"redis: {option} {path!r} {problem}; give the path of the PEM file of {what} "
+            "(relative paths are from the working directory)"
+        )
+    if not os.access(path, os.R_OK):
+        raise ConfigError(
+            f"redis: {option} {path!r} cannot be read by this process; make it readable "
+            "by the user plait runs as"
+        )
+
+
+def _no_pass_phrase() -> str:
+    return ""
+
+
+def client_options(
+    url: str, *, tls: RedisTls | None = None, password: str | None = None
+) -> dict[str, Any]:
+    """The keyword arguments that give `Redis.from_url(url, ...)` the TLS settings and
+    the password, once checked against the URL: `ConfigError` when they do not fit it.
+    A rediss:// URL without `tls` gets `RedisTls()` (verify everything), unless its
+    query holds ssl_* options of its own, which redis-py then applies."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        in_url = parts.password is not None or "password" in query
+    except ValueError as err:
+        raise ConfigError(f"redis: the URL {redact(url)!r} is malformed: {err}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"redis: {redact(url)!r} is not a redis://, rediss:// (TLS) or unix:// URL"
+        )
+    options: dict[str, Any] = {}
+    if password is not None:
+        if in_url:
+            raise ConfigError(
+                "redis: a password is given both in the URL and as the password setting; "
+                "keep one (the setting keeps it out of the URL)"
+            )
+        if not password:
+            raise ConfigError("redis: the password setting is empty; give one or remove it")
+        options["password"] = password
+    url_tls = sorted(name for name in query if name.startswith("ssl_"))
+    if parts.scheme != "rediss":
+        if tls is not None or url_tls:
+            raise ConfigError(
+                f"redis: TLS options are set but the URL is {parts.scheme}://, which has no "
+                "TLS; use a rediss:// URL for a server that speaks TLS, or remove the "
+                "ssl_* options"
+            )
+    elif url_tls and tls is not None:
+        raise ConfigError(
+            f"redis: TLS options are given both in the URL ({', '.join(url_tls)}) and as "
+            "settings; keep one place (redis-py would let the URL win)"
+        )
+    elif not url_tls:
+        options.update((tls if tls is not None else RedisTls()).client_kwargs())
+    return options
 
 
 class _Outbox:
@@ -139,7 +291,8 @@ class _Liveness:
 
 class RedisTransport:
     """Keeps one pub/sub connection to `channel` open for `handler`, reconnecting with
-    `backoff` forever, from `start()` until `stop()`."""
+    `backoff` forever, from `start()` until `stop()`. `tls` applies to rediss:// URLs;
+    `password`, when given, must not be in the URL too (see `client_options`)."""
 
     def __init__(
         self,
@@ -149,14 +302,13 @@ class RedisTransport:
         channel: str,
         ping_interval: float = 30.0,
         connect_timeout: float = 5.0,
+        tls: RedisTls | None = None,
+        password: str | None = None,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(
-                f"redis transport: {_redacted_url(url)!r} is not a redis://, rediss:// or "
-                "unix:// URL"
-            )
+        # ConfigError (a ValueError) when the URL, `tls` or `password` are wrong.
+        self._client_options = client_options(url, tls=tls, password=password)
         if not channel:
             raise ValueError("redis transport: the channel name is empty")
         if ping_interval <= 0 or connect_timeout <= 0:
@@ -279,6 +431,7 @@ class RedisTransport:
             socket_connect_timeout=self._connect_timeout,
             socket_timeout=_SILENT_PINGS * self._ping_interval,
             retry=Retry(NoBackoff(), 0, supported_errors=()),
+            **self._client_options,
         )
 
     # -- the tasks of one connection ---------------------------------------------------
@@ -337,7 +490,7 @@ class RedisTransport:
         if self._failures:
             logger.info(
                 "redis transport: up again on %s after %d failed attempt(s)",
-                _redacted_url(self._url),
+                redact(self._url),
                 self._failures,
             )
         self._failures = 0
@@ -351,12 +504,13 @@ class RedisTransport:
         else:
             log = logger.debug
         log(
-            "redis transport: %s (channel %s): %s: %s; reconnecting with backoff "
+            "redis transport: %s (channel %s): %s: %s%s; reconnecting with backoff "
             "(failure %d in a row)",
-            _redacted_url(self._url),
+            redact(self._url),
             self._channel,
             type(cause).__name__,
             cause,
+            _tls_hint(cause),
             self._failures,
             exc_info=None if expected else err,
         )
@@ -447,26 +601,23 @@ async def _to_the_end(closing: Awaitable[None]) -> None:
         raise
 
 
+def _tls_hint(err: BaseException) -> str:
+    """What to check when `err` came from verifying the server's certificate."""
+    seen: BaseException | None = err
+    for _ in range(5):  # redis-py wraps the SSL error once or twice
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return (
+                " (the server's TLS certificate was refused: check that ssl_ca_certs names "
+                "the CA that signed it and that the URL's host is a name in it)"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return ""
+
+
 def _first_cause(err: BaseException) -> BaseException:
     """The first failure inside (nested) exception groups, as raised by a TaskGroup."""
     while isinstance(err, BaseExceptionGroup) and err.exceptions:
         err = err.exceptions[0]
     return err
-
-
-_PASSWORD_PARAM = re.compile(r"(?i)(password=)[^&]*")
-
-
-def _redacted_url(url: str) -> str:
-    """`url` with any password replaced by `***`, for logs."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable redis URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{host}" if colon else f"{userinfo}@{host}"
-    query = _PASSWORD_PARAM.sub(r"\1***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))

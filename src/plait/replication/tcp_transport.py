@@ -7,12 +7,25 @@ The rules this module keeps:
   call `Handler.open`. A hub that gets anything else first, or nothing within its
   handshake timeout, answers ERROR and closes.
 - PING, NAME and SERVER belong to the transport: never relayed, never given to a session.
-  The hub relays every other line from a client, verbatim, to every other client before
-  its own session sees it, so all of them see the hub's order; ERROR is not relayed (it
-  answers one peer).
-- `Link.send` never waits: a connection queues at most `send_queue` lines for its writer
-  task. A peer too slow to keep up gets ERROR and is closed (it catches up after
-  reconnecting); lines sent to a closed connection are dropped.
+  The hub hands every other line from a client to its own session and relays it,
+  verbatim, to every other client unless the session answered it with ERROR: a line
+  that is not UTF-8, has no well-formed command name, or is a built-in command with bad
+  arguments reaches no other peer. Application commands (other well-formed names) are
+  relayed whatever the hub's session said, as the hub need not register them. The
+  relay goes out before anything the hub's handler sent while taking the line, so all
+  of them see the hub's order. ERROR is not relayed (it answers one peer).
+- A hostile or broken client costs the others a bounded share: the hub's reader yields
+  every `_YIELD_EVERY` lines (a flood must not starve the other connections); bad lines
+  (those not relayed above, NAME or SERVER again, RDATA or POSITION in the hub's own
+  name, REPLICATEs past the first few) draw on a budget of `_BAD_LINES_BURST` plus
+  `_BAD_LINES_PER_SECOND`, past which the client gets ERROR and is closed; ERRORs it
+  sends past a budget as large are dropped unseen; at most `_MAX_HANDSHAKING`
+  connections wait in the handshake at once, more are refused on the spot.
+- `Link.send` never waits: a connection queues at most `send_queue` lines (and
+  `_MAX_BUFFERED_BYTES`) for its writer task. A peer too slow to keep up gets ERROR and
+  is closed (it catches up after reconnecting); lines sent to a closed connection are
+  dropped. With the reader's limit of two lines, what the hub holds for one peer stays
+  bounded whatever it sends or fails to read.
 - Each end sends PING every `ping_interval` and closes a peer silent for `dead_after`.
 - Every task is owned: a connection's reader, writer, pinger and wait_up watcher end
   when it closes; the hub and the client end their connections in `stop()`.
@@ -23,12 +36,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.core.backoff import Backoff
-from plait.core.commands import MAX_LINE_BYTES, CommandSet, Error, Name, Ping, Server, to_line
+from plait.core.commands import (
+    BUILTIN,
+    MAX_LINE_BYTES,
+    CommandSet,
+    Error,
+    Name,
+    Ping,
+    Replicate,
+    Server,
+    to_line,
+)
 from plait.errors import CommandParseError, ConfigError
 from plait.replication.link import (
     CONNECTION_COMMANDS,
@@ -48,6 +72,34 @@ _READ_LIMIT = MAX_LINE_BYTES + 1
 _CLOSE_GRACE = 1.0
 _LINE_TOO_LONG = f"line too long: the limit is {MAX_LINE_BYTES} bytes"
 _HANDSHAKE_COMMANDS = CommandSet()
+# The reader lets the other tasks run after this many lines read back to back: a line
+# already buffered is read without yielding, so one peer's flood would otherwise hold
+# the event loop, and every other connection's reader, writer and pinger with it.
+_YIELD_EVERY = 64
+# Bad lines a client may send the hub: this many at once, then this many a second.
+# A well-behaved peer sends none; a mismatched or hostile one is closed once past it.
+_BAD_LINES_BURST = 100
+_BAD_LINES_PER_SECOND = 10.0
+# REPLICATE makes every instance announce every position to everyone: a client sends
+# it once per connection; past this many, each one is dropped and counts as a bad line.
+_REPLICATE_FREE = 3
+# Bytes held for one peer (queued lines and bytes not yet sent) past which it counts as
+# too slow, whatever `send_queue` allows: lines can be up to MAX_LINE_BYTES each.
+_MAX_BUFFERED_BYTES = 64 << 20
+# Connections in the handshake at once; more are refused on the spot, so that sockets
+# that never send NAME cannot pile up (each is also cut at the handshake timeout).
+_MAX_HANDSHAKING = 64
+# Connections the kernel may hold for the hub to accept (asyncio's default is 100): a
+# burst past it (every client reconnecting at once, or a flood) leaves connections
+# established for the client but unseen by the hub, for seconds of SYN-ACK retries.
+_BACKLOG = 1024
+# Commands that name the instance whose rows or position they carry, third on the line.
+_OWN_COMMANDS = ("RDATA ", "POSITION ")
+# The hub knows these: one its session refuses is bad. Any other well-formed name may be
+# an application's command the hub does not register: relayed for its receivers to
+# check (`CommandSet.register` allows only names of this form).
+_BUILTIN_NAMES = frozenset(command.NAME for command in BUILTIN)
+_COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
 class _LineTooLongError(Exception):
@@ -119,6 +171,30 @@ class _Options:
         )
 
 
+class _Budget:
+    """A token bucket: `take` says yes `burst` times at once, then `rate` times a second."""
+
+    def __init__(self, burst: int, rate: float, now: float) -> None:
+        self._burst = float(burst)
+        self._rate = rate
+        self._tokens = float(burst)
+        self._since = now
+
+    def take(self, now: float) -> bool:
+        self._tokens = min(self._burst, self._tokens + (now - self._since) * self._rate)
+        self._since = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+# What a line received is handed to: the session's `received`, or the hub's relay.
+_Deliver = Callable[[str | bytes], None]
+# The hub's hook in `send`: True when it took the line, to send it a moment later.
+_Hold = Callable[["_Connection", str], bool]
+
+
 class _Connection:
     """One established connection, and the `Link` the handler sends through: reads lines,
     drains a bounded send queue with a writer task, pings, and closes a silent peer.
@@ -131,6 +207,8 @@ class _Connection:
         *,
         label: str,
         options: _Options,
+        hold: _Hold | None = None,
+        strict: bool = False,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -138,7 +216,9 @@ class _Connection:
         self._ping_interval = options.ping_interval
         self._dead_after = options.dead_after
         self._send_queue = options.send_queue
+        self._hold = hold
         self._queue: list[str] = []
+        self._queued_bytes = 0  # about: characters, plus one per line break
         self._queued = asyncio.Event()
         self._ended = asyncio.Event()
         self._reason = ""
@@ -146,34 +226,80 @@ class _Connection:
         self._linger = False  # the peer should still read what was written (ERROR)
         self._draining = False  # the writer waits for the peer to read
         self._last_received = asyncio.get_running_loop().time()
+        # The hub is strict with its clients: bad lines past the budget close them.
+        self._strict = strict
+        now = self._last_received
+        self._bad_lines = _Budget(_BAD_LINES_BURST, _BAD_LINES_PER_SECOND, now)
+        self._complaints = _Budget(_BAD_LINES_BURST, _BAD_LINES_PER_SECOND, now)
+        self.replicates = 0  # REPLICATEs received (the hub counts them)
 
     @property
     def label(self) -> str:
         return self._label
 
+    def buffered_bytes(self) -> int:
+        """About how many bytes are held for this peer: queued lines, bytes written but
+        not sent yet, bytes received but not read as lines yet."""
+        unsent = self._writer.transport.get_write_buffer_size()
+        unread = len(getattr(self._reader, "_buffer", b""))  # StreamReader has no public size
+        return self._queued_bytes + unsent + unread
+
     def send(self, line: str) -> None:
         """Queue a line; never blocks nor raises (see `Link.send`)."""
         if self._ended.is_set():
+            return
+        if self._hold is not None and self._hold(self, line):
             return
         if "\n" in line or "\r" in line:
             # A caller's bug; sent as is it would split into two commands on the wire.
             log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
             return
-        if len(self._queue) >= self._send_queue:
-            if not self._draining:
+        size = len(line) + 1
+        if len(self._queue) >= self._send_queue or self._queued_bytes + size > _MAX_BUFFERED_BYTES:
+            unsent = self._writer.transport.get_write_buffer_size()
+            if not self._draining and unsent + self._queued_bytes + size <= _MAX_BUFFERED_BYTES:
                 # The peer keeps up; only our writer task has not run yet (a burst sent
                 # in one go). Hand the lines to the socket now rather than drop the peer.
                 self._queue.append(line)
                 self._write_now(self._queue)
                 self._queue.clear()
+                self._queued_bytes = 0
                 return
-            text = f"send queue full ({self._send_queue} lines): closing; reconnect and catch up"
+            limit = (
+                f"{self._send_queue} lines"
+                if len(self._queue) >= self._send_queue
+                else f"{_MAX_BUFFERED_BYTES >> 20} MiB"
+            )
+            text = f"send queue full ({limit}): closing; reconnect and catch up"
             log.warning("%s: %s", self._label, text)
             self._write_error(text)
             self._end("send queue full")
             return
         self._queue.append(line)
+        self._queued_bytes += size
         self._queued.set()
+
+    def bad_line(self) -> None:
+        """The peer sent a line it should not have. When strict: one off its budget (a
+        burst of `_BAD_LINES_BURST`, then `_BAD_LINES_PER_SECOND`); past it, ERROR and
+        close."""
+        if not self._strict or self._bad_lines.take(asyncio.get_running_loop().time()):
+            return
+        text = (
+            f"too many bad lines (over {_BAD_LINES_BURST}, then "
+            f"{_BAD_LINES_PER_SECOND:g} a second): closing; check this peer's version and "
+            "configuration"
+        )
+        log.warning("%s: %s", self._label, text)
+        self._write_error(text)
+        self._end("sent too many bad lines")
+
+    def may_complain(self) -> bool:
+        """Whether an ERROR from the peer should still reach the session (and its log):
+        as many as bad lines may be. An ERROR can answer a line of ours that was fine
+        for us, so complaints never close the connection; past the budget they are
+        dropped unseen."""
+        return self._complaints.take(asyncio.get_running_loop().time())
 
     def close(self) -> None:
         """Drop the connection at the handler's request (see `Link.close`)."""
@@ -188,22 +314,24 @@ class _Connection:
         self._flush = flush
         if not flush:
             self._queue.clear()
+            self._queued_bytes = 0
         self._ended.set()
 
     async def run(
         self,
         session: Session,
         *,
-        relay: Callable[[str], None] | None = None,
+        deliver: _Deliver | None = None,
         on_up: Callable[[], None] | None = None,
     ) -> str:
-        """Serve until the connection ends, and return why. `relay` sees every line
-        meant for the session except ERROR, just before the session does; `on_up` is
-        called once `session.wait_up()` returns. Every task started here has ended on
+        """Serve until the connection ends, and return why. Every line received that is
+        not the transport's own goes to `deliver` (default: `session.received`); `on_up`
+        is called once `session.wait_up()` returns. Every task started here has ended on
         return; being cancelled (stop) closes the connection, keeping queued lines."""
         loop = asyncio.get_running_loop()
+        to = session.received if deliver is None else deliver
         tasks = [
-            loop.create_task(self._read_loop(session, relay), name=f"{self._label} reader"),
+            loop.create_task(self._read_loop(to), name=f"{self._label} reader"),
             loop.create_task(self._write_loop(), name=f"{self._label} writer"),
             loop.create_task(self._keepalive(), name=f"{self._label} pings"),
         ]
@@ -225,6 +353,7 @@ class _Connection:
         if self._flush and self._queue:
             self._write_now(self._queue)
         self._queue.clear()
+        self._queued_bytes = 0
         await _close_stream(self._reader, self._writer, linger=self._linger or self._flush)
 
     def _write_error(self, text: str) -> None:
@@ -236,13 +365,17 @@ class _Connection:
         if not self._writer.transport.is_closing():
             self._writer.write(_encode(lines))
 
-    async def _read_loop(self, session: Session, relay: Callable[[str], None] | None) -> None:
+    async def _read_loop(self, deliver: _Deliver) -> None:
         loop = asyncio.get_running_loop()
+        count = 0
         try:
-            while True:
+            while not self._ended.is_set():  # ended by a line: read no further
                 raw = await _read_line(self._reader)
                 self._last_received = loop.time()
-                self._dispatch(raw, session, relay)
+                self._dispatch(raw, deliver)
+                count += 1
+                if count % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
         except asyncio.IncompleteReadError as err:
             self._end("the peer hung up" + (" in the middle of a line" if err.partial else ""))
         except _LineTooLongError:
@@ -251,22 +384,21 @@ class _Connection:
         except Exception as err:  # OSError mostly; whatever it is, the connection is done
             self._end(f"read failed: {err!r}")
 
-    def _dispatch(self, raw: bytes, session: Session, relay: Callable[[str], None] | None) -> None:
+    def _dispatch(self, raw: bytes, deliver: _Deliver) -> None:
         """Route one received line. Never raises: one bad line must not end the loop."""
         try:
             try:
-                line = raw.decode()
+                text = raw.decode()
             except UnicodeDecodeError:
-                session.received(raw)  # the session answers ERROR; never relayed
+                deliver(raw)  # as bytes: the session answers ERROR
                 return
-            name = command_name(line)
+            name = command_name(text)
             if name in CONNECTION_COMMANDS:
                 if name != Ping.NAME:  # a ping only proves liveness, noted by the caller
-                    log.debug("%s: ignoring %.80s", self._label, line)
+                    log.debug("%s: ignoring %.80s", self._label, text)
+                    self.bad_line()  # NAME or SERVER again: the handshake is over
                 return
-            if relay is not None and name != Error.NAME:
-                relay(line)
-            session.received(line)
+            deliver(text)
         except Exception:
             log.exception("%s: handling a received line failed", self._label)
 
@@ -276,6 +408,7 @@ class _Connection:
                 await self._queued.wait()
                 self._queued.clear()
                 batch, self._queue = self._queue, []
+                self._queued_bytes = 0
                 if batch:
                     self._writer.write(_encode(batch))
                     # A peer that does not read leaves us waiting here (its window and
@@ -347,6 +480,11 @@ class TcpHub:
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()  # one per accepted connection
         self._peers: set[_Connection] = set()  # past the handshake: the relay set
+        self._handshaking = 0  # connections accepted and not past the handshake yet
+        self._refusing = False  # the last connection was refused for that
+        # While our session takes a client's line: what the handler sends meanwhile,
+        # to go out after the relay of that line (see `_deliver`).
+        self._held: list[tuple[_Connection, str]] | None = None
 
     @property
     def port(self) -> int:
@@ -356,13 +494,18 @@ class TcpHub:
         port: int = self._server.sockets[0].getsockname()[1]
         return port
 
+    def buffered_bytes(self) -> int:
+        """Bytes held for the connected peers (see `_Connection.buffered_bytes`)."""
+        return sum(peer.buffered_bytes() for peer in self._peers)
+
     async def start(self) -> None:
         """Bind and listen; returns once clients can connect."""
         if self._server is not None:
             raise RuntimeError("TcpHub: already started")
         self._stopping = False
+        self._handshaking = 0  # a task cancelled by stop() before it ran never counted down
         self._server = await asyncio.start_server(
-            self._accept, self._host, self._port, limit=_READ_LIMIT
+            self._accept, self._host, self._port, limit=_READ_LIMIT, backlog=_BACKLOG
         )
         name = self._handler.instance_name
         log.info("tcp hub %s: listening on %s:%d", name, self._host, self.port)
@@ -389,6 +532,21 @@ class TcpHub:
             writer.transport.abort()
             return
         peer = writer.get_extra_info("peername")
+        if self._handshaking >= _MAX_HANDSHAKING:
+            # One warning per streak: a flood of connections is not a flood of logs.
+            log.log(
+                logging.DEBUG if self._refusing else logging.WARNING,
+                "tcp hub: refusing %s: %d connections are in the handshake already",
+                peer,
+                self._handshaking,
+            )
+            self._refusing = True
+            text = "too many connections in the handshake; try again later"
+            writer.write(_encode([to_line(Error(text))]))
+            writer.close()  # after the ERROR is written; no task needed
+            return
+        self._refusing = False
+        self._handshaking += 1  # here, not in the task: a burst is accepted before it runs
         task = asyncio.get_running_loop().create_task(
             self._serve(reader, writer, peer), name=f"tcp hub: client {peer}"
         )
@@ -401,7 +559,10 @@ class TcpHub:
         conn: _Connection | None = None
         refused = False
         try:
-            name = await self._handshake(reader, writer, peer)
+            try:
+                name = await self._handshake(reader, writer, peer)
+            finally:
+                self._handshaking -= 1
             if name is None:
                 refused = True
                 return
@@ -410,6 +571,8 @@ class TcpHub:
                 writer,
                 label=f"tcp:{name}",
                 options=self._options,
+                hold=self._hold,
+                strict=True,
             )
             session = self._handler.open(conn, reply_errors=True)
             self._peers.add(conn)
@@ -417,7 +580,7 @@ class TcpHub:
             try:
                 reason = await conn.run(
                     session,
-                    relay=functools.partial(self._relay, conn),
+                    deliver=functools.partial(self._deliver, conn, session),
                     on_up=functools.partial(self._connection_up, conn),
                 )
                 log.info("tcp hub: %s disconnected: %s", name, reason)
@@ -462,10 +625,68 @@ class TcpHub:
         writer.write(_encode([to_line(Error(problem))]))
         return None
 
-    def _relay(self, sender: _Connection, line: str) -> None:
-        for peer in self._peers:
-            if peer is not sender:
-                peer.send(line)
+    def _deliver(self, sender: _Connection, session: Session, line: str | bytes) -> None:
+        """Give a client's line to our session, then relay it to every other client unless
+        the session answered it with ERROR; what the handler sent meanwhile goes out after
+        the relay. Bad lines and surplus REPLICATEs (dropped) draw on the sender's budget;
+        ERRORs past their own budget are dropped."""
+        name = command_name(line) if isinstance(line, str) else ""
+        if name == Error.NAME:  # answers one peer: never relayed
+            if sender.may_complain():
+                session.received(line)
+            return
+        if isinstance(line, str) and self._claims_our_rows(line):
+            # Our session drops these unread, as its own echoes; no client may send them.
+            hub = self._handler.instance_name
+            text = f"{name} of {hub} refused: only {hub} sends its own (two instances named so?)"
+            sender.send(to_line(Error(text)))
+            sender.bad_line()
+            return
+        if name == Replicate.NAME:
+            sender.replicates += 1
+            if sender.replicates > _REPLICATE_FREE:  # a flood: dropped unanswered
+                sender.bad_line()
+                return
+        held: list[tuple[_Connection, str]] = []
+        self._held = held
+        try:
+            session.received(line)
+        except Exception:  # the session promises not to raise: a bug
+            log.exception("%s: the session failed on a line", sender.label)
+        finally:
+            self._held = None
+        if isinstance(line, bytes) or not _COMMAND_NAME.fullmatch(name):
+            refused = True  # not UTF-8, or no command could have this name
+        elif name in _BUILTIN_NAMES:
+            refused = any(conn is sender and command_name(out) == Error.NAME for conn, out in held)
+        else:
+            refused = False  # an application's command, maybe unknown here: not ours to judge
+        if refused:
+            sender.bad_line()
+        if isinstance(line, str) and not refused:
+            for peer in self._peers:
+                if peer is not sender:
+                    peer.send(line)
+        for conn, out in held:
+            conn.send(out)
+
+    def _claims_our_rows(self, line: str) -> bool:
+        """Whether `line` is RDATA or POSITION of this (the hub's) instance."""
+        if not line.startswith(_OWN_COMMANDS):
+            return False
+        # <command> <stream> <instance> ...: found without copying the row (up to 1 MiB).
+        start = line.find(" ", line.find(" ") + 1) + 1
+        if start == 0:
+            return False
+        name = self._handler.instance_name
+        end = start + len(name)
+        return line.startswith(name, start) and (len(line) == end or line[end] == " ")
+
+    def _hold(self, conn: _Connection, line: str) -> bool:
+        if self._held is None:
+            return False
+        self._held.append((conn, line))
+        return True
 
     def _connection_up(self, conn: _Connection) -> None:
         log.info("tcp hub: %s is up (every stream caught up)", conn.label)

@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 from psycopg import sql
 
+from plait.core.redact import redact
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
 from plait.spark.offsets import Slice, WriterRange
@@ -32,7 +33,10 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
         return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
     except psycopg.Error as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"plait source: cannot connect to the database ({reason})") from None
+        # libpq quotes a DSN it cannot parse back, password and all.
+        raise ConfigError(
+            f"plait source: cannot connect to the database ({redact(reason)})"
+        ) from None
 
 
 def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:

@@ -18,6 +18,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from plait.core import strict_json
 from plait.core.tokens import StreamToken
 from plait.errors import TokenParseError
 
@@ -43,7 +44,7 @@ def from_json(value: object) -> StreamToken:
     (saying what is wrong) for anything else."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = strict_json.loads(value)
         except ValueError as err:
             raise TokenParseError(f"offset is not valid JSON: {err}") from None
     return StreamToken.from_json_dict(value)

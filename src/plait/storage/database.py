@@ -18,10 +18,10 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor, pq
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow, scalar_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from plait.core.redact import redact
 from plait.errors import DatabaseUnavailableError, FencedError
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
@@ -618,24 +618,14 @@ async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
                 return task.result(), True  # the step's outcome (or its exception)
 
 
-def redact(dsn: str) -> str:
-    """The DSN without its password, for messages and logs."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "<unparsable DSN>"
-    if "password" in params:
-        params["password"] = "***"
-    return make_conninfo("", **params)
-
-
 async def _probe(dsn: str) -> None:
     """Connect once to turn a bad DSN or old server into one clear error."""
     try:
         conn = await AsyncConnection.connect(dsn, connect_timeout=10, autocommit=True)
     except psycopg.ProgrammingError as err:
+        # libpq's message may quote the DSN back, password and all.
         raise DatabaseUnavailableError(
-            f"invalid DSN {dsn!r}: {err}. Use a URI such as "
+            f"invalid DSN {redact(dsn)!r}: {redact(str(err).strip())}. Use a URI such as "
             "postgresql://user@host:5432/dbname, or dsn=None for the embedded server"
         ) from None
     except psycopg.OperationalError as err:

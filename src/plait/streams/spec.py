@@ -113,11 +113,26 @@ class StreamSpec:
         }
 
     @classmethod
-    def from_json(cls, value: dict[str, Any]) -> StreamSpec:
-        return cls(
-            name=value["name"],
-            sequence=value["sequence"],
-            writers=tuple(value.get("writers", ())),
-            backwards=bool(value.get("backwards", False)),
-            tables=tuple(TableSpec(**t) for t in value["tables"]),
+    def from_json(cls, value: object) -> StreamSpec:
+        """The spec `to_json` gave (as stored in `plait_streams`); `ConfigError` saying
+        what is wrong for anything else."""
+        if not isinstance(value, dict):
+            raise ConfigError(f"a stream record must be an object, not {type(value).__name__}")
+        name = value.get("name", "")
+        writers = value.get("writers", [])
+        tables = value.get("tables")
+        if not isinstance(writers, list):
+            raise ConfigError(f"stream record {name!r}: writers must be a list, not {writers!r}")
+        if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+            raise ConfigError(f"stream record {name!r}: tables must be a list of objects")
+        try:
+            table_specs = tuple(TableSpec(**t) for t in tables)
+        except TypeError as err:  # a key missing, unknown, or not a string
+            raise ConfigError(f"stream record {name!r}: bad table ({err})") from None
+        return cls(  # the constructors check every value
+            name=name,
+            sequence=value.get("sequence", ""),
+            writers=tuple(writers),
+            backwards=value.get("backwards", False),
+            tables=table_specs,
         )

@@ -1,0 +1,55 @@
+"""When the checker breaks what: a schedule (pure), and the record of what was done."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from plait.check.journal import Journal
+from plait.check.plan import FAULT_KINDS, Transport
+
+
+def kinds_for(transport: Transport) -> tuple[str, ...]:
+    """Every fault kind but a Redis restart, which needs Redis."""
+    return tuple(k for k in FAULT_KINDS if transport == "redis" or k != "redis_restart")
+
+
+def schedule(
+    kinds: tuple[str, ...], per_kind: int, duration: float, rng: random.Random
+) -> list[tuple[float, str]]:
+    """`per_kind` faults of each kind at random times in the run, leaving its first and
+    last second alone (start-up, and the drain that follows)."""
+    low, high = min(1.0, duration / 4), max(duration - 1.0, duration * 3 / 4)
+    times = [(rng.uniform(low, high), kind) for kind in kinds for _ in range(per_kind)]
+    return sorted(times)
+
+
+@dataclass
+class FaultLog:
+    """What was done, when: the verdict needs the deaths and the pauses; the journal
+    (`F t kind target`) is for whoever reads a failed run."""
+
+    journal: Journal | None = None
+    counts: Counter[str] = field(default_factory=Counter)
+    deaths: dict[str, list[float]] = field(default_factory=dict)
+    stops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    fenced_alive: int = 0  # writers that learned they were fenced, and exited
+    restarts: int = 0
+    crashes: list[str] = field(default_factory=list)
+
+    def injected(self, kind: str, target: str) -> None:
+        self.counts[kind] += 1
+        self.note(kind, target)
+
+    def note(self, what: str, target: str) -> None:
+        if self.journal is not None:
+            self.journal.write("F", what, target)
+
+    def death(self, writer: str, at: float) -> None:
+        self.deaths.setdefault(writer, []).append(at)
+        self.note("death", writer)
+
+    def stop(self, writer: str, start: float, end: float) -> None:
+        self.stops.setdefault(writer, []).append((start, end))
+        self.note("cont", f"{writer} {start:.4f}")

@@ -1,0 +1,69 @@
+"""What the checker's processes record: one line per event, in a file of their own.
+
+A writer's line is written with one `write(2)` before it goes on, so a kill -9 loses at
+most the line being formed, never one written earlier (the page cache keeps it). Lines
+are plain text, `KIND TIME FIELD...`, because writers log every ID they take and JSON
+would cost more than the write it records.
+
+Kinds:
+    A t stream id,id,...         a writer took these IDs (before writing them)
+    C t stream id,id,...         ... committed them
+    R t stream id,id,...         ... rolled them back on purpose
+    E t stream id,id,...         ... failed: committed or not, the database says
+    P t stream position          a writer's own position, or a reader's linear one
+    W t stream writer token      a reader saw `writer` reach `token`
+    D t stream writer id,id,...  a reader got these rows of `writer`
+    V t what...                  a reader saw something wrong (regression, stale cache)
+    S t what...                  a state change (started, idle, caught-up, ...)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    kind: str
+    t: float
+    fields: tuple[str, ...]
+
+
+class Journal:
+    """Appends lines to one file, each with a single unbuffered write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, kind: str, *fields: object) -> None:
+        text = " ".join((kind, f"{time.time():.4f}", *map(str, fields)))
+        os.write(self._fd, (text + "\n").encode())
+
+    def ids(self, kind: str, stream: str, ids: Iterable[int]) -> None:
+        self.write(kind, stream, ",".join(map(str, ids)))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read(path: Path) -> Iterator[Line]:
+    """The complete lines of a journal (a last line cut by a kill is skipped)."""
+    if not path.exists():
+        return
+    with path.open() as f:
+        for text in f:
+            if not text.endswith("\n"):
+                return
+            parts = text.split()
+            if len(parts) < 2:
+                continue
+            yield Line(parts[0], float(parts[1]), tuple(parts[2:]))
+
+
+def id_list(field: str) -> list[int]:
+    return [int(x) for x in field.split(",") if x]

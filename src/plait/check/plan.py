@@ -1,0 +1,108 @@
+"""What one checker run is made of, shared by the orchestrator and its processes.
+
+The orchestrator builds a `Plan`, hands each process its part as JSON on the command
+line, and reads their journals back from `run_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Transport = Literal["tcp", "redis"]
+
+# The readers, one process each: what they follow and how.
+FOLLOWER = "follower"  # per-writer tokens over replication (and the TCP hub)
+LINEAR = "linear"  # the linear position over replication, rows read from the database
+DB_LINEAR = "dblinear"  # the linear position from the database alone, no transport
+WORKER = "worker"  # a worker with caches, invalidated by the writers' transactions
+READERS = (FOLLOWER, LINEAR, DB_LINEAR, WORKER)
+
+KV_CACHE = "kv"  # the worker's cache of check_kv values
+KV_CHANGED = "kv_changed"  # the pseudo-cache the writers invalidate it through
+KV_KEYS = 64  # keys per stream
+
+FAULT_KINDS = ("kill", "stop", "slow_commit", "pg_terminate", "transport_cut", "redis_restart")
+
+
+@dataclass(frozen=True)
+class Plan:
+    dsn: str  # with the run's own schema on its search_path
+    transport: Transport
+    run_dir: Path
+    writers: tuple[str, ...]
+    streams: int
+    fence_after: float
+    seed: int
+    redis_url: str = ""
+    hub_port: int = 0  # where the hub listens (tcp)
+    proxy_port: int = 0  # where everyone else connects: the fault proxy in front of it
+    concurrency: int = 4  # transactions in flight per writer
+    batch: int = 1  # IDs per transaction: 1 to 13, times this
+    slow_commit: float = 10.0
+
+    @property
+    def stream_names(self) -> list[str]:
+        return [f"s{i}" for i in range(self.streams)]
+
+    def table(self, stream: str) -> str:
+        return f"check_{stream}"
+
+    def journal(self, process: str) -> Path:
+        return self.run_dir / f"{process}.journal"
+
+    @property
+    def control(self) -> Path:
+        return self.run_dir / "control.json"
+
+    def instance_config(self, name: str) -> dict[str, Any]:
+        """The `Instance` configuration of process `name`."""
+        tcp = None
+        if self.transport == "tcp":
+            port = self.hub_port if name == FOLLOWER else self.proxy_port
+            tcp = {"hub": FOLLOWER, "port": port, "ping_interval": 1.0, "dead_after": 5.0}
+        return {
+            "instance_name": name,
+            "deployment": "check",
+            "database": self.dsn,
+            "streams": [
+                {"name": s, "tables": [{"name": self.table(s)}], "writers": list(self.writers)}
+                for s in self.stream_names
+            ],
+            "replication": {
+                "transport": self.transport,
+                "redis": {"url": self.redis_url or "redis://127.0.0.1:6379/0"},
+                "tcp": tcp,
+                "announce_interval": 0.5,
+                "backoff_initial": 0.05,
+                "backoff_cap": 1.0,
+            },
+            "http": {"enabled": False},
+            "caches": {"enabled": True, "cleanup": False},
+            "position_flush_interval": 0.2,
+            "fence_after": self.fence_after,
+        }
+
+    def to_json(self) -> str:
+        value = asdict(self)
+        value["run_dir"] = str(self.run_dir)
+        value["writers"] = list(self.writers)
+        return json.dumps(value)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        value = json.loads(text)
+        value["run_dir"] = Path(value["run_dir"])
+        value["writers"] = tuple(value["writers"])
+        return cls(**value)
+
+
+def read_control(path: Path) -> dict[str, Any]:
+    """The orchestrator's orders (rewritten atomically); {} before the first."""
+    try:
+        value = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

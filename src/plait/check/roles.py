@@ -1,0 +1,412 @@
+"""The checker's processes: `python -m plait.check.roles ROLE NAME PLAN_JSON`.
+
+Each records what it did or saw in its journal and follows the orchestrator's control
+file: writers write until the phase is "idle", readers read until told to "stop" and
+say when they have caught up with the targets the orchestrator computed.
+
+A writer exits with `FENCED_EXIT` when it learns it was fenced (all its connections
+were cut for longer than `fence_after`): a fenced run must not write again, and the
+orchestrator restarts it as an operator would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any
+
+from plait.caches.invalidations import CACHES_STREAM, Invalidation
+from plait.check.journal import Journal
+from plait.check.plan import (
+    DB_LINEAR,
+    FOLLOWER,
+    KV_CACHE,
+    KV_CHANGED,
+    KV_KEYS,
+    LINEAR,
+    WORKER,
+    Plan,
+    read_control,
+)
+from plait.config import InstanceConfig
+from plait.errors import FencedError
+from plait.instance import Instance
+from plait.storage.database import Database
+from plait.streams.generator import MultiWriterIdGenerator
+
+FENCED_EXIT = 3
+SIZES = (1, 1, 2, 3, 5, 8, 13)  # IDs per transaction
+ROLLBACK_SHARE = 0.05
+KV_SHARE = 0.25
+POLL = 0.05
+
+logger = logging.getLogger("plait.check")
+
+
+class _Rollback(Exception):
+    pass
+
+
+class Control:
+    """The orchestrator's orders, re-read every `POLL` seconds."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self.value: dict[str, Any] = {}
+        self.changed = asyncio.Event()
+
+    async def follow(self) -> None:
+        while True:
+            value = read_control(self._plan.control)
+            if value != self.value:
+                self.value = value
+                self.changed.set()
+                self.changed = asyncio.Event()
+            await asyncio.sleep(POLL)
+
+    @property
+    def phase(self) -> str:
+        return str(self.value.get("phase", "run"))
+
+    def targets(self) -> dict[str, dict[str, dict[str, int]]] | None:
+        targets = self.value.get("targets")
+        return targets if isinstance(targets, dict) else None
+
+    async def until(self, phase: str) -> None:
+        while self.phase != phase:
+            await self.changed.wait()
+
+
+# -- writer -----------------------------------------------------------------------------------
+
+
+async def writer(plan: Plan, name: str) -> None:
+    journal = Journal(plan.journal(name))
+    rng = random.Random()
+    control = Control(plan)
+    slow_requests = 0
+
+    def ask_slow() -> None:
+        nonlocal slow_requests
+        slow_requests += 1
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, ask_slow)
+    instance = Instance(plan.instance_config(name))
+    await instance.start()
+    gens = {s: instance.generator(s) for s in plan.stream_names}
+    journal.write("S", "started")
+    print("started", flush=True)
+    for s, gen in gens.items():
+        journal.write("P", s, gen.get_current_token_for_writer(name))
+    follow = asyncio.create_task(control.follow())
+    inserts = {
+        s: f"INSERT INTO {plan.table(s)} (stream_id, instance_name, payload)"
+        " SELECT unnest(%s::bigint[]), %s, unnest(%s::text[])"
+        for s in plan.stream_names
+    }
+    fenced = asyncio.Event()
+
+    async def one() -> None:
+        nonlocal slow_requests
+        index = rng.randrange(plan.streams)
+        s = plan.stream_names[index]
+        slow = slow_requests > 0
+        if slow:
+            slow_requests -= 1
+        ids: list[int] = []
+        try:
+            async with instance.db.transaction() as txn:
+                ids = await gens[s].get_next_mult_txn(txn, rng.choice(SIZES) * plan.batch)
+                journal.ids("A", s, ids)
+                payloads = [f"{name}:{i}" for i in ids]
+                await txn.execute(inserts[s], (ids, name, payloads))
+                if not slow and rng.random() < KV_SHARE:
+                    # Never in a slow transaction: its row lock would hold up the others.
+                    key = rng.randrange(KV_KEYS)
+                    await txn.execute(
+                        "UPDATE check_kv SET version = GREATEST(version, %s)"
+                        " WHERE s = %s AND k = %s",
+                        (ids[0], index, key),
+                    )
+                    await instance.caches.invalidate_batch(txn, KV_CHANGED, (index, ids[0]), [key])
+                if slow:
+                    journal.write("S", "slow", s, ",".join(map(str, ids)))
+                await asyncio.sleep(plan.slow_commit if slow else rng.uniform(0, 0.01))
+                if rng.random() < ROLLBACK_SHARE:
+                    raise _Rollback
+        except _Rollback:
+            journal.ids("R", s, ids)
+            return
+        except FencedError:
+            fenced.set()
+            return
+        except Exception as err:  # a cut connection: the database says what committed
+            if ids:
+                journal.ids("E", s, ids)
+            logger.info("writer %s: transaction failed: %s", name, err)
+            await asyncio.sleep(0.05)
+            return
+        journal.ids("C", s, ids)
+
+    async def loop() -> None:
+        while control.phase == "run" and not fenced.is_set():
+            await one()
+
+    async def positions() -> None:
+        last: dict[str, int] = {}
+        while True:
+            for s, gen in gens.items():
+                position = gen.get_current_token_for_writer(name)
+                if last.get(s) != position:
+                    journal.write("P", s, position)
+                    last[s] = position
+            await asyncio.sleep(0.25)
+
+    tracker = asyncio.create_task(positions())
+    loops = [asyncio.create_task(loop()) for _ in range(plan.concurrency)]
+    await asyncio.gather(*loops)
+    if fenced.is_set():
+        journal.write("S", "fenced")
+        os._exit(FENCED_EXIT)  # as a crash: nothing of this run may touch the database again
+    journal.write("S", "idle")
+    print("idle", flush=True)
+    await control.until("stop")
+    tracker.cancel()
+    follow.cancel()
+    await instance.stop()
+    for s, gen in gens.items():
+        journal.write("P", s, gen.get_current_token_for_writer(name))
+    journal.write("S", "stopped")
+
+
+# -- readers ----------------------------------------------------------------------------------
+
+
+class Seen:
+    """What a reader got, journalled in batches (readers are never killed)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self._rows: dict[tuple[str, str], list[int]] = defaultdict(list)
+        self._last_id: dict[tuple[str, str], int] = {}
+        self.tokens: dict[tuple[str, str], int] = {}
+        self._journalled_tokens: dict[tuple[str, str], int] = {}
+
+    def rows(self, stream: str, writer: str, ids: Iterable[int]) -> None:
+        key = (stream, writer)
+        batch = self._rows[key]
+        last = self._last_id.get(key, 0)
+        for i in ids:
+            if writer != "*" and i <= last:
+                self.journal.write("V", "order", stream, writer, f"{i}<={last}")
+            last = i
+            batch.append(i)
+        self._last_id[key] = last
+
+    def token(self, stream: str, writer: str, token: int) -> None:
+        key = (stream, writer)
+        before = self.tokens.get(key)
+        if before is not None and token < before:
+            self.journal.write("V", "regression", stream, writer, f"{token}<{before}")
+            return
+        self.tokens[key] = token
+
+    def flush(self) -> None:
+        for (stream, writer), ids in self._rows.items():
+            if ids:
+                self.journal.write("D", stream, writer, ",".join(map(str, ids)))
+                ids.clear()
+        for key, token in self.tokens.items():
+            if self._journalled_tokens.get(key) != token:
+                self.journal.write("W", *key, token)
+                self._journalled_tokens[key] = token
+
+    def reached(self, targets: dict[str, dict[str, int]]) -> bool:
+        return all(
+            self.tokens.get((stream, writer), 0) >= target
+            for stream, per_writer in targets.items()
+            for writer, target in per_writer.items()
+        )
+
+
+async def _read_until_stopped(seen: Seen, control: Control, targets_key: str) -> None:
+    """Journal what `seen` holds every 0.1 s; say once when the targets are reached."""
+    caught_up = False
+    while control.phase != "stop":
+        seen.flush()
+        targets = control.targets()
+        if not caught_up and targets is not None and seen.reached(targets.get(targets_key, {})):
+            seen.flush()
+            seen.journal.write("S", "caught-up")
+            print("caught-up", flush=True)
+            caught_up = True
+        await asyncio.sleep(0.1)
+    seen.flush()
+    seen.journal.write("S", "stopped")
+
+
+async def follower(plan: Plan, name: str) -> None:
+    """Every writer's rows over replication, by per-writer token."""
+    seen = Seen(Journal(plan.journal(name)))
+    control = Control(plan)
+    instance = Instance(plan.instance_config(name))
+
+    def on_rows(stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        seen.rows(stream, writer, (r["stream_id"] for r in rows))
+        seen.token(stream, writer, token)
+
+    def on_position(stream: str, writer: str, token: int) -> None:
+        seen.token(stream, writer, token)
+
+    for s in plan.stream_names:
+        instance.on_rows(s, on_rows)
+        instance.on_position(s, on_position)
+    await _run_reader(instance, seen, control, "writers")
+
+
+async def linear(plan: Plan, name: str) -> None:
+    """The linear position, from replication or (`dblinear`) from the database alone;
+    rows read from the database up to it."""
+    seen = Seen(Journal(plan.journal(name)))
+    control = Control(plan)
+    moved = asyncio.Event()
+    instance: Instance | None = None
+    db: Database | None = None
+    if name == LINEAR:
+        instance = Instance(plan.instance_config(name))
+        for s in plan.stream_names:
+            instance.on_position(s, lambda *_: moved.set())
+        await instance.start()
+        gens = {s: instance.generator(s) for s in plan.stream_names}
+    else:
+        db = await Database.connect(plan.dsn, max_size=4)
+        config = InstanceConfig.load(plan.instance_config(name))
+        gens = {
+            c.name: await MultiWriterIdGenerator.create(
+                db, c.to_spec(), name, position_flush_interval=0.2
+            )
+            for c in config.streams
+        }
+    seen.journal.write("S", "started")
+    print("started", flush=True)
+    follow = asyncio.create_task(control.follow())
+    read = asyncio.create_task(_read_until_stopped(seen, control, "linear"))
+    positions = dict.fromkeys(gens, 0)
+    for s, gen in gens.items():
+        positions[s] = gen.get_current_token()
+        seen.token(s, "*", positions[s])
+    while not read.done():
+        if db is not None:
+            for gen in gens.values():
+                await gen.refresh_positions()
+        for s, gen in gens.items():
+            target = gen.get_current_token()
+            while positions[s] < target:
+                rows, upto, _ = await gen.get_updates_since(None, positions[s], target, 1000)
+                seen.rows(s, "*", (r.stream_id for r in rows))
+                positions[s] = upto
+                seen.token(s, "*", upto)
+        moved.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(moved.wait(), POLL)
+    follow.cancel()
+    if instance is not None:
+        await instance.stop()
+    for gen in gens.values():
+        await gen.close()
+    if db is not None:
+        await db.close()
+
+
+async def worker(plan: Plan, name: str) -> None:
+    """Serves check_kv from a cache the writers' transactions invalidate, and checks
+    that no value older than an invalidation it has applied is ever served."""
+    seen = Seen(Journal(plan.journal(name)))
+    control = Control(plan)
+    instance = Instance(plan.instance_config(name))
+    required: dict[tuple[int, int], int] = {}
+
+    @instance.caches.pseudo_cache(KV_CHANGED)
+    def expand(index: int, version: int, keys: tuple[int, ...]) -> Iterator[tuple[str, Any]]:
+        for key in keys:
+            # Applied before the stream's position moves: from now on, no read may serve
+            # a value older than this version.
+            required[(index, key)] = max(required.get((index, key), 0), version)
+            yield KV_CACHE, (index, key)
+
+    @instance.caches.cached(name=KV_CACHE)
+    async def kv(index: int, key: int) -> int:
+        async with instance.db.connection() as conn:
+            cur = await conn.execute(
+                "SELECT version FROM check_kv WHERE s = %s AND k = %s", (index, key)
+            )
+            row = await cur.fetchone()
+        return 0 if row is None else int(row[0])
+
+    def on_rows(stream: str, writer: str, token: int, rows: list[Invalidation]) -> None:
+        for row in rows:
+            if row.cache_name == KV_CHANGED and row.keys is not None:
+                seen.rows(f"kv.s{row.keys[0]}", "*", [int(row.keys[1])])
+        seen.token(stream, writer, token)
+
+    instance.on_rows(CACHES_STREAM, on_rows)
+    instance.on_position(CACHES_STREAM, lambda s, w, t: seen.token(s, w, t))
+
+    async def serve() -> None:
+        rng = random.Random()
+        served = stale = 0
+        while control.phase != "stop":
+            index, key = rng.randrange(plan.streams), rng.randrange(KV_KEYS)
+            floor = required.get((index, key), 0)
+            value = await kv(index, key)
+            served += 1
+            if value < floor:
+                stale += 1
+                seen.journal.write("V", "stale", f"s{index}", key, f"{value}<{floor}")
+            await asyncio.sleep(0.002)
+        cache = kv.cache
+        seen.journal.write("S", "served", served, cache.hits, cache.misses, stale)
+
+    await _run_reader(instance, seen, control, "caches", serve)
+
+
+async def _run_reader(
+    instance: Instance,
+    seen: Seen,
+    control: Control,
+    targets_key: str,
+    also: Callable[[], Coroutine[Any, Any, None]] | None = None,
+) -> None:
+    """Start `instance`, then read (and run `also`) until told to stop."""
+    await instance.start()
+    seen.journal.write("S", "started")
+    print("started", flush=True)
+    follow = asyncio.create_task(control.follow())
+    extra = asyncio.create_task(also()) if also is not None else None
+    await _read_until_stopped(seen, control, targets_key)
+    if extra is not None:
+        await extra  # its failure is the run's
+    follow.cancel()
+    await instance.stop()
+
+
+ROLES = {"writer": writer, FOLLOWER: follower, LINEAR: linear, DB_LINEAR: linear, WORKER: worker}
+
+
+def main() -> None:
+    role, name, plan = sys.argv[1], sys.argv[2], Plan.from_json(sys.argv[3])
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(ROLES[role](plan, name))
+
+
+if __name__ == "__main__":
+    main()

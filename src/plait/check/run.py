@@ -1,0 +1,576 @@
+"""The checker's orchestrator: start everything, break it on schedule, drain, judge.
+
+One run, in order:
+1. a fresh schema in the database; the streams' tables; Redis of our own or the hub
+   behind a proxy that can cut its connections;
+2. the readers, then the writers, each a process of its own;
+3. the fault schedule, while the writers write;
+4. the drain: every fault undone, dead writers restarted, writers told to go idle; the
+   readers get targets (the highest committed IDs, from the database) and must reach
+   them;
+5. the journals are read back and judged (`verdict`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+from redis.asyncio import Redis
+
+from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
+from plait.check import journal
+from plait.check.faults import FaultLog, kinds_for, schedule
+from plait.check.plan import (
+    FOLLOWER,
+    KV_CHANGED,
+    KV_KEYS,
+    READERS,
+    WORKER,
+    Plan,
+    Transport,
+)
+from plait.check.proxy import CutProxy
+from plait.check.redis_server import RedisServer, free_port
+from plait.check.roles import FENCED_EXIT
+from plait.check.verdict import (
+    History,
+    ReaderLog,
+    ReaderVerdict,
+    allowed_positions,
+    judge_reader,
+    own_regressions,
+)
+from plait.storage.database import Database
+
+START_TIMEOUT = 60.0
+CATCH_UP_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Options:
+    dsn: str
+    transport: Transport = "tcp"
+    writers: int = 3
+    streams: int = 2
+    duration: float = 30.0
+    faults: int = 20  # of each kind
+    batch: int = 1  # scales the IDs per transaction (1 to 13)
+    seed: int | None = None
+    fence_after: float = 1.0
+    stall_bound: float = 4.0
+    run_dir: Path | None = None
+    keep: bool = False
+
+
+@dataclass
+class Report:
+    options: Options
+    seed: int
+    run_dir: Path
+    elapsed: float
+    committed: int
+    rolled_back: int
+    failed: int
+    faults: FaultLog
+    readers: list[ReaderVerdict]
+    own_regressions: list[str]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "seed": self.seed,
+            "transport": self.options.transport,
+            "duration": self.options.duration,
+            "elapsed": round(self.elapsed, 1),
+            "rows": self.committed,
+            "rolled_back": self.rolled_back,
+            "failed": self.failed,
+            "faults": dict(self.faults.counts),
+            "fenced_alive": self.faults.fenced_alive,
+            "restarts": self.faults.restarts,
+            "crashes": self.faults.crashes,
+            "stall_bound": self.options.stall_bound,
+            "readers": {
+                r.name: {
+                    "delivered": r.delivered,
+                    "lost": r.lost,
+                    "duplicated": r.duplicated,
+                    "phantom": r.phantom,
+                    "regressions": r.regressions,
+                    "stale": r.stale,
+                    "longest_stall": round(r.longest_stall, 3),
+                    "stall_at": r.stall_at,
+                    "caught_up": r.caught_up,
+                }
+                for r in self.readers
+            },
+            "problems": self.problems,
+            "run_dir": str(self.run_dir),
+        }
+
+
+class _Proc:
+    """One checker process, and what its standard output said."""
+
+    def __init__(self, role: str, name: str, plan: Plan) -> None:
+        self.role, self.name, self._plan = role, name, plan
+        self.proc: asyncio.subprocess.Process | None = None
+        self.said: set[str] = set()
+        self.heard = asyncio.Event()
+        self.killed = False
+        self.stopped = False
+        self.restart_delay = 0.0
+        self._log = plan.run_dir / f"{name}.log"
+
+    async def spawn(self) -> None:
+        self.said.clear()
+        with self._log.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "plait.check.roles",
+                self.role,
+                self.name,
+                self._plan.to_json(),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+            )
+        asyncio.create_task(self._listen(self.proc))  # noqa: RUF006 - ends with the process
+
+    async def _listen(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            if proc is self.proc:
+                self.said.add(line.decode().strip())
+                self.heard.set()
+                self.heard = asyncio.Event()
+
+    async def until(self, word: str, timeout: float) -> bool:  # noqa: ASYNC109
+        deadline = time.monotonic() + timeout
+        while word not in self.said:
+            if self.proc is not None and self.proc.returncode is not None and not self.killed:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.heard.wait(), min(left, 0.5))
+        return True
+
+    @property
+    def live(self) -> bool:
+        """Running, started and not paused: a fault may target it."""
+        return (
+            self.proc is not None
+            and self.proc.returncode is None
+            and "started" in self.said
+            and not self.killed
+            and not self.stopped
+        )
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Checker:
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.seed = options.seed if options.seed is not None else random.randrange(2**31)
+        self.rng = random.Random(self.seed)
+        self.faults = FaultLog()
+        self._tasks: set[asyncio.Task[Any]] = set()  # the writers' supervisors
+        self._pauses: set[asyncio.Task[None]] = set()  # SIGSTOPs waiting for their SIGCONT
+        self._stopping = False
+        self._redis: RedisServer | None = None
+        self._proxy: CutProxy | None = None
+        self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
+
+    async def run(self, progress: Any = None) -> Report:
+        say = progress or (lambda text: None)
+        options = self.options
+        run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="plait-check-"))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        plan = await self._prepare(run_dir)
+        self.plan = plan
+        self.faults.journal = journal.Journal(run_dir / "faults.journal")
+        self._write_control({"phase": "run"})
+        writers = [_Proc("writer", w, plan) for w in plan.writers]
+        readers = [_Proc(r, r, plan) for r in READERS]
+        self.writers, self.readers = writers, readers
+        problems: list[str] = []
+        try:
+            say(f"schema {self._schema}, {options.transport}, seed {self.seed}, in {run_dir}")
+            for reader in readers:  # the follower first: it is the TCP hub
+                await reader.spawn()
+                if not await reader.until("started", START_TIMEOUT):
+                    raise RuntimeError(f"{reader.name} did not start:\n{reader.log_tail()}")
+            for w in writers:
+                self._spawn_task(self._supervise(w))
+            for w in writers:
+                if not await w.until("started", START_TIMEOUT):
+                    raise RuntimeError(f"{w.name} did not start:\n{w.log_tail()}")
+            say(f"running {options.duration:g} s of writes and faults")
+            await self._inject(time.time())
+            say("draining: faults undone, writers going idle")
+            problems += await self._drain()
+            truth, kv_truth, targets = await self._truth()
+            self._write_control({"phase": "idle", "targets": targets})
+            for reader in readers:
+                if not await reader.until("caught-up", CATCH_UP_TIMEOUT):
+                    problems.append(f"{reader.name} did not catch up in {CATCH_UP_TIMEOUT:g} s")
+        finally:
+            await self._stop_all()
+        say("judging")
+        report = self._judge(plan, truth, kv_truth, time.monotonic() - started)
+        report.problems[:0] = problems
+        if report.ok and not options.keep:
+            await self._drop_schema()
+        return report
+
+    # -- setting up ---------------------------------------------------------------------------
+
+    async def _prepare(self, run_dir: Path) -> Plan:
+        options = self.options
+        async with await psycopg.AsyncConnection.connect(options.dsn, autocommit=True) as conn:
+            await conn.execute(f'CREATE SCHEMA "{self._schema}"')
+        dsn = make_conninfo(options.dsn, options=f"-c search_path={self._schema}")
+        plan = Plan(
+            dsn=dsn,
+            transport=options.transport,
+            run_dir=run_dir,
+            writers=tuple(f"w{i}" for i in range(options.writers)),
+            streams=options.streams,
+            fence_after=options.fence_after,
+            seed=self.seed,
+            batch=options.batch,
+        )
+        db = await Database.connect(dsn, max_size=2)
+        try:
+            await db.migrate()
+            async with db.transaction() as txn:
+                for s in plan.stream_names:
+                    await txn.execute(
+                        f"CREATE TABLE {plan.table(s)} (stream_id bigint NOT NULL,"
+                        " instance_name text NOT NULL, payload text NOT NULL)"
+                    )
+                    await txn.execute(f"CREATE INDEX ON {plan.table(s)} (instance_name, stream_id)")
+                    await txn.execute(f"CREATE INDEX ON {plan.table(s)} (stream_id)")
+                await txn.execute(
+                    "CREATE TABLE check_kv (s int, k int, version bigint NOT NULL DEFAULT 0,"
+                    " PRIMARY KEY (s, k))"
+                )
+                await txn.execute(
+                    "INSERT INTO check_kv (s, k) SELECT s, k FROM generate_series(0, %s) s,"
+                    " generate_series(0, %s) k",
+                    (options.streams - 1, KV_KEYS - 1),
+                )
+        finally:
+            await db.close()
+        if options.transport == "redis":
+            self._redis = RedisServer()
+            await asyncio.to_thread(self._redis.start)
+            return replace(plan, redis_url=self._redis.url)
+        hub_port, proxy_port = free_port(), free_port()
+        self._proxy = CutProxy(proxy_port, hub_port)
+        await self._proxy.start()
+        return replace(plan, hub_port=hub_port, proxy_port=proxy_port)
+
+    def _write_control(self, value: dict[str, Any]) -> None:
+        path = self.plan.control
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _supervise(self, w: _Proc) -> None:
+        """Keep writer `w` running: restart it after a kill, a fence or a crash."""
+        while True:
+            await w.spawn()
+            assert w.proc is not None
+            code = await w.proc.wait()
+            if self._stopping:
+                return
+            now = time.time()
+            self.faults.note(f"exit-{code}", w.name)
+            if w.killed:
+                await asyncio.sleep(w.restart_delay)
+                w.killed = False
+            elif code == FENCED_EXIT:
+                self.faults.fenced_alive += 1
+                self.faults.death(w.name, now)
+                await asyncio.sleep(0.2)
+            else:
+                self.faults.death(w.name, now)
+                self.faults.crashes.append(f"{w.name} exited with {code}:\n{w.log_tail()}")
+                await asyncio.sleep(0.2)
+            self.faults.restarts += 1
+
+    # -- faults -------------------------------------------------------------------------------
+
+    async def _inject(self, t0: float) -> None:
+        options = self.options
+        plan = schedule(kinds_for(options.transport), options.faults, options.duration, self.rng)
+        for at, kind in plan:
+            await asyncio.sleep(max(0.0, t0 + at - time.time()))
+            deadline = time.time() + 5.0
+            while not await self._fault(kind) and time.time() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)  # until a writer is there to take it
+        await asyncio.sleep(max(0.0, t0 + options.duration - time.time()))
+        # A fault that found no target in time (every writer dead or paused on a loaded
+        # machine) is made up now, so each kind reaches its count.
+        deadline = time.time() + 30.0
+        for kind in kinds_for(options.transport):
+            while self.faults.counts[kind] < options.faults and time.time() < deadline:
+                if not await self._fault(kind):
+                    await asyncio.sleep(0.1)
+
+    async def _fault(self, kind: str) -> bool:
+        """Inject one fault of `kind`; False when nothing could take it just now."""
+        rng = self.rng
+        live = [w for w in self.writers if w.live]
+        if kind in ("kill", "stop", "slow_commit", "pg_terminate") and not live:
+            return False
+        target = rng.choice(live) if live else None
+        name = target.name if target is not None else "-"
+        if kind == "kill" and target is not None:
+            assert target.proc is not None
+            target.killed = True
+            target.restart_delay = rng.uniform(0.2, 1.0)
+            self.faults.death(target.name, time.time())
+            target.proc.kill()
+        elif kind == "stop" and target is not None:
+            pause = asyncio.create_task(self._pause(target, rng.uniform(0.3, 2.0)))
+            self._pauses.add(pause)
+            pause.add_done_callback(self._pauses.discard)
+        elif kind == "slow_commit" and target is not None:
+            assert target.proc is not None
+            target.proc.send_signal(signal.SIGUSR1)
+        elif kind == "pg_terminate" and target is not None:
+            if not await self._terminate_backend(target.name):
+                return False
+        elif kind == "transport_cut":
+            if not await self._cut():
+                return False
+        elif kind == "redis_restart":
+            assert self._redis is not None
+            await asyncio.to_thread(self._redis.stop, kill=True)
+            await asyncio.sleep(rng.uniform(0.1, 0.5))
+            await asyncio.to_thread(self._redis.start)
+        self.faults.injected(kind, name)
+        return True
+
+    async def _pause(self, w: _Proc, seconds: float) -> None:
+        assert w.proc is not None
+        proc = w.proc
+        w.stopped = True
+        start = time.time()
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+            self.faults.stop(w.name, start, time.time())
+            w.stopped = False
+
+    async def _terminate_backend(self, writer: str) -> bool:
+        """Terminate one of `writer`'s database connections (named `plait#<epoch> <name>`)."""
+        async with await psycopg.AsyncConnection.connect(self.options.dsn, autocommit=True) as c:
+            cur = await c.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
+                (f"plait#% {writer}",),
+            )
+            pids = [row[0] for row in await cur.fetchall()]
+            if not pids:
+                return False
+            await c.execute("SELECT pg_terminate_backend(%s)", (self.rng.choice(pids),))
+        return True
+
+    async def _cut(self) -> bool:
+        if self._proxy is not None:
+            return self._proxy.cut(self.rng)
+        assert self._redis is not None
+        client = Redis.from_url(self._redis.url)
+        try:
+            me = await client.client_id()
+            others = [c["id"] for c in await client.client_list() if int(c["id"]) != me]
+            if not others:
+                return False
+            await client.client_kill_filter(_id=self.rng.choice(others))
+            return True
+        except OSError:
+            return False
+        finally:
+            await client.aclose()
+
+    # -- draining and stopping ----------------------------------------------------------------
+
+    async def _drain(self) -> list[str]:
+        problems = []
+        await asyncio.gather(*self._pauses, return_exceptions=True)
+        if self._redis is not None:
+            await asyncio.to_thread(self._redis.start)
+        for w in self.writers:
+            if not await w.until("started", START_TIMEOUT):
+                problems.append(f"{w.name} did not restart:\n{w.log_tail()}")
+        self._write_control({"phase": "idle"})
+        for w in self.writers:
+            if not await w.until("idle", self.plan.slow_commit + START_TIMEOUT):
+                problems.append(f"{w.name} did not go idle:\n{w.log_tail()}")
+        return problems
+
+    async def _truth(
+        self,
+    ) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, str]], dict[str, Any]]:
+        """What the database holds: committed IDs and writers, per stream; the
+        invalidations the worker must get; the targets every reader must reach."""
+        plan = self.plan
+        truth: dict[str, dict[int, str]] = {}
+        kv: dict[str, dict[int, str]] = defaultdict(dict)
+        async with await psycopg.AsyncConnection.connect(plan.dsn, autocommit=True) as conn:
+            for s in plan.stream_names:
+                cur = await conn.execute(f"SELECT stream_id, instance_name FROM {plan.table(s)}")
+                truth[s] = {int(i): str(w) for i, w in await cur.fetchall()}
+            cur = await conn.execute(
+                f"SELECT keys FROM {CACHES_TABLE} WHERE cache_name = %s", (KV_CHANGED,)
+            )
+            for (keys,) in await cur.fetchall():
+                kv[f"kv.s{keys[0]}"][int(keys[1])] = "*"
+            cur = await conn.execute(
+                f"SELECT instance_name, max(stream_id) FROM {CACHES_TABLE} GROUP BY 1"
+            )
+            caches = {str(w): int(m) for w, m in await cur.fetchall()}
+        writers: dict[str, dict[str, int]] = {}
+        for s, rows in truth.items():
+            per_writer: dict[str, int] = {}
+            for i, w in rows.items():
+                per_writer[w] = max(per_writer.get(w, 0), i)
+            writers[s] = per_writer
+        targets = {
+            "writers": writers,
+            "linear": {s: {"*": max(rows, default=0)} for s, rows in truth.items()},
+            "caches": {CACHES_STREAM: caches},
+        }
+        return truth, dict(kv), targets
+
+    async def _stop_all(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(Exception):
+            self._write_control({"phase": "stop"})
+        procs = [p for p in self.writers + self.readers if p.proc is not None]
+        for p in procs:
+            assert p.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGCONT)
+            try:
+                await asyncio.wait_for(p.proc.wait(), 30)
+            except TimeoutError:
+                p.proc.kill()
+                await p.proc.wait()
+        for task in [*self._tasks, *self._pauses]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._pauses, return_exceptions=True)
+        if self._proxy is not None:
+            await self._proxy.stop()
+        if self._redis is not None:
+            await asyncio.to_thread(self._redis.close)
+
+    async def _drop_schema(self) -> None:
+        async with await psycopg.AsyncConnection.connect(self.options.dsn, autocommit=True) as c:
+            await c.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
+
+    # -- judging ------------------------------------------------------------------------------
+
+    def _judge(
+        self,
+        plan: Plan,
+        truth: dict[str, dict[int, str]],
+        kv_truth: dict[str, dict[int, str]],
+        elapsed: float,
+    ) -> Report:
+        history = History(deaths=self.faults.deaths, stops=self.faults.stops)
+        rolled_back = failed = 0
+        for w in plan.writers:
+            for line in journal.read(plan.journal(w)):
+                if line.kind in "ACRE":
+                    s, ids = line.fields[0], journal.id_list(line.fields[1])
+                    history.events.setdefault(s, []).append((line.t, w, line.kind, ids))
+                    rolled_back += len(ids) if line.kind == "R" else 0
+                    failed += len(ids) if line.kind == "E" else 0
+                elif line.kind == "P":
+                    positions = history.own_positions.setdefault((w, line.fields[0]), [])
+                    positions.append(int(line.fields[1]))
+                elif line.kind == "S" and line.fields[0] == "started":
+                    history.starts.setdefault(w, []).append(line.t)
+        allowed = {s: allowed_positions(history, s, plan.writers) for s in plan.stream_names}
+        verdicts = [
+            judge_reader(name, _reader_log(plan.journal(name)), kv_truth, None, per_writer=False)
+            if name == WORKER
+            else judge_reader(
+                name, _reader_log(plan.journal(name)), truth, allowed, per_writer=name == FOLLOWER
+            )
+            for name in READERS
+        ]
+        regressions = own_regressions(history)
+        bound = self.options.stall_bound
+        problems = [f"{v.name}: {p}" for v in verdicts for p in v.violations(bound)]
+        problems += [f"{v.name}: e.g. {e}" for v in verdicts for e in v.examples]
+        problems += [f"own position went back: {r}" for r in regressions]
+        problems += [f"crash: {c}" for c in self.faults.crashes]
+        return Report(
+            options=self.options,
+            seed=self.seed,
+            run_dir=plan.run_dir,
+            elapsed=elapsed,
+            committed=sum(len(rows) for rows in truth.values()),
+            rolled_back=rolled_back,
+            failed=failed,
+            faults=self.faults,
+            readers=verdicts,
+            own_regressions=regressions,
+            problems=problems,
+        )
+
+
+def _reader_log(path: Path) -> ReaderLog:
+    log = ReaderLog()
+    for line in journal.read(path):
+        if line.kind == "D":
+            stream, writer, ids = line.fields
+            log.rows.setdefault((stream, writer), []).extend(journal.id_list(ids))
+        elif line.kind == "W":
+            stream, writer, token = line.fields
+            log.tokens.setdefault((stream, writer), []).append((line.t, int(token)))
+        elif line.kind == "V":
+            log.violations[line.fields[0]] += 1
+        elif line.kind == "S" and line.fields[0] == "caught-up":
+            log.caught_up = True
+    return log

@@ -1,0 +1,46 @@
+"""The checker's summary table, for people (`--json` gives the same as one line)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from plait.check.run import Report
+
+
+def summary(report: Report) -> list[Table]:
+    run = Table(title=f"plait check: {'OK' if report.ok else 'VIOLATIONS'}", show_header=False)
+    run.add_column(style="bold")
+    run.add_column(justify="right")
+    options = report.options
+    run.add_row("transport", options.transport)
+    run.add_row("writers x streams", f"{options.writers} x {options.streams}")
+    run.add_row("seed", str(report.seed))
+    run.add_row("time", f"{report.elapsed:.0f} s ({options.duration:g} s of faults)")
+    run.add_row("rows committed", f"{report.committed:,}")
+    run.add_row("rolled back / failed IDs", f"{report.rolled_back:,} / {report.failed:,}")
+    for kind, n in sorted(report.faults.counts.items()):
+        run.add_row(f"faults: {kind}", str(n))
+    run.add_row("writers fenced while alive", str(report.faults.fenced_alive))
+    run.add_row("writer restarts", str(report.faults.restarts))
+    run.add_row("crashes", str(len(report.faults.crashes)))
+    run.add_row("own positions gone back", str(len(report.own_regressions)))
+    readers = Table(title=f"readers (stall bound {options.stall_bound:g} s)")
+    for column in ("reader", "delivered", "lost", "duplicated", "phantom", "regressions"):
+        readers.add_column(column, justify="left" if column == "reader" else "right")
+    readers.add_column("stale", justify="right")
+    readers.add_column("longest stall", justify="right")
+    for r in report.readers:
+        stall = f"{r.longest_stall:.2f} s ({r.stall_at})" if r.name != "worker" else "-"
+        if not r.bounded:
+            stall += ", not bounded"
+        readers.add_row(
+            r.name,
+            f"{r.delivered:,}",
+            str(r.lost),
+            str(r.duplicated),
+            str(r.phantom),
+            str(r.regressions),
+            str(r.stale),
+            stall,
+        )
+    return [run, readers]

@@ -1,0 +1,299 @@
+"""Judging a checker run: pure functions of what was committed and what was seen.
+
+Stalls are measured against the positions the spec allows (SPEC R-ID-3 to R-ID-5),
+rebuilt from the writers' journals:
+- a writer with IDs unfinished is at its largest completed ID below the smallest;
+- a writer idle for a second is at the largest ID taken anywhere a second before;
+- a dead writer is where a fence may move it: the highest of the other writers'
+  positions, or its own last row (so with every writer dead nothing may move until
+  one comes back, and a restart registers at the head);
+- the linear position is the least of them.
+
+A reader's *stall* on a committed ID is the time from the allowed position passing
+it to the reader's passing it. So a slow commit (a live writer's open transaction)
+holds the IDs above it without counting as a stall, while a dead writer that is never
+fenced does. A writer paused with SIGSTOP is live but not progressing: what it would
+have published just before or during the pause counts from the moment it runs again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+# A pause this soon after a writer's position moved may have kept the move from being
+# published (positions are flushed and announced a fraction of a second later).
+PUBLISH_WINDOW = 1.0
+# An idle writer learns how far others allocated from replication or the database and
+# publishes its advance a little later: it is allowed at the head of this long ago, once
+# it has been idle this long.
+IDLE_GRACE = 1.0
+TICK = 0.1
+
+Steps = list[tuple[float, int]]  # (time, position), both non-decreasing
+
+
+@dataclass
+class History:
+    """What the writers and the fault injector recorded.
+
+    `events[stream]`: (time, writer, kind, IDs) with kind "A" (taken) or "C", "R", "E"
+    (settled: committed, rolled back, failed). `starts` and `deaths` per writer.
+    """
+
+    events: dict[str, list[tuple[float, str, str, list[int]]]] = field(default_factory=dict)
+    starts: dict[str, list[float]] = field(default_factory=dict)
+    deaths: dict[str, list[float]] = field(default_factory=dict)
+    stops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    own_positions: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class ReaderLog:
+    """What one reader journalled: rows per (stream, writer) and when each token was
+    first reached (writer "*" for a linear position)."""
+
+    rows: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    tokens: dict[tuple[str, str], Steps] = field(default_factory=dict)
+    violations: Counter[str] = field(default_factory=Counter)
+    caught_up: bool = False
+
+
+@dataclass
+class ReaderVerdict:
+    name: str
+    delivered: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    phantom: int = 0  # delivered but never committed (rolled back, failed, or made up)
+    regressions: int = 0
+    stale: int = 0
+    longest_stall: float = 0.0
+    stall_at: str = ""
+    caught_up: bool = True
+    examples: list[str] = field(default_factory=list)
+    # Whether the stall bound applies: to linear positions. A per-writer token of a
+    # dead writer that does not hold the linear position waits for its restart (only
+    # the holder is fenced), so its stall is reported, not bounded.
+    bounded: bool = True
+
+    def violations(self, bound: float) -> list[str]:
+        found = [
+            f"{what}: {n}"
+            for what, n in (
+                ("lost", self.lost),
+                ("duplicated", self.duplicated),
+                ("phantom", self.phantom),
+                ("regressions", self.regressions),
+                ("stale", self.stale),
+            )
+            if n
+        ]
+        if self.bounded and self.longest_stall > bound:
+            found.append(f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}")
+        if not self.caught_up:
+            found.append("did not catch up")
+        return found
+
+
+def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> dict[str, Steps]:
+    """Each writer's position on `stream` over time, as the spec allows it."""
+    writers = list(writers)
+    timeline: list[tuple[float, int, str, str, list[int]]] = []
+    for t, w, kind, ids in history.events.get(stream, []):
+        timeline.append((t, 1, w, kind, ids))
+    for w in writers:
+        timeline += [(t, 0, w, "start", []) for t in history.starts.get(w, [])]
+        timeline += [(t, 0, w, "death", []) for t in history.deaths.get(w, [])]
+    if timeline:  # idle writers move with time, not only at events
+        first, last = min(e[0] for e in timeline), max(e[0] for e in timeline)
+        ticks = int((last - first + 2 * IDLE_GRACE) / TICK) + 1
+        timeline += [(first + k * TICK, 2, "", "tick", []) for k in range(ticks)]
+    timeline.sort(key=lambda e: (e[0], e[1]))
+    started = dict.fromkeys(writers, False)
+    dead = dict.fromkeys(writers, False)
+    unfinished: dict[str, set[int]] = {w: set() for w in writers}
+    waiting: dict[str, list[int]] = {w: [] for w in writers}  # heap of unfinished (lazy)
+    completed: dict[str, list[int]] = {w: [] for w in writers}  # heap, above the position
+    last_row = dict.fromkeys(writers, 0)
+    position = dict.fromkeys(writers, 0)
+    idle_since: dict[str, float | None] = dict.fromkeys(writers)
+    steps: dict[str, Steps] = {w: [] for w in writers}
+    head = 0
+    head_at: Steps = [(0.0, 0)]
+    for t, _, w, kind, ids in timeline:
+        if kind == "tick":
+            pass
+        elif w not in position:
+            continue
+        elif kind == "A":
+            unfinished[w].update(ids)
+            for i in ids:
+                heapq.heappush(waiting[w], i)
+            idle_since[w] = None
+            if max(ids) > head:
+                head = max(ids)
+                head_at.append((t, head))
+        elif kind in ("C", "R", "E"):
+            unfinished[w].difference_update(ids)
+            for i in ids:
+                heapq.heappush(completed[w], i)
+            if kind == "C":
+                last_row[w] = max(last_row[w], *ids)
+        else:
+            started[w] = True
+            dead[w] = kind == "death"
+            unfinished[w].clear()
+            waiting[w].clear()
+            completed[w].clear()
+            idle_since[w] = None
+            if kind == "start":  # registers at the head (R-ID-9)
+                position[w] = max(position[w], head)
+                steps[w].append((t, position[w]))
+                idle_since[w] = t
+        for v in writers:
+            if not started[v]:
+                continue
+            new = position[v]
+            if dead[v]:  # what a fence may claim: the others' highest, its own last row
+                others = [position[o] for o in writers if o != v]
+                new = max(new, last_row[v], *others) if others else max(new, last_row[v])
+            else:
+                heap = waiting[v]
+                while heap and heap[0] not in unfinished[v]:
+                    heapq.heappop(heap)
+                if heap:
+                    done = completed[v]
+                    while done and done[0] < heap[0]:
+                        new = max(new, heapq.heappop(done))
+                else:  # its own last; the head once idle for IDLE_GRACE (R-ID-5)
+                    new = max(new, *completed[v]) if completed[v] else new
+                    completed[v].clear()
+                    since = idle_since[v]
+                    if since is None:
+                        idle_since[v] = t
+                    elif t - since >= IDLE_GRACE:
+                        i = bisect.bisect_right(head_at, (t - IDLE_GRACE, head)) - 1
+                        new = max(new, head_at[i][1])
+            if new > position[v]:
+                position[v] = new
+                steps[v].append((t, new))
+    for w, pauses in history.stops.items():
+        if w in steps:
+            for start, end in pauses:
+                steps[w] = [
+                    (end if start - PUBLISH_WINDOW <= t <= end else t, p) for t, p in steps[w]
+                ]
+    return steps
+
+
+def least(per_writer: Mapping[str, Steps]) -> Steps:
+    """The linear position over time: the least of the writers' positions."""
+    current = dict.fromkeys(per_writer, 0)
+    merged = sorted((t, w, p) for w, steps in per_writer.items() for t, p in steps)
+    result: Steps = []
+    low = 0
+    for t, w, p in merged:
+        current[w] = max(current[w], p)
+        now = min(current.values())
+        if now > low:
+            low = now
+            result.append((t, now))
+    return result
+
+
+def longest_stall(allowed: Steps, reached: Steps, ids: Iterable[int]) -> tuple[float, int]:
+    """The longest wait, over `ids`, between `allowed` passing an ID and `reached`
+    passing it: (seconds, ID). An ID never reached counts elsewhere (as lost)."""
+    allowed_at = [t for t, _ in allowed]
+    allowed_pos = list(itertools.accumulate((p for _, p in allowed), max))
+    reached_at = [t for t, _ in reached]
+    reached_pos = list(itertools.accumulate((p for _, p in reached), max))
+    worst, worst_id = 0.0, 0
+    for x in ids:
+        i = bisect.bisect_left(reached_pos, x)
+        if i == len(reached_pos):
+            continue
+        j = bisect.bisect_left(allowed_pos, x)
+        ready = allowed_at[j] if j < len(allowed_pos) else reached_at[i]
+        if reached_at[i] - ready > worst:
+            worst, worst_id = reached_at[i] - ready, x
+    return worst, worst_id
+
+
+def judge_reader(
+    name: str,
+    log: ReaderLog,
+    committed: Mapping[str, Mapping[int, str]],
+    allowed: Mapping[str, Mapping[str, Steps]] | None,
+    *,
+    per_writer: bool,
+) -> ReaderVerdict:
+    """Exactly once, nothing uncommitted, no regression, and how long it stalled.
+
+    `committed[stream]` maps each committed ID to its writer; a reader journals rows
+    under their writer (per-writer readers) or under "*". `allowed[stream][writer]` are
+    the writers' allowed positions (None: no stall check).
+    """
+    verdict = ReaderVerdict(name, caught_up=log.caught_up, bounded=not per_writer)
+    verdict.regressions = log.violations["regression"] + log.violations["order"]
+    verdict.stale = log.violations["stale"]
+    counts: dict[str, Counter[int]] = defaultdict(Counter)
+    for (stream, writer), ids in log.rows.items():
+        expected = committed.get(stream, {})
+        for i in ids:
+            counts[stream][i] += 1
+            owner = expected.get(i)
+            if owner is None or (writer != "*" and owner != writer):
+                verdict.phantom += 1
+                _example(verdict, f"phantom {stream}:{i} from {writer}")
+    for stream, expected in committed.items():
+        got = counts.get(stream, Counter())
+        verdict.delivered += sum(got.values())
+        for i in expected:
+            n = got.get(i, 0)
+            if n == 0:
+                verdict.lost += 1
+                _example(verdict, f"lost {stream}:{i}")
+            elif n > 1:
+                verdict.duplicated += n - 1
+                _example(verdict, f"duplicated {stream}:{i} x{n}")
+    if allowed is None:
+        return verdict
+    for stream, expected in committed.items():
+        writers = allowed.get(stream, {})
+        if per_writer:
+            by_writer: dict[str, list[int]] = defaultdict(list)
+            for i, w in sorted(expected.items()):
+                by_writer[w].append(i)
+            cases = [
+                (w, writers.get(w, []), log.tokens.get((stream, w), []), ids)
+                for w, ids in by_writer.items()
+            ]
+        else:
+            cases = [("", least(writers), log.tokens.get((stream, "*"), []), sorted(expected))]
+        for w, steps, reached, ids in cases:
+            stall, at = longest_stall(steps, reached, ids)
+            if stall > verdict.longest_stall:
+                where = f"{stream}:{at}" + (f" ({w})" if w else "")
+                verdict.longest_stall, verdict.stall_at = stall, where
+    return verdict
+
+
+def own_regressions(history: History) -> list[str]:
+    """Writers whose own position ever went backwards, across restarts too."""
+    found = []
+    for (writer, stream), positions in history.own_positions.items():
+        for before, after in itertools.pairwise(positions):
+            if after < before:
+                found.append(f"{writer} on {stream}: {before} -> {after}")
+    return found
+
+
+def _example(verdict: ReaderVerdict, text: str) -> None:
+    if len(verdict.examples) < 5:
+        verdict.examples.append(text)

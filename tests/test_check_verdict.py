@@ -1,0 +1,190 @@
+"""The checker's judge, without processes: allowed positions, stalls, exactly once."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plait.check.faults import kinds_for, schedule
+from plait.check.verdict import (
+    IDLE_GRACE,
+    History,
+    ReaderLog,
+    allowed_positions,
+    judge_reader,
+    least,
+    longest_stall,
+)
+
+W = ["w0", "w1"]
+
+
+def history(*events: tuple[float, str, str, list[int]], **extra: object) -> History:
+    h = History(events={"s": list(events)}, starts={w: [0.0] for w in W})
+    for name, value in extra.items():
+        setattr(h, name, value)
+    return h
+
+
+def at(steps: list[tuple[float, int]], t: float) -> int:
+    """The position a step function holds at time t."""
+    value = 0
+    for when, p in steps:
+        if when <= t:
+            value = max(value, p)
+    return value
+
+
+def test_a_slow_commit_holds_the_linear_position_without_a_stall() -> None:
+    # w1 takes 2 and keeps it open for 10 s; w0 takes 1, 3, 4 and commits them at once.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w1", "A", [2]),
+        (1.2, "w0", "A", [3, 4]),
+        (1.3, "w0", "C", [1]),
+        (1.4, "w0", "C", [3, 4]),
+        (11.0, "w1", "C", [2]),
+    )
+    linear = least(allowed_positions(h, "s", W))
+    # w1 is at its registration (0) while 2 is open: from positions alone nobody can
+    # tell that 1 is not w1's, so nothing passes (R-ID-3) and nothing counts as a stall.
+    assert at(linear, 5.0) == 0
+    assert at(linear, 11.0) == 2
+    assert at(linear, 11.0 + IDLE_GRACE) == 4  # w1 idle: at the head a grace later
+    # A reader that passes 4 at 12.2 trailed by 0.2 s; one that passes it at 17, by 5.
+    stall, at_id = longest_stall(linear, [(11.1, 2), (12.2, 4)], [1, 2, 3, 4])
+    assert (round(stall, 3), at_id) == (0.2, 3)
+    stall, at_id = longest_stall(linear, [(11.1, 2), (17.0, 4)], [1, 2, 3, 4])
+    assert (round(stall, 3), at_id) == (5.0, 3)
+
+
+def test_a_dead_writer_may_be_fenced_to_the_others_position() -> None:
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w1", "A", [2]),
+        (1.2, "w1", "C", [2]),
+        (1.3, "w1", "A", [3]),
+        (1.4, "w1", "C", [3]),
+        deaths={"w0": [2.0]},  # w0 dies with 1 in flight
+    )
+    steps = allowed_positions(h, "s", W)
+    assert at(least(steps), 1.9) == 0
+    assert at(least(steps), 2.0) == 3
+
+
+def test_with_every_writer_dead_only_rows_that_exist_may_be_passed() -> None:
+    # A fence moves a dead writer to the others' highest position or its own last
+    # row, never over IDs in flight when everyone died: 3 stays unpassable.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w1", "A", [2]),
+        (1.2, "w1", "C", [2]),
+        (1.3, "w0", "A", [3]),
+        deaths={"w0": [2.0], "w1": [1.5]},
+    )
+    linear = least(allowed_positions(h, "s", W))
+    assert at(linear, 1.9) == 0
+    assert at(linear, 100.0) == 2
+
+
+def test_a_paused_writer_publishes_when_it_runs_again() -> None:
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w0", "C", [1]),
+        (1.0, "w1", "A", [2]),
+        (1.2, "w1", "C", [2]),
+        stops={"w0": [(1.5, 4.0)]},  # paused 0.4 s after committing 1
+    )
+    steps = allowed_positions(h, "s", W)
+    assert at(steps["w0"], 3.9) == 0
+    assert at(steps["w0"], 4.0) >= 1
+
+
+def test_an_idle_writer_moves_to_the_head_only_after_the_grace() -> None:
+    h = history(
+        (1.0, "w1", "A", [1]),
+        (1.1, "w1", "C", [1]),
+        (5.0, "w1", "A", [2]),
+    )
+    steps = allowed_positions(h, "s", W)
+    # w0 has been idle since its start; the head became 1 at 1.0, so w0 may follow it
+    # a grace later, not before.
+    assert at(steps["w0"], 1.0 + IDLE_GRACE - 0.15) == 0
+    assert at(steps["w0"], 1.0 + IDLE_GRACE + 0.15) == 1
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> tuple[History, dict[str, set[int]]]:
+    """Random takes and settles of two writers; returns the history and, per writer,
+    the IDs it still holds at the end."""
+    next_id, t = 1, 0.0
+    held: dict[str, set[int]] = {w: set() for w in W}
+    events: list[tuple[float, str, str, list[int]]] = []
+    for _ in range(draw(st.integers(1, 40))):
+        t += draw(st.floats(0.01, 2.0))
+        w = draw(st.sampled_from(W))
+        if held[w] and draw(st.booleans()):
+            i = draw(st.sampled_from(sorted(held[w])))
+            held[w].discard(i)
+            events.append((t, w, draw(st.sampled_from("CRE")), [i]))
+        else:
+            n = draw(st.integers(1, 3))
+            ids = list(range(next_id, next_id + n))
+            next_id += n
+            held[w].update(ids)
+            events.append((t, w, "A", ids))
+    return history(*events), held
+
+
+@settings(max_examples=300, deadline=None)
+@given(histories())
+def test_the_allowed_position_never_passes_an_open_id(
+    case: tuple[History, dict[str, set[int]]],
+) -> None:
+    h, held = case
+    steps = allowed_positions(h, "s", W)
+    open_ids = [i for ids in held.values() for i in ids]
+    linear = least(steps)
+    assert [p for _, p in linear] == sorted(p for _, p in linear)
+    if open_ids:
+        assert at(linear, 1e9) < min(open_ids)
+    for w, ids in held.items():
+        if ids:
+            assert at(steps[w], 1e9) < min(ids)
+
+
+def test_judging_counts_lost_duplicated_and_phantom_rows() -> None:
+    committed = {"s": {1: "w0", 2: "w1", 3: "w0"}}
+    log = ReaderLog(rows={("s", "*"): [1, 1, 3, 9]}, caught_up=True)
+    verdict = judge_reader("r", log, committed, None, per_writer=False)
+    assert (verdict.lost, verdict.duplicated, verdict.phantom) == (1, 1, 1)
+    assert verdict.violations(4.0) == ["lost: 1", "duplicated: 1", "phantom: 1"]
+    # Rows journalled under the wrong writer are phantoms too.
+    log = ReaderLog(rows={("s", "w1"): [1], ("s", "w0"): [3]}, caught_up=True)
+    assert judge_reader("r", log, committed, None, per_writer=True).phantom == 1
+
+
+def test_only_linear_stalls_are_bounded() -> None:
+    h = history((1.0, "w0", "A", [1]), (1.1, "w0", "C", [1]))
+    allowed = {"s": allowed_positions(h, "s", W)}
+    committed = {"s": {1: "w0"}}
+    late = ReaderLog(rows={("s", "*"): [1]}, tokens={("s", "*"): [(9.0, 1)]}, caught_up=True)
+    linear = judge_reader("linear", late, committed, allowed, per_writer=False)
+    assert linear.longest_stall > 4.0
+    assert linear.violations(4.0)[0].startswith("stall")
+    late = ReaderLog(rows={("s", "w0"): [1]}, tokens={("s", "w0"): [(9.0, 1)]}, caught_up=True)
+    follower = judge_reader("follower", late, committed, allowed, per_writer=True)
+    assert follower.longest_stall > 4.0
+    assert follower.violations(4.0) == []
+
+
+def test_the_schedule_has_every_kind_in_the_run() -> None:
+    kinds = kinds_for("tcp")
+    assert "redis_restart" not in kinds
+    assert "redis_restart" in kinds_for("redis")
+    plan = schedule(kinds, 20, 30.0, random.Random(1))
+    assert len(plan) == 20 * len(kinds)
+    assert all(1.0 <= t <= 29.0 for t, _ in plan)
+    assert plan == sorted(plan)
