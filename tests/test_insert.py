@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import psycopg
 import pytest
 
-from plait import ConfigError, Database
+from pg_proxy import answer_losing_proxy
+from plait import ConfigError, Database, MultiWriterIdGenerator
+from plait.replication.rows import DictRows
+from plait.replication.streams import DatabaseStream
+from plait.storage.stream_store import StreamRow
 from stream_helpers import create_generator, create_table
 
 ONE = "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, %s, %s)"
+
+
+class Capture:
+    """A generator's write capture that keeps what it heard."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[list[int], int]] = []
+        self.unknowns: list[tuple[int, int]] = []
+
+    def written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
+        self.writes.append((ids, len(rows or [])))
+
+    def unknown(self, low: int, high: int) -> None:
+        self.unknowns.append((low, high))
 
 
 async def test_insert_one_and_many(db: Database) -> None:
@@ -92,15 +112,15 @@ async def test_insert_with_commit_travels_with_commit_and_completes_after_it(
         " SELECT {id}, 'w', p FROM unnest(%s::text[]) AS p RETURNING *"
     )
     payloads: list[str] = []
-    written: list[tuple[list[int], int]] = []
-    gen.capture_writes(lambda ids, rows: written.append((ids, len(rows or []))))
+    capture = Capture()
+    gen.capture_writes(capture)
     async with db.transaction() as txn:
         await txn.execute("SELECT 1")
         gen.insert_with_commit(txn, many, lambda: (payloads,))
         payloads += ["a", "b"]  # read when COMMIT is sent
         assert gen._tracker.fetches_in_flight() == 0  # nothing sent yet
         payloads.append("c")
-    assert written == [([2, 3, 4], 3)]  # whole rows came back with the IDs
+    assert capture.writes == [([2, 3, 4], 3)]  # whole rows came back with the IDs
     assert gen.get_current_token() == 4
     assert gen.get_last_completed_token() == 4
     # Without any other statement, the transaction is BEGIN, the insert, COMMIT.
@@ -148,3 +168,62 @@ async def test_insert_with_commit_that_fails_or_is_cut_off_leaves_nothing_in_fli
     assert gen.get_current_token() == last  # past the IDs the failed statements took
     rows, _, _ = await gen.get_updates_since("w", 0, last)
     assert [r.data["payload"] for r in rows] == ["ok"]
+
+
+async def _settled(gen: MultiWriterIdGenerator) -> None:
+    for _ in range(200):
+        if gen._tracker.fetches_in_flight() == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the failed write's fetch never ended")
+
+
+@pytest.mark.parametrize("how", ["with_commit", "autocommit", "no_returning"])
+async def test_a_write_whose_answer_was_lost_is_read_back_not_skipped(dsn: str, how: str) -> None:
+    """The server committed, the connection broke before the answer came back (or the
+    statement returned no IDs). The writer cannot name the IDs it took, so replication
+    must read the range they lie in back rather than announce it empty: readers would
+    skip the row for good."""
+    insert = (
+        "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, 'w', %s) RETURNING *"
+    )
+    async with answer_losing_proxy(dsn) as (proxy, through):
+        db = await Database.connect(through, max_size=4)
+        try:
+            await db.migrate()
+            await create_table(db)
+            gen = await create_generator(db, ["w"], "w")
+            stream = DatabaseStream(gen, DictRows())
+            stream.track_own_writes()
+            start = stream.own_position()
+            assert start is not None
+
+            async def lose_commit() -> None:
+                async with db.transaction() as txn:
+                    await txn.execute("SELECT 1")
+                    gen.insert_with_commit(txn, insert, lambda: ("lost",))
+                    proxy.lose_next_answer()
+
+            async def lose_insert() -> None:
+                proxy.lose_next_answer()
+                await gen.insert(insert, ("lost",))
+
+            if how == "no_returning":
+                with pytest.raises(ConfigError, match="RETURNING"):
+                    await gen.insert(insert.removesuffix(" RETURNING *"), ("lost",))
+            else:
+                with pytest.raises(psycopg.OperationalError):
+                    await (lose_commit() if how == "with_commit" else lose_insert())
+                assert proxy.lost == 1
+            await _settled(gen)
+            head = await gen.get_max_allocated_token()
+            rows, _, _ = await gen.get_updates_since("w", 0, head)
+            assert [r.data["payload"] for r in rows] == ["lost"]  # it did commit
+            await gen.insert(insert, ("ok",))  # known rows, after the unknown one
+            position = stream.own_position()
+            assert position is not None
+            page = await stream.read_own(start, position)
+            assert [row["payload"] for _, row in page.rows] == ["lost", "ok"]
+            await gen.close()
+        finally:
+            await db.close()

@@ -6,7 +6,9 @@ that completed since tracking began is recorded here, with its rows when the wri
 handed them over (an insert that returned whole rows) or as unknown. When every ID of
 the range is known the rows are sent from here; otherwise the range is read back from
 the database. Since tracking begins before the first write, an ID missing from here is
-an ID this writer never wrote.
+an ID this writer never wrote, unless it lies in a range marked unknown: a statement
+that took its IDs at COMMIT and lost its connection there may have committed IDs that
+nobody can name, and a range holding them is always read back.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ Row = TypeVar("Row")
 class OwnWrites(Generic[Row]):
     """Completed own IDs in order, each with its rows or None (not known)."""
 
-    __slots__ = ("_ids", "_rows")
+    __slots__ = ("_ids", "_rows", "_unknown")
 
     def __init__(self) -> None:
         self._ids: list[int] = []  # sorted; IDs complete almost in order, so appends
         self._rows: dict[int, list[Row] | None] = {}
+        self._unknown: list[tuple[int, int]] = []  # (low, high]: IDs nobody can name
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -41,9 +44,17 @@ class OwnWrites(Generic[Row]):
             else:
                 insort(self._ids, stream_id)
 
+    def unknown(self, low: int, high: int) -> None:
+        """This writer may have written IDs in (low, high] that it cannot name."""
+        if high > low:
+            self._unknown.append((low, high))
+
     def known(self, from_exclusive: int, to_inclusive: int) -> list[tuple[int, list[Row]]] | None:
         """(ID, rows) of every recorded ID in (from, to], in order; None when the rows
-        of any of them are not known."""
+        of any of them are not known, or the range meets one marked unknown."""
+        for low, high in self._unknown:
+            if max(low, from_exclusive) < min(high, to_inclusive):
+                return None
         ids = self._ids
         window = ids[bisect_right(ids, from_exclusive) : bisect_right(ids, to_inclusive)]
         found: list[tuple[int, list[Row]]] = []
@@ -56,6 +67,8 @@ class OwnWrites(Generic[Row]):
 
     def drop_upto(self, upto: int) -> None:
         """Everything at or below `upto` was sent."""
+        if self._unknown:
+            self._unknown = [(max(low, upto), high) for low, high in self._unknown if high > upto]
         cut = bisect_right(self._ids, upto)
         for stream_id in self._ids[:cut]:
             del self._rows[stream_id]

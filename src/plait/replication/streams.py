@@ -183,9 +183,10 @@ class DatabaseStream:
         first write."""
         if self._pending is None:
             self._pending = OwnWrites()
-            self._gen.capture_writes(self._written)
+            self._gen.capture_writes(self)
 
-    def _written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
+    def written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
+        """The generator's capture (`WriteCapture`): own IDs written, rows if known."""
         assert self._pending is not None
         by_id: dict[int, list[StreamRow]] | None = None
         if rows is not None:
@@ -193,6 +194,11 @@ class DatabaseStream:
             for row in rows:
                 by_id.setdefault(sign * row.stream_id, []).append(row)
         self._pending.record(ids, by_id)
+
+    def unknown(self, low: int, high: int) -> None:
+        """The generator's capture: own IDs in (low, high] that nobody can name."""
+        assert self._pending is not None
+        self._pending.unknown(low, high)
 
     def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage | None:
         pending = self._pending

@@ -432,29 +432,35 @@ class Database:
                 _, cancelled = await _finish(txn._end("COMMIT"))
             except BaseException as exc:
                 if isinstance(exc, psycopg.OperationalError):  # did it commit? wait it out
-                    await self._wait_finished(txn)
+                    await self.wait_finished(xid=txn.xid, backend_pid=txn.backend_pid)
                 txn._run(txn._after_rollback)
                 raise
             txn._run_after_commit()
             if cancelled:
                 raise asyncio.CancelledError
 
-    async def _wait_finished(self, txn: Transaction, patience: float = 60.0) -> None:
-        """Wait until the server has finished `txn`, whose COMMIT was cut off: until its
-        xid is no longer in progress when it is known, else until the server process
-        that ran it has exited. Its outcome is final then."""
+    async def wait_finished(
+        self, *, xid: str | None = None, backend_pid: int | None = None, patience: float = 60.0
+    ) -> None:
+        """Wait until the server has finished work whose connection broke before it
+        answered: until transaction `xid` is no longer in progress when it is known,
+        else until server process `backend_pid` runs no statement (it finishes what it
+        was running, then notices the broken connection and exits). Its outcome is
+        final then: a read from here on sees it if it committed."""
         args: tuple[object, ...]
-        if txn.xid is not None:
+        if xid is not None:
             query, args, what = (
                 "SELECT pg_xact_status(%s::xid8) = 'in progress'",
-                (txn.xid,),
-                f"transaction {txn.xid}",
+                (xid,),
+                f"transaction {xid}",
             )
-        elif txn.backend_pid:
+        elif backend_pid:
             query, args, what = (
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)",
-                (txn.backend_pid,),
-                f"server process {txn.backend_pid}",
+                # Asked on that very connection, it is running only this query.
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+                " AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle')",
+                (backend_pid,),
+                f"server process {backend_pid}",
             )
         else:
             return  # nothing learned about it: nothing to wait for

@@ -136,15 +136,23 @@ class Fetches:
 
 
 async def take_ids(
-    fetches: Fetches, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
+    fetches: Fetches,
+    fetch: Callable[[], Awaitable[list[int]]],
+    *,
+    completed: bool = False,
+    unsettled: Callable[[FetchTicket, BaseException], bool] | None = None,
 ) -> list[int]:
     """Run `fetch`, which takes IDs from the sequence, under a fetch ticket, so the
     position cannot pass those IDs before the tracker knows them. With `completed`, the
-    IDs are finished when `fetch` returns (a statement that committed)."""
+    IDs are finished when `fetch` returns (a statement that committed). When `fetch`
+    fails, `unsettled(ticket, error)` may take the ticket over (True) and end it once
+    the failed statement's outcome is known."""
     ticket = fetches.begin()
     try:
         ids = await fetch()
-    except BaseException:
+    except BaseException as error:
+        if unsettled is not None and unsettled(ticket, error):
+            raise
         # Whatever it took was never handed out, or is already committed or rolled
         # back: nothing of it is left pending.
         fetches.end(ticket, [])

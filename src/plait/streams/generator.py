@@ -8,16 +8,18 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+import psycopg
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
-from plait.errors import ConfigError, NotAWriterError
+from plait.errors import ConfigError, FencedError, NotAWriterError
 from plait.storage.database import Database, Params, Transaction
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
@@ -27,8 +29,18 @@ from plait.streams.spec import StreamSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# (IDs in the internal domain, their rows or None when not known) -> None
-WrittenListener = Callable[[list[int], "list[StreamRow] | None"], None]
+
+
+class WriteCapture(Protocol):
+    """Who hears of this writer's writes before their IDs complete (replication's
+    sender). IDs are in the internal domain."""
+
+    def written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
+        """`ids` (sorted) were written, with these rows, or None when not known."""
+
+    def unknown(self, low: int, high: int) -> None:
+        """IDs in (low, high] may have been written, but nobody can say which."""
+
 
 DEFAULT_BATCH = 100
 MAX_UPSERT_DELAY = 0.1  # seconds
@@ -81,7 +93,8 @@ class MultiWriterIdGenerator:
         self._follow_database = follow_database
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
-        self._written: WrittenListener | None = None
+        self._capture: WriteCapture | None = None
+        self._settling: set[asyncio.Task[None]] = set()
         self._closed = False
         self._fencer: Fencer | None = None
         others = set(spec.writers) - {instance_name}
@@ -228,9 +241,13 @@ class MultiWriterIdGenerator:
         self._check_writer()
         text = self._with_ids(query)
 
+        backend_pid: int | None = None
+
         async def run() -> list[int]:
+            nonlocal backend_pid
             async with self._db.cursor() as cursor:
-                if self._written is None:
+                backend_pid = cursor.connection.info.backend_pid
+                if self._capture is None:
                     await cursor.execute(text, params)
                     return self._returned_ids(
                         await cursor.fetchall() if cursor.description else None
@@ -244,11 +261,20 @@ class MultiWriterIdGenerator:
                     cursor.row_factory = scalar_row
             ids = self._returned_ids(None if records is None else [r[0] for r in records])
             # Before the IDs complete (when `run` returns), as for every other write.
-            self._written(ids, rows)
+            self._capture.written(ids, rows)
             return ids
 
         # Autocommit: when the statement returns, its IDs are committed already.
-        ids = await self._take_ids(run, completed=True)
+        before = self._tracker.local_position
+        ids = await take_ids(
+            self._fetches,
+            run,
+            completed=True,
+            unsettled=lambda ticket, error: (
+                isinstance(error, _IDS_UNKNOWN) and self._unsettled(ticket, backend_pid)
+            ),
+        )
+        self._poke_if_moved(before)
         return self._signed(ids)
 
     async def insert_txn(
@@ -270,7 +296,7 @@ class MultiWriterIdGenerator:
             if cursor.description is None:
                 return self._returned_ids(None)
             records = await cursor.fetchall()
-            if self._written is not None:
+            if self._capture is not None:
                 rows = self._rows_of(_names(cursor), records)
             return self._returned_ids([row[0] for row in records])
 
@@ -370,17 +396,62 @@ class MultiWriterIdGenerator:
         build = self._store.row_builder(columns)
         return None if build is None else build(records)
 
-    def capture_writes(self, listener: WrittenListener) -> None:
-        """Tell `listener(ids, rows)` about each write of this writer just before its
-        IDs complete: the IDs (internal domain, sorted) and their rows when plait saw
-        all of them (an `insert`/`insert_txn` statement that returns whole rows of the
-        stream's one table, `RETURNING *`), else None. Replication sends those rows
-        without reading them back."""
-        self._written = listener
+    def capture_writes(self, capture: WriteCapture) -> None:
+        """Tell `capture` about each write of this writer just before its IDs complete:
+        the IDs and their rows when plait saw all of them (an `insert`/`insert_txn`
+        statement that returns whole rows of the stream's one table, `RETURNING *`), else
+        None; and ranges where a write whose outcome was lost may have IDs. Replication
+        sends known rows without reading them back, and reads the rest back."""
+        self._capture = capture
+
+    def _unsettled(self, ticket: FetchTicket, backend_pid: int | None) -> bool:
+        """A statement that takes its IDs as it runs failed without saying which, or
+        whether it committed (its connection broke). For a captured writer, keep the
+        ticket, so this writer's position stays below whatever it took, until the
+        outcome is final and the sequence head says how far its IDs may reach; then
+        mark that range unknown. Otherwise the position would move past a committed row
+        and replication would claim nothing lies there. False: end the ticket as usual
+        (without a capture, readers read every range from the database anyway)."""
+        if self._capture is None:
+            return False
+        task = asyncio.get_running_loop().create_task(
+            self._settle(ticket, backend_pid), name=f"plait-settle-{self._spec.name}"
+        )
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return True
+
+    async def _settle(self, ticket: FetchTicket, backend_pid: int | None) -> None:
+        """See `_unsettled`. Cancelled (at close), it leaves the ticket open: a position
+        held back is safe, one moved past a row is not."""
+        if backend_pid is not None:
+            await self._db.wait_finished(backend_pid=backend_pid)
+        low = ticket.floor - 1  # the sequence gave the statement nothing below the floor
+        high, delay = low, 0.05
+        while True:
+            try:
+                high = await self._store.sequence_head()
+                break
+            except FencedError:
+                break  # others moved this run's position on; it writes nothing more
+            except (psycopg.Error, OSError) as err:
+                logger.warning(
+                    "stream %s: cannot read the sequence head after a write whose outcome "
+                    "was lost (%s); this writer's position waits for it",
+                    self._spec.name,
+                    err,
+                )
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
+        if self._capture is not None:
+            self._capture.unknown(low, high)
+        before = self._tracker.local_position
+        self._fetches.end(ticket, [])
+        self._poke_if_moved(before)
 
     def _finish(self, ids: list[int], rows: list[StreamRow] | None = None) -> None:
-        if self._written is not None:
-            self._written(ids, rows)
+        if self._capture is not None:
+            self._capture.written(ids, rows)
         before = self._tracker.local_position
         self._tracker.complete(ids)
         self._poke_if_moved(before)
@@ -543,6 +614,8 @@ class MultiWriterIdGenerator:
             return
         self._closed = True
         self._db.forget_on_close(self.close)
+        for task in list(self._settling):
+            task.cancel()
         if self._fencer is not None:
             await self._fencer.stop()
         await self._allocator.close()
@@ -609,12 +682,14 @@ class _InsertAtCommit:
         try:
             ids = gen._returned_ids(None if records is None else [r[0] for r in records])
         except ConfigError as err:
-            # Committed, but plait cannot tell which IDs it took: readers still get the
-            # rows, as the position moves past them and they read them back.
+            # Committed, but plait cannot tell which IDs it took: as for a lost answer.
             logger.error("stream %s: %s", gen.stream_name, err)
-            ids = []
-        if ids and gen._written is not None:
-            gen._written(ids, gen._rows_of(columns, records))
+            if not gen._unsettled(ticket, None):
+                gen._fetches.end(ticket, [], completed=True)
+                gen._poke_if_moved(self._before)
+            return
+        if ids and gen._capture is not None:
+            gen._capture.written(ids, gen._rows_of(columns, records))
         try:
             gen._fetches.end(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
@@ -622,10 +697,17 @@ class _InsertAtCommit:
         gen._poke_if_moved(self._before)
 
     def failed(self) -> None:
+        # The transaction waited until its COMMIT's outcome was final; which IDs the
+        # statement took, if it committed, is lost with the answer.
         ticket, self._ticket = self._ticket, None
-        if ticket is not None:
+        if ticket is not None and not self._gen._unsettled(ticket, None):
             self._gen._fetches.end(ticket, [])
             self._gen._poke_if_moved(self._before)
+
+
+# A statement that failed with these may have committed all the same: its connection
+# broke, it was cancelled, or it committed without returning its IDs.
+_IDS_UNKNOWN = (psycopg.OperationalError, asyncio.CancelledError, ConfigError)
 
 
 def _names(cursor: Any) -> list[str] | None:
