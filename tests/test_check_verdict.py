@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from plait.check.faults import kinds_for, schedule
 from plait.check.verdict import (
     IDLE_GRACE,
+    TRANSPORT_GRACE,
     History,
     ReaderLog,
     allowed_positions,
@@ -58,6 +59,28 @@ def test_a_slow_commit_holds_the_linear_position_without_a_stall() -> None:
     assert (round(stall, 3), at_id) == (0.2, 3)
     stall, at_id = longest_stall(linear, [(11.1, 2), (17.0, 4)], [1, 2, 3, 4])
     assert (round(stall, 3), at_id) == (5.0, 3)
+
+
+def test_a_fetch_on_its_way_holds_the_writer_below_what_it_may_return() -> None:
+    # w1 asks for IDs at 2.0 and is paused before they arrive (at 4.0: 3, taken after
+    # w0's 2); 3 stays open 10 s. w1 never looked idle meanwhile, so nothing passes 1
+    # until 3 commits: a reader held there did not stall.
+    h = history(
+        (0.1, "w0", "A", [1]),
+        (0.2, "w0", "C", [1]),
+        (2.0, "w1", "F", [7]),
+        (2.1, "w0", "A", [2]),
+        (2.2, "w0", "C", [2]),
+        (4.0, "w1", "f", [7]),
+        (4.0, "w1", "A", [3]),
+        (14.0, "w1", "C", [3]),
+    )
+    linear = least(allowed_positions(h, "s", W))
+    assert at(linear, 13.9) == 1  # w1 idle at 1 before its fetch, then held
+    assert at(linear, 14.0) == 3
+    # Without the fetch in the journal, w1 looks idle and 2 is allowed a grace later.
+    blind = [e for e in h.events["s"] if e[2] not in ("F", "f")]
+    assert at(least(allowed_positions(history(*blind), "s", W)), 3.5) == 2
 
 
 def test_a_dead_writer_may_be_fenced_to_the_others_position() -> None:
@@ -117,24 +140,36 @@ def test_an_idle_writer_moves_to_the_head_only_after_the_grace() -> None:
 
 @st.composite
 def histories(draw: st.DrawFn) -> tuple[History, dict[str, set[int]]]:
-    """Random takes and settles of two writers; returns the history and, per writer,
-    the IDs it still holds at the end."""
+    """Random takes (some through a fetch journalled before its IDs arrive) and settles
+    of two writers; returns the history and, per writer, what it still holds at the
+    end: its open IDs, and for an open fetch the lowest ID it could return."""
     next_id, t = 1, 0.0
     held: dict[str, set[int]] = {w: set() for w in W}
+    fetches: dict[str, dict[int, int]] = {w: {} for w in W}  # serial -> floor
     events: list[tuple[float, str, str, list[int]]] = []
-    for _ in range(draw(st.integers(1, 40))):
+    for serial in range(draw(st.integers(1, 40))):
         t += draw(st.floats(0.01, 2.0))
         w = draw(st.sampled_from(W))
-        if held[w] and draw(st.booleans()):
+        action = draw(st.sampled_from(["settle", "take", "fetch", "arrive"]))
+        if action == "settle" and held[w]:
             i = draw(st.sampled_from(sorted(held[w])))
             held[w].discard(i)
             events.append((t, w, draw(st.sampled_from("CRE")), [i]))
+        elif action == "fetch":
+            fetches[w][serial] = next_id
+            events.append((t, w, "F", [serial]))
         else:
+            if action == "arrive" and fetches[w]:
+                began = draw(st.sampled_from(sorted(fetches[w])))
+                del fetches[w][began]
+                events.append((t, w, "f", [began]))
             n = draw(st.integers(1, 3))
             ids = list(range(next_id, next_id + n))
             next_id += n
             held[w].update(ids)
             events.append((t, w, "A", ids))
+    for w in W:
+        held[w].update(fetches[w].values())
     return history(*events), held
 
 
@@ -164,6 +199,21 @@ def test_judging_counts_lost_duplicated_and_phantom_rows() -> None:
     # Rows journalled under the wrong writer are phantoms too.
     log = ReaderLog(rows={("s", "w1"): [1], ("s", "w0"): [3]}, caught_up=True)
     assert judge_reader("r", log, committed, None, per_writer=True).phantom == 1
+
+
+def test_a_transport_outage_is_not_a_stall_of_a_replication_reader() -> None:
+    h = history((1.0, "w0", "A", [1]), (1.1, "w0", "C", [1]))
+    allowed = {"s": allowed_positions(h, "s", W)}
+    ((ready, _),) = least(allowed["s"])  # when 1 may be passed
+    committed = {"s": {1: "w0"}}
+    late = ReaderLog(rows={("s", "*"): [1]}, tokens={("s", "*"): [(ready + 9.0, 1)]})
+    # Redis was down 3 s of those 9 (and then reconnecting for TRANSPORT_GRACE), in
+    # two overlapping restarts: only the rest counts.
+    outages = [(ready + 1.0, ready + 3.0), (ready + 2.0, ready + 4.0)]
+    reader = judge_reader("linear", late, committed, allowed, per_writer=False, outages=outages)
+    assert round(reader.longest_stall, 3) == round(9.0 - 3.0 - TRANSPORT_GRACE, 3)
+    alone = judge_reader("dblinear", late, committed, allowed, per_writer=False)
+    assert round(alone.longest_stall, 3) == 9.0
 
 
 def test_only_linear_stalls_are_bounded() -> None:

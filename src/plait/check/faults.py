@@ -34,6 +34,7 @@ class FaultLog:
     counts: Counter[str] = field(default_factory=Counter)
     deaths: dict[str, list[float]] = field(default_factory=dict)
     stops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    outages: list[tuple[float, float]] = field(default_factory=list)  # transport down
     fenced_alive: int = 0  # writers that learned they were fenced, and exited
     restarts: int = 0
     crashes: list[str] = field(default_factory=list)
@@ -49,6 +50,18 @@ class FaultLog:
     def death(self, writer: str, at: float) -> None:
         self.deaths.setdefault(writer, []).append(at)
         self.note("death", writer)
+
+    def transport_down(self) -> float:
+        """Seconds the transport was down (Redis restarts; overlaps counted once)."""
+        total, reach = 0.0, float("-inf")
+        for start, end in sorted(self.outages):
+            total += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return total
+
+    def outage(self, start: float, end: float) -> None:
+        self.outages.append((start, end))
+        self.note("up", f"{start:.4f}")
 
     def stop(self, writer: str, start: float, end: float) -> None:
         self.stops.setdefault(writer, []).append((start, end))

@@ -66,4 +66,5 @@ def read(path: Path) -> Iterator[Line]:
 
 
 def id_list(field: str) -> list[int]:
-    return [int(x) for x in field.split(",") if x]
+    """IDs written by `Journal.ids`; "-" is none."""
+    return [int(x) for x in field.split(",") if x and x != "-"]

@@ -19,6 +19,7 @@ LINEAR = "linear"  # the linear position over replication, rows read from the da
 DB_LINEAR = "dblinear"  # the linear position from the database alone, no transport
 WORKER = "worker"  # a worker with caches, invalidated by the writers' transactions
 READERS = (FOLLOWER, LINEAR, DB_LINEAR, WORKER)
+REPLICATION_READERS = (FOLLOWER, LINEAR)  # stalled by a transport outage
 
 KV_CACHE = "kv"  # the worker's cache of check_kv values
 KV_CHANGED = "kv_changed"  # the pseudo-cache the writers invalidate it through

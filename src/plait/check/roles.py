@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -112,6 +113,7 @@ async def writer(plan: Plan, name: str) -> None:
         for s in plan.stream_names
     }
     fenced = asyncio.Event()
+    fetches = itertools.count()
 
     async def one() -> None:
         nonlocal slow_requests
@@ -121,10 +123,16 @@ async def writer(plan: Plan, name: str) -> None:
         if slow:
             slow_requests -= 1
         ids: list[int] = []
+        fetch = next(fetches)
+        # Journalled before the IDs are asked for: a writer paused while they are on
+        # their way holds its position, and the judge must know it does.
+        journal.write("F", s, fetch)
         try:
             async with instance.db.transaction() as txn:
-                ids = await gens[s].get_next_mult_txn(txn, rng.choice(SIZES) * plan.batch)
-                journal.ids("A", s, ids)
+                try:
+                    ids = await gens[s].get_next_mult_txn(txn, rng.choice(SIZES) * plan.batch)
+                finally:  # the fetch ended, with IDs or without
+                    journal.write("A", s, ",".join(map(str, ids)) or "-", fetch)
                 payloads = [f"{name}:{i}" for i in ids]
                 await txn.execute(inserts[s], (ids, name, payloads))
                 if not slow and rng.random() < KV_SHARE:

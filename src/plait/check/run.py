@@ -40,6 +40,7 @@ from plait.check.plan import (
     KV_CHANGED,
     KV_KEYS,
     READERS,
+    REPLICATION_READERS,
     WORKER,
     Plan,
     Transport,
@@ -109,6 +110,7 @@ class Report:
             "fenced_alive": self.faults.fenced_alive,
             "restarts": self.faults.restarts,
             "crashes": self.faults.crashes,
+            "transport_down": round(self.faults.transport_down(), 1),
             "stall_bound": self.options.stall_bound,
             "readers": {
                 r.name: {
@@ -381,9 +383,11 @@ class Checker:
                 return False
         elif kind == "redis_restart":
             assert self._redis is not None
+            down = time.time()
             await asyncio.to_thread(self._redis.stop, kill=True)
             await asyncio.sleep(rng.uniform(0.1, 0.5))
             await asyncio.to_thread(self._redis.start)
+            self.faults.outage(down, time.time())
         self.faults.injected(kind, name)
         return True
 
@@ -520,9 +524,16 @@ class Checker:
         rolled_back = failed = 0
         for w in plan.writers:
             for line in journal.read(plan.journal(w)):
-                if line.kind in "ACRE":
+                if line.kind == "F":  # a fetch of IDs began
+                    s, fetch = line.fields[0], int(line.fields[1])
+                    history.events.setdefault(s, []).append((line.t, w, "F", [fetch]))
+                elif line.kind in "ACRE":
                     s, ids = line.fields[0], journal.id_list(line.fields[1])
-                    history.events.setdefault(s, []).append((line.t, w, line.kind, ids))
+                    events = history.events.setdefault(s, [])
+                    if line.kind == "A":  # the fetch ended; its IDs, if any, are open
+                        events.append((line.t, w, "f", [int(line.fields[2])]))
+                    if ids:
+                        events.append((line.t, w, line.kind, ids))
                     rolled_back += len(ids) if line.kind == "R" else 0
                     failed += len(ids) if line.kind == "E" else 0
                 elif line.kind == "P":
@@ -535,7 +546,12 @@ class Checker:
             judge_reader(name, _reader_log(plan.journal(name)), kv_truth, None, per_writer=False)
             if name == WORKER
             else judge_reader(
-                name, _reader_log(plan.journal(name)), truth, allowed, per_writer=name == FOLLOWER
+                name,
+                _reader_log(plan.journal(name)),
+                truth,
+                allowed,
+                per_writer=name == FOLLOWER,
+                outages=self.faults.outages if name in REPLICATION_READERS else (),
             )
             for name in READERS
         ]

@@ -20,11 +20,16 @@ def summary(report: Report) -> list[Table]:
     run.add_row("rolled back / failed IDs", f"{report.rolled_back:,} / {report.failed:,}")
     for kind, n in sorted(report.faults.counts.items()):
         run.add_row(f"faults: {kind}", str(n))
+    if report.faults.outages:
+        run.add_row("transport down", f"{report.faults.transport_down():.1f} s")
     run.add_row("writers fenced while alive", str(report.faults.fenced_alive))
     run.add_row("writer restarts", str(report.faults.restarts))
     run.add_row("crashes", str(len(report.faults.crashes)))
     run.add_row("own positions gone back", str(len(report.own_regressions)))
-    readers = Table(title=f"readers (stall bound {options.stall_bound:g} s)")
+    readers = Table(
+        title=f"readers (stall bound {options.stall_bound:g} s; replication readers' stalls"
+        " leave out the time the transport was down)"
+    )
     for column in ("reader", "delivered", "lost", "duplicated", "phantom", "regressions"):
         readers.add_column(column, justify="left" if column == "reader" else "right")
     readers.add_column("stale", justify="right")

@@ -2,7 +2,9 @@
 
 Stalls are measured against the positions the spec allows (SPEC R-ID-3 to R-ID-5),
 rebuilt from the writers' journals:
-- a writer with IDs unfinished is at its largest completed ID below the smallest;
+- a writer with IDs unfinished is at its largest completed ID below the smallest, and
+  one with a fetch of IDs on its way stays below what the fetch may return (above the
+  head when it began);
 - a writer idle for a second is at the largest ID taken anywhere a second before;
 - a dead writer is where a fence may move it: the highest of the other writers'
   positions, or its own last row (so with every writer dead nothing may move until
@@ -10,10 +12,13 @@ rebuilt from the writers' journals:
 - the linear position is the least of them.
 
 A reader's *stall* on a committed ID is the time from the allowed position passing
-it to the reader's passing it. So a slow commit (a live writer's open transaction)
-holds the IDs above it without counting as a stall, while a dead writer that is never
-fenced does. A writer paused with SIGSTOP is live but not progressing: what it would
-have published just before or during the pause counts from the moment it runs again.
+it to the reader's passing it, less the time the transport was down (a Redis restart,
+with `TRANSPORT_GRACE` to reconnect) for readers that follow replication: they cannot
+hear of a write then, and plait does not claim they can. So a slow commit (a live
+writer's open transaction) holds the IDs above it without counting as a stall, while
+a dead writer that is never fenced does. A writer paused with SIGSTOP is live but not
+progressing: what it would have published just before or during the pause counts from
+the moment it runs again.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ PUBLISH_WINDOW = 1.0
 # it has been idle this long.
 IDLE_GRACE = 1.0
 TICK = 0.1
+# After the transport comes back: the checker's reconnect backoff cap (1 s), then an
+# announce interval (1 s) before every writer has told its position again.
+TRANSPORT_GRACE = 2.0
 
 Steps = list[tuple[float, int]]  # (time, position), both non-decreasing
 
@@ -42,7 +50,8 @@ class History:
     """What the writers and the fault injector recorded.
 
     `events[stream]`: (time, writer, kind, IDs) with kind "A" (taken) or "C", "R", "E"
-    (settled: committed, rolled back, failed). `starts` and `deaths` per writer.
+    (settled: committed, rolled back, failed), or "F" and "f" (a fetch began, ended;
+    its serial number in place of IDs). `starts` and `deaths` per writer.
     """
 
     events: dict[str, list[tuple[float, str, str, list[int]]]] = field(default_factory=dict)
@@ -119,6 +128,7 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
     unfinished: dict[str, set[int]] = {w: set() for w in writers}
     waiting: dict[str, list[int]] = {w: [] for w in writers}  # heap of unfinished (lazy)
     completed: dict[str, list[int]] = {w: [] for w in writers}  # heap, above the position
+    fetching: dict[str, dict[int, int]] = {w: {} for w in writers}  # serial -> floor
     last_row = dict.fromkeys(writers, 0)
     position = dict.fromkeys(writers, 0)
     idle_since: dict[str, float | None] = dict.fromkeys(writers)
@@ -130,6 +140,11 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             pass
         elif w not in position:
             continue
+        elif kind == "F":
+            fetching[w][ids[0]] = head + 1  # the sequence gives it nothing lower
+            idle_since[w] = None
+        elif kind == "f":
+            fetching[w].pop(ids[0], None)
         elif kind == "A":
             unfinished[w].update(ids)
             for i in ids:
@@ -150,6 +165,7 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             unfinished[w].clear()
             waiting[w].clear()
             completed[w].clear()
+            fetching[w].clear()
             idle_since[w] = None
             if kind == "start":  # registers at the head (R-ID-9)
                 position[w] = max(position[w], head)
@@ -166,9 +182,10 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
                 heap = waiting[v]
                 while heap and heap[0] not in unfinished[v]:
                     heapq.heappop(heap)
-                if heap:
-                    done = completed[v]
-                    while done and done[0] < heap[0]:
+                holds = [*heap[:1], *fetching[v].values()]
+                if holds:
+                    hold, done = min(holds), completed[v]
+                    while done and done[0] < hold:
                         new = max(new, heapq.heappop(done))
                 else:  # its own last; the head once idle for IDLE_GRACE (R-ID-5)
                     new = max(new, *completed[v]) if completed[v] else new
@@ -206,9 +223,31 @@ def least(per_writer: Mapping[str, Steps]) -> Steps:
     return result
 
 
-def longest_stall(allowed: Steps, reached: Steps, ids: Iterable[int]) -> tuple[float, int]:
+def excused_windows(outages: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Transport outages, each with the grace to reconnect, merged and sorted."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted((a, b + TRANSPORT_GRACE) for a, b in outages):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _excused(windows: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+
+
+def longest_stall(
+    allowed: Steps,
+    reached: Steps,
+    ids: Iterable[int],
+    excused: list[tuple[float, float]] | None = None,
+) -> tuple[float, int]:
     """The longest wait, over `ids`, between `allowed` passing an ID and `reached`
-    passing it: (seconds, ID). An ID never reached counts elsewhere (as lost)."""
+    passing it, less any `excused` time in between (`excused_windows`): (seconds, ID).
+    An ID never reached counts elsewhere (as lost)."""
+    windows = excused or []
     allowed_at = [t for t, _ in allowed]
     allowed_pos = list(itertools.accumulate((p for _, p in allowed), max))
     reached_at = [t for t, _ in reached]
@@ -220,8 +259,11 @@ def longest_stall(allowed: Steps, reached: Steps, ids: Iterable[int]) -> tuple[f
             continue
         j = bisect.bisect_left(allowed_pos, x)
         ready = allowed_at[j] if j < len(allowed_pos) else reached_at[i]
-        if reached_at[i] - ready > worst:
-            worst, worst_id = reached_at[i] - ready, x
+        wait = reached_at[i] - ready
+        if wait > worst and windows:
+            wait -= _excused(windows, ready, reached_at[i])
+        if wait > worst:
+            worst, worst_id = wait, x
     return worst, worst_id
 
 
@@ -232,13 +274,16 @@ def judge_reader(
     allowed: Mapping[str, Mapping[str, Steps]] | None,
     *,
     per_writer: bool,
+    outages: Iterable[tuple[float, float]] = (),
 ) -> ReaderVerdict:
     """Exactly once, nothing uncommitted, no regression, and how long it stalled.
 
     `committed[stream]` maps each committed ID to its writer; a reader journals rows
     under their writer (per-writer readers) or under "*". `allowed[stream][writer]` are
-    the writers' allowed positions (None: no stall check).
+    the writers' allowed positions (None: no stall check). `outages` are the times the
+    transport was down, for a reader that depends on it.
     """
+    excused = excused_windows(outages)
     verdict = ReaderVerdict(name, caught_up=log.caught_up, bounded=not per_writer)
     verdict.regressions = log.violations["regression"] + log.violations["order"]
     verdict.stale = log.violations["stale"]
@@ -277,7 +322,7 @@ def judge_reader(
         else:
             cases = [("", least(writers), log.tokens.get((stream, "*"), []), sorted(expected))]
         for w, steps, reached, ids in cases:
-            stall, at = longest_stall(steps, reached, ids)
+            stall, at = longest_stall(steps, reached, ids, excused)
             if stall > verdict.longest_stall:
                 where = f"{stream}:{at}" + (f" ({w})" if w else "")
                 verdict.longest_stall, verdict.stall_at = stall, where
