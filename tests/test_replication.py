@@ -173,6 +173,32 @@ async def test_a_failure_during_catch_up_backs_off_and_then_catches_up(
     await connected(r)
 
 
+async def test_a_reader_of_positions_alone_catches_up_without_reading_rows(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    """Rows missed while Redis was down are read from the database only by a process
+    that hands them to someone: one that listens to positions alone moves on at once
+    (it would read them and drop them, and fall behind by as long)."""
+    seen = Seen()
+    w1 = await started(redis_cluster, "w1")
+    rows_reader = await started(redis_cluster, "r", seen)
+    positions: list[int] = []
+    p_instance = redis_cluster.instance("p")
+    p_instance.on_position("events", lambda stream, writer, token: positions.append(token))
+    p = await redis_cluster.start(p_instance)
+    await connected(w1, rows_reader, p)
+    redis_server.stop()
+    ids = await write_many(w1, 250, "missed")
+    redis_server.start()
+    await seen.wait(250, within=20)
+    assert [row[1] for row in seen.rows] == ids
+    await until(lambda: p.generator("events").get_current_token_for_writer("w1") >= ids[-1])
+    assert metric(rows_reader, "plait_catch_up_rows_total", stream="events") == 250
+    assert metric(p, "plait_catch_up_rows_total", stream="events") == 0
+    assert metric(p, "plait_catch_up_pages_total", stream="events") == 0
+    assert positions[-1] >= ids[-1]
+
+
 async def test_stale_and_malformed_lines_change_nothing(redis_cluster: Cluster) -> None:
     seen = Seen()
     w1 = await started(redis_cluster, "w1")

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import random
 import signal
 import sys
-from collections import defaultdict
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from plait.caches.invalidations import CACHES_STREAM, Invalidation
@@ -36,6 +36,7 @@ from plait.check.plan import (
     Plan,
     read_control,
 )
+from plait.check.seen import Seen
 from plait.config import InstanceConfig
 from plait.errors import FencedError
 from plait.instance import Instance
@@ -83,6 +84,19 @@ class Control:
     async def until(self, phase: str) -> None:
         while self.phase != phase:
             await self.changed.wait()
+
+
+async def views(journal: Journal, gens: dict[str, MultiWriterIdGenerator]) -> None:
+    """Journal this process's view of every writer's position when it changed, each
+    second: where one process stopped hearing of another shows in a failed run."""
+    last: dict[str, str] = {}
+    while True:
+        for s, gen in gens.items():
+            view = json.dumps(gen.get_positions(), separators=(",", ":"), sort_keys=True)
+            if last.get(s) != view:
+                journal.write("Q", s, view)
+                last[s] = view
+        await asyncio.sleep(1.0)
 
 
 # -- writer -----------------------------------------------------------------------------------
@@ -178,6 +192,9 @@ async def writer(plan: Plan, name: str) -> None:
             await asyncio.sleep(0.25)
 
     tracker = asyncio.create_task(positions())
+    viewer = asyncio.create_task(
+        views(journal, {**gens, CACHES_STREAM: instance.generator(CACHES_STREAM)})
+    )
     loops = [asyncio.create_task(loop()) for _ in range(plan.concurrency)]
     await asyncio.gather(*loops)
     if fenced.is_set():
@@ -187,6 +204,7 @@ async def writer(plan: Plan, name: str) -> None:
     print("idle", flush=True)
     await control.until("stop")
     tracker.cancel()
+    viewer.cancel()
     follow.cancel()
     await instance.stop()
     for s, gen in gens.items():
@@ -195,53 +213,6 @@ async def writer(plan: Plan, name: str) -> None:
 
 
 # -- readers ----------------------------------------------------------------------------------
-
-
-class Seen:
-    """What a reader got, journalled in batches (readers are never killed)."""
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-        self._rows: dict[tuple[str, str], list[int]] = defaultdict(list)
-        self._last_id: dict[tuple[str, str], int] = {}
-        self.tokens: dict[tuple[str, str], int] = {}
-        self._journalled_tokens: dict[tuple[str, str], int] = {}
-
-    def rows(self, stream: str, writer: str, ids: Iterable[int]) -> None:
-        key = (stream, writer)
-        batch = self._rows[key]
-        last = self._last_id.get(key, 0)
-        for i in ids:
-            if writer != "*" and i <= last:
-                self.journal.write("V", "order", stream, writer, f"{i}<={last}")
-            last = i
-            batch.append(i)
-        self._last_id[key] = last
-
-    def token(self, stream: str, writer: str, token: int) -> None:
-        key = (stream, writer)
-        before = self.tokens.get(key)
-        if before is not None and token < before:
-            self.journal.write("V", "regression", stream, writer, f"{token}<{before}")
-            return
-        self.tokens[key] = token
-
-    def flush(self) -> None:
-        for (stream, writer), ids in self._rows.items():
-            if ids:
-                self.journal.write("D", stream, writer, ",".join(map(str, ids)))
-                ids.clear()
-        for key, token in self.tokens.items():
-            if self._journalled_tokens.get(key) != token:
-                self.journal.write("W", *key, token)
-                self._journalled_tokens[key] = token
-
-    def reached(self, targets: dict[str, dict[str, int]]) -> bool:
-        return all(
-            self.tokens.get((stream, writer), 0) >= target
-            for stream, per_writer in targets.items()
-            for writer, target in per_writer.items()
-        )
 
 
 async def _read_until_stopped(seen: Seen, control: Control, targets_key: str) -> None:
@@ -305,6 +276,7 @@ async def linear(plan: Plan, name: str) -> None:
     seen.journal.write("S", "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
+    viewer = asyncio.create_task(views(seen.journal, gens))
     read = asyncio.create_task(_read_until_stopped(seen, control, "linear"))
     positions = dict.fromkeys(gens, 0)
     for s, gen in gens.items():
@@ -325,6 +297,7 @@ async def linear(plan: Plan, name: str) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(moved.wait(), POLL)
     follow.cancel()
+    viewer.cancel()
     if instance is not None:
         await instance.stop()
     for gen in gens.values():
@@ -398,7 +371,11 @@ async def _run_reader(
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
     extra = asyncio.create_task(also()) if also is not None else None
+    gens = {c.name: instance.generator(c.name) for c in instance.config.streams}
+    gens[CACHES_STREAM] = instance.generator(CACHES_STREAM)
+    viewer = asyncio.create_task(views(seen.journal, gens))
     await _read_until_stopped(seen, control, targets_key)
+    viewer.cancel()
     if extra is not None:
         await extra  # its failure is the run's
     follow.cancel()
@@ -413,6 +390,9 @@ def main() -> None:
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
     )
+    # Connections and catch-ups, for whoever reads a failed run: a few lines per event.
+    logging.getLogger("plait.replication.redis_transport").setLevel(logging.DEBUG)
+    logging.getLogger("plait.replication.handler").setLevel(logging.INFO)
     asyncio.run(ROLES[role](plan, name))
 
 

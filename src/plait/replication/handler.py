@@ -362,8 +362,13 @@ class ReplicationHandler:
     async def catch_up(
         self, stream: ReplicatedStream, writer: str, from_exclusive: int, to_inclusive: int
     ) -> None:
-        """Read and deliver `writer`'s rows in (from, to], a page at a time."""
+        """Read and deliver `writer`'s rows in (from, to], a page at a time; only move
+        on when nobody here takes rows of a stream whose rows stay in the database
+        (a reader of positions alone reads rows itself, if at all)."""
         name = stream.name
+        if stream.durable and not self.listeners.rows.get(name):
+            await self.deliver(stream, writer, to_inclusive, [])
+            return
         low = from_exclusive
         pages = stream.catch_up(
             writer, low, to_inclusive, self.catch_up_page, self.catch_up_page_max

@@ -51,6 +51,12 @@ class ReplicatedStream(Protocol):
         """The configured writers, or None when any instance may write."""
         ...
 
+    @property
+    def durable(self) -> bool:
+        """Whether every row stays readable from the database: a process that hands
+        no rows to anyone may then move past a writer's rows without reading them."""
+        ...
+
     def seen(self, writer: str) -> int:
         """How far this process has seen `writer`'s rows."""
         ...
@@ -161,6 +167,10 @@ class DatabaseStream:
     @property
     def generator(self) -> MultiWriterIdGenerator:
         return self._gen
+
+    @property
+    def durable(self) -> bool:
+        return True
 
     def seen(self, writer: str) -> int:
         return self._seen.get(writer, self._start)
@@ -327,6 +337,10 @@ class InMemoryStream:
 
     def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         return self.read_json(from_exclusive, to_inclusive, SEND_PAGE)
+
+    @property
+    def durable(self) -> bool:
+        return False  # a restarted writer's rows are gone, and the reset must be heard
 
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         return self.read_known(from_exclusive, to_inclusive)
