@@ -424,7 +424,10 @@ def tail(
 def _console() -> Any:
     from rich.console import Console
 
-    return Console()
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: whole numbers, not 80 columns' worth
+        console = Console(width=160)
+    return console
 
 
 def _status_table(

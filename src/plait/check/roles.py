@@ -48,6 +48,7 @@ SIZES = (1, 1, 2, 3, 5, 8, 13)  # IDs per transaction
 ROLLBACK_SHARE = 0.05
 KV_SHARE = 0.25
 POLL = 0.05
+PAGE = 10_000  # rows a linear reader reads per query: a backlog goes in a few
 
 logger = logging.getLogger("plait.check")
 
@@ -289,7 +290,7 @@ async def linear(plan: Plan, name: str) -> None:
         for s, gen in gens.items():
             target = gen.get_current_token()
             while positions[s] < target:
-                rows, upto, _ = await gen.get_updates_since(None, positions[s], target, 1000)
+                rows, upto, _ = await gen.get_updates_since(None, positions[s], target, PAGE)
                 seen.rows(s, "*", (r.stream_id for r in rows))
                 positions[s] = upto
                 seen.token(s, "*", upto)
