@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plait import Database, MultiWriterIdGenerator, StreamSpec, StreamToken, TableSpec
+from plait.check.plan import read_control
 
 INSERT = "INSERT INTO events (stream_id, instance_name, payload) VALUES (%s, %s, %s)"
 
@@ -30,14 +31,6 @@ def spec(writers: list[str]) -> StreamSpec:
 def emit(out: Path, **fields: Any) -> None:
     with out.open("a") as f:
         f.write(json.dumps(fields) + "\n")
-
-
-def control(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 async def writer(args: dict[str, Any]) -> None:
@@ -83,7 +76,7 @@ async def writer(args: dict[str, Any]) -> None:
 
     await asyncio.gather(*(one(i) for i in range(args["writes"])))
     emit(out, event="done", own=gen.get_current_token_for_writer(name))
-    while not control(ctl).get("writers_stop"):  # noqa: ASYNC110 - another process writes it
+    while not read_control(ctl).get("writers_stop"):  # noqa: ASYNC110 - another process writes it
         await asyncio.sleep(0.05)
     await gen.close()
     await db.close()
@@ -125,7 +118,7 @@ async def reader(args: dict[str, Any]) -> None:
                 seen.extend(r.stream_id for r in rows)
                 linear = upto
             reached = linear
-        stop_at = control(ctl).get("stop_at")
+        stop_at = read_control(ctl).get("stop_at")
         if stop_at is not None and reached >= stop_at:
             break
         await asyncio.sleep(0.05)

@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis_server import RedisServer, redis_server_binary
+from redis_server import RedisServer, free_port, redis_server_binary
 
 HOST = "127.0.0.1"
 
@@ -149,7 +149,10 @@ def _pki_with_openssl(directory: Path) -> Pki:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
     def ca(stem: str, common: str) -> None:
+        # A CA's key usage, which Python 3.13's strict verification asks for.
         run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={common}",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
             "-keyout", f"{stem}.key", "-out", f"{stem}.pem")  # fmt: skip
 
     def leaf(stem: str, common: str, extensions: str) -> None:
@@ -193,17 +196,21 @@ class TlsRedisServer(RedisServer):
     more options and a readiness check over TLS."""
 
     def __init__(self, binary: str, pki: Pki, *, auth_clients: bool, password: str) -> None:
-        super().__init__(binary)
+        port = free_port()
+        # After RedisServer's options, so that these win: `--port 0` turns plain TCP off.
+        super().__init__(
+            binary,
+            port,
+            extra_args=[
+                *("--port", "0", "--tls-port", str(port)),
+                *("--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)),
+                *("--tls-ca-cert-file", str(pki.ca)),
+                *("--tls-auth-clients", "yes" if auth_clients else "no"),
+                *("--requirepass", password),
+            ],
+        )
         self.pki = pki
         self.password = password
-        # After RedisServer's options, so that these win: `--port 0` turns plain TCP off.
-        self.extra_args = [
-            *("--port", "0", "--tls-port", str(self.port)),
-            *("--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)),
-            *("--tls-ca-cert-file", str(pki.ca)),
-            *("--tls-auth-clients", "yes" if auth_clients else "no"),
-            *("--requirepass", password),
-        ]
 
     @property
     def url(self) -> str:

@@ -80,7 +80,13 @@ def test_a_fetch_on_its_way_holds_the_writer_below_what_it_may_return() -> None:
     assert at(linear, 14.0) == 3
     # Without the fetch in the journal, w1 looks idle and 2 is allowed a grace later.
     blind = [e for e in h.events["s"] if e[2] not in ("F", "f")]
-    assert at(least(allowed_positions(history(*blind), "s", W)), 3.5) == 2
+    blind_linear = least(allowed_positions(history(*blind), "s", W))
+    assert at(blind_linear, 3.5) == 2
+    # A reader that passed 1 at 1.3 and the rest when 3 committed: no stall, but to the
+    # blind judge 2 waited some 10 s.
+    reader = [(1.3, 1), (14.0, 3)]
+    assert longest_stall(linear, reader, [1, 2, 3])[0] < 0.2
+    assert longest_stall(blind_linear, reader, [1, 2, 3]) > (10.0, 2)
 
 
 def test_a_dead_writer_may_be_fenced_to_the_others_position() -> None:

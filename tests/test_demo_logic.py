@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.core.tokens import StreamToken
-from plait.demo import presence, sharding
+from plait.demo import api_requests, presence, sharding
 from plait.demo.tokens import SyncToken, parse, resolve, writer_ids
 from plait.errors import CommandParseError, TokenParseError
 
@@ -157,3 +157,11 @@ def test_presence_commands_parse_or_are_refused(text: str) -> None:
     for kind in (presence.UserSync, presence.ClearUserSync):
         with contextlib.suppress(CommandParseError):  # refused clearly, or parsed
             kind.from_args(text)
+
+
+def test_an_optional_field_given_as_null_reads_as_absent() -> None:
+    # /typing with "typing": null starts typing, as without the field (it stopped it).
+    typing = api_requests.body("set_typing", b'{"room": "r", "user": "u", "typing": null}')
+    assert typing == {"room": "r", "user": "u"}
+    tag = api_requests.body("set_tag", b'{"user": "u", "room": "r", "tag": "t", "content": null}')
+    assert "content" not in tag

@@ -41,6 +41,7 @@ from plait.demo import tokens as sync_tokens
 from plait.errors import CommandParseError, TokenParseError
 from plait.ops.status import pending_ages, scrape
 from plait.replication.http_api import PREFIX, InternalApi
+from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark import offsets
 from plait.spark.source import Options, Plan
 from test_demo_app import chat, post
@@ -665,7 +666,7 @@ def test_user_ids_are_ones_a_command_line_and_the_database_can_carry(user: str) 
 
 # -- peers' /metrics text ----------------------------------------------------------------
 
-AGE = "plait_stream_oldest_unfinished_age_seconds"
+AGE = OLDEST_UNFINISHED_AGE
 
 
 def _label(value: str) -> str:
@@ -723,6 +724,7 @@ def metrics_texts(draw: st.DrawFn) -> str:
 @example(f'{AGE}{{stream="s",writer="w"}} NaN\n')
 @example(f'{AGE}{{stream="s",writer="w"}} -3\n')
 @example(f'{AGE}{{stream="s",writer="w"}} 2\n')  # an integer, as a peer may write it
+@example(f'{AGE}{{stream="s",writer="w"}} 1{"0" * 400}\n')  # an int no float can hold
 @example("# TYPE a")
 def test_metrics_text_parses_or_is_refused(text: str) -> None:
     ages = outcome(lambda: pending_ages(text), ValueError)

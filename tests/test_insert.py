@@ -214,7 +214,7 @@ async def test_a_write_whose_answer_was_lost_is_read_back_not_skipped(dsn: str, 
             else:
                 with pytest.raises(psycopg.OperationalError):
                     await (lose_commit() if how == "with_commit" else lose_insert())
-                assert proxy.lost == 1
+                assert proxy.answers_lost == 1
             await _settled(gen)
             head = await gen.get_max_allocated_token()
             rows, _, _ = await gen.get_updates_since("w", 0, head)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -163,6 +164,17 @@ def test_a_config_refused_is_shown_without_its_secrets(changes: dict[str, Any]) 
     assert not _leaks(str(invalid.value))
 
 
+def test_a_config_file_value_yaml_cannot_read_is_not_quoted(tmp_path: Path) -> None:
+    path = tmp_path / "plait.yaml"
+    path.write_text(
+        f"instance_name: d\nreplication:\n  redis:\n    password: !!int {REDIS_PASSWORD}\n"
+    )
+    with pytest.raises(ConfigError) as invalid:
+        InstanceConfig.from_yaml(path)
+    assert "could not be read" in str(invalid.value)
+    assert not _leaks(str(invalid.value))
+
+
 @pytest.mark.parametrize(
     ("text", "shown"),
     [
@@ -173,6 +185,8 @@ def test_a_config_refused_is_shown_without_its_secrets(changes: dict[str, Any]) 
         ("host=h password=pw port=5", "host=h password=*** port=5"),
         ("host=h password = 'p w\\'x' port=5", "host=h password = *** port=5"),
         ("password='unterminated", "password=***"),
+        ("host=h sslpassword=pw", "host=h sslpassword=***"),
+        ("host=h nopassword=pw", "host=h nopassword=pw"),
         ('in URI: "postgresql://u:pw@[::1/x"', 'in URI: "postgresql://u:***@[::1/x"'),
     ],
 )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from plait import Database, MultiWriterIdGenerator, StreamSpec, StreamToken, TableSpec
+from plait.check.plan import read_control, write_control
 from stream_helpers import create_table, stored_positions
 
 ROLES = Path(__file__).with_name("mp_roles.py")
@@ -33,11 +33,7 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 
 def set_control(path: Path, **values: Any) -> None:
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update(values)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(current))
-    os.replace(tmp, path)
+    write_control(path, {**read_control(path), **values})
 
 
 async def spawn(role: str, args: dict[str, Any]) -> asyncio.subprocess.Process:

@@ -167,11 +167,31 @@ def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) ->
     show_default=True,
     help="tcp: a hub behind a proxy that cuts connections; redis: a redis-server of its own.",
 )
-@click.option("--writers", default=3, show_default=True, help="Writer processes.")
-@click.option("--streams", default=2, show_default=True, help="Streams, each written by all.")
+@click.option(
+    "--writers", type=click.IntRange(min=1), default=3, show_default=True, help="Writer processes."
+)
+@click.option(
+    "--streams",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Streams, each written by all.",
+)
 @click.option("--duration", default=30.0, show_default=True, help="Seconds of writes and faults.")
-@click.option("--faults", default=20, show_default=True, help="Faults of each kind.")
-@click.option("--batch", default=1, show_default=True, help="Scales the IDs per transaction.")
+@click.option(
+    "--faults",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Faults of each kind.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Scales the IDs per transaction.",
+)
 @click.option("--seed", type=int, help="Seed of the fault schedule (default: random, printed).")
 @click.option("--fence-after", default=1.0, show_default=True, help="The writers' fence_after.")
 @click.option(

@@ -326,5 +326,6 @@ def _yaml_problem(err: Exception) -> str:
         return str(err).splitlines()[0] if str(err) else type(err).__name__
     if isinstance(err, RecursionError):
         return "nested too deeply"
-    # A tagged or implicitly typed scalar PyYAML could not build (2020-13-45, !!int x).
-    return f"a value could not be read ({type(err).__name__}: {err})"
+    # A tagged or implicitly typed scalar PyYAML could not build (2020-13-45, !!int x):
+    # its message quotes the value, which may be a secret.
+    return f"a value could not be read ({type(err).__name__})"

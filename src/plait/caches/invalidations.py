@@ -154,13 +154,7 @@ def _received_keys(value: Any) -> Key | None:
     would fail the whole batch of invalidations, and dropping every entry never leaves
     one stale."""
     frozen = freeze(value)
-    if not isinstance(frozen, tuple):
-        return None
-    try:
-        hash(frozen)
-    except TypeError:
-        return None
-    return frozen
+    return frozen if isinstance(frozen, tuple) and _json_safe(frozen) else None
 
 
 def as_rows(invalidations: Iterable[Invalidation]) -> str:

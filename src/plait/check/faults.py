@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from plait.check.journal import Journal
 from plait.check.plan import FAULT_KINDS, Transport
+from plait.check.verdict import merged_windows
 
 
 def kinds_for(transport: Transport) -> tuple[str, ...]:
@@ -53,11 +54,7 @@ class FaultLog:
 
     def transport_down(self) -> float:
         """Seconds the transport was down (Redis restarts; overlaps counted once)."""
-        total, reach = 0.0, float("-inf")
-        for start, end in sorted(self.outages):
-            total += max(0.0, end - max(start, reach))
-            reach = max(reach, end)
-        return total
+        return sum(end - start for start, end in merged_windows(self.outages))
 
     def outage(self, start: float, end: float) -> None:
         self.outages.append((start, end))

@@ -6,7 +6,8 @@ are plain text, `KIND TIME FIELD...`, because writers log every ID they take and
 would cost more than the write it records.
 
 Kinds:
-    A t stream id,id,...         a writer took these IDs (before writing them)
+    F t stream serial            a writer asks for IDs (before they are on their way)
+    A t stream id,id,... serial  ... they arrived ("-": none, the fetch failed)
     C t stream id,id,...         ... committed them
     R t stream id,id,...         ... rolled them back on purpose
     E t stream id,id,...         ... failed: committed or not, the database says
@@ -15,6 +16,8 @@ Kinds:
     D t stream writer id,id,...  a reader got these rows of `writer`
     V t what...                  a reader saw something wrong (regression, stale cache)
     S t what...                  a state change (started, idle, caught-up, ...)
+    Q t stream {writer: pos}     a process's view of every writer, when it changed
+    F t fault target...          (faults.journal only) what the orchestrator did
 """
 
 from __future__ import annotations

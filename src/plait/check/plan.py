@@ -7,6 +7,7 @@ line, and reads their journals back from `run_dir`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,6 @@ class Plan:
     writers: tuple[str, ...]
     streams: int
     fence_after: float
-    seed: int
     redis_url: str = ""
     hub_port: int = 0  # where the hub listens (tcp)
     proxy_port: int = 0  # where everyone else connects: the fault proxy in front of it
@@ -98,6 +98,13 @@ class Plan:
         value["run_dir"] = Path(value["run_dir"])
         value["writers"] = tuple(value["writers"])
         return cls(**value)
+
+
+def write_control(path: Path, value: dict[str, Any]) -> None:
+    """Replace the orders at once: a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def read_control(path: Path) -> dict[str, Any]:

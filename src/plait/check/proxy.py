@@ -1,7 +1,11 @@
-"""A TCP proxy in front of the replication hub, so the checker can cut connections.
+"""A TCP proxy that breaks connections on demand: in front of the replication hub, so
+the checker can cut connections, and in front of PostgreSQL, so tests can lose an
+answer.
 
-Every instance but the hub connects to the proxy, which opens one connection to the
-hub for each; `cut()` aborts a pair (a reset both ways, as a failed network would).
+Every client connects to the proxy, which opens one connection to the target for each;
+`cut()` aborts a pair (a reset both ways, as a failed network would), and
+`lose_next_answer()` aborts the pair whose target speaks next, dropping what it said:
+the server did the work, the client never hears of it.
 """
 
 from __future__ import annotations
@@ -12,20 +16,33 @@ import random
 
 
 class CutProxy:
-    def __init__(self, listen_port: int, target_port: int, host: str = "127.0.0.1") -> None:
-        self._listen = listen_port
-        self._target = target_port
+    def __init__(
+        self,
+        listen_port: int,
+        target_port: int,
+        host: str = "127.0.0.1",
+        target_host: str | None = None,
+    ) -> None:
+        self._listen = listen_port  # 0: any free port (see `port`)
+        self._target = (target_host or host, target_port)
         self._host = host
         self._server: asyncio.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._lose_answer = False
+        self.answers_lost = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self._host, self._listen)
 
     @property
-    def connections(self) -> int:
-        return len(self._pairs)
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def lose_next_answer(self) -> None:
+        """The target's next bytes, on any connection, are dropped and that pair cut."""
+        self._lose_answer = True
 
     def cut(self, rng: random.Random) -> bool:
         """Abort one proxied connection, both ways; False when there is none."""
@@ -49,7 +66,7 @@ class CutProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(self._host, self._target)
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
             writer.transport.abort()
             return
@@ -57,7 +74,7 @@ class CutProxy:
         self._pairs.append(pair)
         pipes = [
             asyncio.create_task(self._pipe(reader, up_writer)),
-            asyncio.create_task(self._pipe(up_reader, writer)),
+            asyncio.create_task(self._pipe(up_reader, writer, pair)),
         ]
         self._tasks.update(pipes)
         await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
@@ -69,9 +86,20 @@ class CutProxy:
         writer.transport.abort()
         up_writer.transport.abort()
 
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        answers_of: tuple[asyncio.StreamWriter, asyncio.StreamWriter] | None = None,
+    ) -> None:
+        """Copy one way; `answers_of` is the pair when this is the target's side."""
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
+                if answers_of is not None and self._lose_answer:
+                    self._lose_answer = False
+                    self.answers_lost += 1
+                    for end in answers_of:
+                        end.transport.abort()
+                    return
                 writer.write(data)
                 await writer.drain()

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from plait.errors import ConfigError
+from plait.storage.embedded import free_port
 
 
 def redis_server_binary() -> str | None:
@@ -27,13 +28,6 @@ def redis_server_binary() -> str | None:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:
@@ -108,3 +102,6 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+__all__ = ["RedisServer", "free_port", "redis_server_binary"]

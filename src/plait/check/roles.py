@@ -223,7 +223,6 @@ async def _read_until_stopped(seen: Seen, control: Control, targets_key: str) ->
         seen.flush()
         targets = control.targets()
         if not caught_up and targets is not None and seen.reached(targets.get(targets_key, {})):
-            seen.flush()
             seen.journal.write("S", "caught-up")
             print("caught-up", flush=True)
             caught_up = True
@@ -270,7 +269,7 @@ async def linear(plan: Plan, name: str) -> None:
         config = InstanceConfig.load(plan.instance_config(name))
         gens = {
             c.name: await MultiWriterIdGenerator.create(
-                db, c.to_spec(), name, position_flush_interval=0.2
+                db, c.to_spec(), name, position_flush_interval=config.position_flush_interval
             )
             for c in config.streams
         }
@@ -279,11 +278,11 @@ async def linear(plan: Plan, name: str) -> None:
     follow = asyncio.create_task(control.follow())
     viewer = asyncio.create_task(views(seen.journal, gens))
     read = asyncio.create_task(_read_until_stopped(seen, control, "linear"))
-    positions = dict.fromkeys(gens, 0)
-    for s, gen in gens.items():
-        positions[s] = gen.get_current_token()
-        seen.token(s, "*", positions[s])
+    positions = {s: gen.get_current_token() for s, gen in gens.items()}
+    for s, position in positions.items():
+        seen.token(s, "*", position)
     while not read.done():
+        moved.clear()  # before reading: a move meanwhile wakes the next round at once
         if db is not None:
             for gen in gens.values():
                 await gen.refresh_positions()
@@ -294,16 +293,15 @@ async def linear(plan: Plan, name: str) -> None:
                 seen.rows(s, "*", (r.stream_id for r in rows))
                 positions[s] = upto
                 seen.token(s, "*", upto)
-        moved.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(moved.wait(), POLL)
     follow.cancel()
     viewer.cancel()
     if instance is not None:
-        await instance.stop()
-    for gen in gens.values():
-        await gen.close()
+        await instance.stop()  # closes its generators
     if db is not None:
+        for gen in gens.values():
+            await gen.close()
         await db.close()
 
 

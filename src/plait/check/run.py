@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import random
 import signal
 import sys
@@ -44,9 +42,10 @@ from plait.check.plan import (
     WORKER,
     Plan,
     Transport,
+    write_control,
 )
 from plait.check.proxy import CutProxy
-from plait.check.redis_server import RedisServer, free_port
+from plait.check.redis_server import RedisServer
 from plait.check.roles import FENCED_EXIT
 from plait.check.verdict import (
     History,
@@ -57,8 +56,10 @@ from plait.check.verdict import (
     own_regressions,
 )
 from plait.storage.database import Database
+from plait.storage.embedded import free_port
 
 START_TIMEOUT = 60.0
+WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
 CATCH_UP_TIMEOUT = 60.0
 
 
@@ -136,6 +137,9 @@ class _Proc:
 
     def __init__(self, role: str, name: str, plan: Plan) -> None:
         self.role, self.name, self._plan = role, name, plan
+        # A writer is restarted whenever it exits (`Checker._supervise`): waiting for
+        # what it says goes on across its exits.
+        self.supervised = role == "writer"
         self.proc: asyncio.subprocess.Process | None = None
         self.said: set[str] = set()
         self.heard = asyncio.Event()
@@ -166,11 +170,14 @@ class _Proc:
                 self.said.add(line.decode().strip())
                 self.heard.set()
                 self.heard = asyncio.Event()
+        if proc is self.proc and self.supervised:
+            self.said.clear()  # what a dead run said is not what its restart will say
 
     async def until(self, word: str, timeout: float) -> bool:  # noqa: ASYNC109
         deadline = time.monotonic() + timeout
         while word not in self.said:
-            if self.proc is not None and self.proc.returncode is not None and not self.killed:
+            exited = self.proc is not None and self.proc.returncode is not None
+            if exited and not self.killed and not self.supervised:
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
@@ -267,7 +274,6 @@ class Checker:
             writers=tuple(f"w{i}" for i in range(options.writers)),
             streams=options.streams,
             fence_after=options.fence_after,
-            seed=self.seed,
             batch=options.batch,
         )
         db = await Database.connect(dsn, max_size=2)
@@ -302,10 +308,7 @@ class Checker:
         return replace(plan, hub_port=hub_port, proxy_port=proxy_port)
 
     def _write_control(self, value: dict[str, Any]) -> None:
-        path = self.plan.control
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
+        write_control(self.plan.control, value)
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -314,7 +317,7 @@ class Checker:
 
     async def _supervise(self, w: _Proc) -> None:
         """Keep writer `w` running: restart it after a kill, a fence or a crash."""
-        while True:
+        while not self._stopping:  # also after each wait below: nothing new once stopping
             await w.spawn()
             assert w.proc is not None
             code = await w.proc.wait()
@@ -357,10 +360,12 @@ class Checker:
     async def _fault(self, kind: str) -> bool:
         """Inject one fault of `kind`; False when nothing could take it just now."""
         rng = self.rng
-        live = [w for w in self.writers if w.live]
-        if kind in ("kill", "stop", "slow_commit", "pg_terminate") and not live:
-            return False
-        target = rng.choice(live) if live else None
+        target: _Proc | None = None
+        if kind in WRITER_FAULTS:
+            live = [w for w in self.writers if w.live]
+            if not live:
+                return False
+            target = rng.choice(live)
         name = target.name if target is not None else "-"
         if kind == "kill" and target is not None:
             assert target.proc is not None
@@ -506,6 +511,8 @@ class Checker:
             await self._proxy.stop()
         if self._redis is not None:
             await asyncio.to_thread(self._redis.close)
+        if self.faults.journal is not None:
+            self.faults.journal.close()
 
     async def _drop_schema(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.options.dsn, autocommit=True) as c:

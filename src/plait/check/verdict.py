@@ -225,8 +225,13 @@ def least(per_writer: Mapping[str, Steps]) -> Steps:
 
 def excused_windows(outages: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Transport outages, each with the grace to reconnect, merged and sorted."""
+    return merged_windows((a, b + TRANSPORT_GRACE) for a, b in outages)
+
+
+def merged_windows(windows: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Time windows, overlaps merged, sorted."""
     merged: list[tuple[float, float]] = []
-    for start, end in sorted((a, b + TRANSPORT_GRACE) for a, b in outages):
+    for start, end in sorted(windows):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:

@@ -36,7 +36,7 @@ MAX_LINE_BYTES = 1 << 20
 
 _NAME = re.compile(r"[^\s]+")
 _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
-_COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")  # what a command name may be
 _BATCH = "batch"
 
 
@@ -75,7 +75,7 @@ class CommandSet:
 
     def register(self, command: type[Command]) -> None:
         name = command.NAME
-        if not _COMMAND_NAME.fullmatch(name):
+        if not COMMAND_NAME.fullmatch(name):
             raise ValueError(f"command name {name!r}: use capitals, digits and _")
         if name in self._by_name and self._by_name[name] is not command:
             raise ValueError(f"command name {name!r} is registered already")

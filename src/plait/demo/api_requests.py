@@ -56,7 +56,8 @@ def body(endpoint: str, raw: bytes) -> dict[str, Any]:
     for field, kind in optional.items():
         if value.get(field) is not None:
             _check(field, kind, value[field])
-    return value
+    # An optional field given as null is left out: the handlers read absent as default.
+    return {k: v for k, v in value.items() if not (v is None and k in optional)}
 
 
 def identifier(value: str, what: str) -> str:

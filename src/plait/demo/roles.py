@@ -341,7 +341,7 @@ class SyncWorker:
             since = await self._since(request.query.get("since"))
         except (ValueError, PlaitError) as err:
             return web.json_response({"error": str(err)}, status=400)
-        deadline = time.monotonic() + max(timeout_ms, 0) / 1000
+        deadline = time.monotonic() + timeout_ms / 1000
         ending = self._ending.pop(user, None)
         if self.syncing.begin(user) and ending is None:
             self._presence(user, "start")

@@ -241,11 +241,17 @@ def pending_ages(metrics_text: str) -> dict[tuple[str, str], float]:
         for family in text_string_to_metric_families(metrics_text)
         if family.name == OLDEST_UNFINISHED_AGE
         for sample in family.samples
-        if "stream" in sample.labels
-        and "writer" in sample.labels
-        and math.isfinite(sample.value)
-        and sample.value >= 0
+        if "stream" in sample.labels and "writer" in sample.labels and _seconds(sample.value)
     }
+
+
+def _seconds(value: float) -> bool:
+    """Whether a sample is a finite, non-negative number of seconds (the parser gives
+    an int too large for a float as an int, which `math.isfinite` cannot take)."""
+    try:
+        return math.isfinite(value) and value >= 0
+    except OverflowError:
+        return False
 
 
 def scrape(

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from plait.core.backoff import Backoff
 from plait.core.commands import (
     BUILTIN,
+    COMMAND_NAME,
     MAX_LINE_BYTES,
     CommandSet,
     Error,
@@ -99,7 +99,6 @@ _OWN_COMMANDS = ("RDATA ", "POSITION ")
 # an application's command the hub does not register: relayed for its receivers to
 # check (`CommandSet.register` allows only names of this form).
 _BUILTIN_NAMES = frozenset(command.NAME for command in BUILTIN)
-_COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
 class _LineTooLongError(Exception):
@@ -255,9 +254,11 @@ class _Connection:
             log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
             return
         size = len(line) + 1
-        if len(self._queue) >= self._send_queue or self._queued_bytes + size > _MAX_BUFFERED_BYTES:
-            unsent = self._writer.transport.get_write_buffer_size()
-            if not self._draining and unsent + self._queued_bytes + size <= _MAX_BUFFERED_BYTES:
+        # Held for this peer: queued here and written but not sent yet.
+        held = self._queued_bytes + self._writer.transport.get_write_buffer_size() + size
+        over_bytes = held > _MAX_BUFFERED_BYTES
+        if over_bytes or len(self._queue) >= self._send_queue:
+            if not over_bytes and not self._draining:
                 # The peer keeps up; only our writer task has not run yet (a burst sent
                 # in one go). Hand the lines to the socket now rather than drop the peer.
                 self._queue.append(line)
@@ -266,9 +267,7 @@ class _Connection:
                 self._queued_bytes = 0
                 return
             limit = (
-                f"{self._send_queue} lines"
-                if len(self._queue) >= self._send_queue
-                else f"{_MAX_BUFFERED_BYTES >> 20} MiB"
+                f"{_MAX_BUFFERED_BYTES >> 20} MiB" if over_bytes else f"{self._send_queue} lines"
             )
             text = f"send queue full ({limit}): closing; reconnect and catch up"
             log.warning("%s: %s", self._label, text)
@@ -655,7 +654,7 @@ class TcpHub:
             log.exception("%s: the session failed on a line", sender.label)
         finally:
             self._held = None
-        if isinstance(line, bytes) or not _COMMAND_NAME.fullmatch(name):
+        if isinstance(line, bytes) or not COMMAND_NAME.fullmatch(name):
             refused = True  # not UTF-8, or no command could have this name
         elif name in _BUILTIN_NAMES:
             refused = any(conn is sender and command_name(out) == Error.NAME for conn, out in held)

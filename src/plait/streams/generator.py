@@ -265,16 +265,13 @@ class MultiWriterIdGenerator:
             return ids
 
         # Autocommit: when the statement returns, its IDs are committed already.
-        before = self._tracker.local_position
-        ids = await take_ids(
-            self._fetches,
+        ids = await self._take_ids(
             run,
             completed=True,
             unsettled=lambda ticket, error: (
                 isinstance(error, _IDS_UNKNOWN) and self._unsettled(ticket, backend_pid)
             ),
         )
-        self._poke_if_moved(before)
         return self._signed(ids)
 
     async def insert_txn(
@@ -316,10 +313,14 @@ class MultiWriterIdGenerator:
         txn.send_with_commit(_InsertAtCommit(self, self._with_ids(query), params))
 
     async def _take_ids(
-        self, fetch: Callable[[], Awaitable[list[int]]], *, completed: bool = False
+        self,
+        fetch: Callable[[], Awaitable[list[int]]],
+        *,
+        completed: bool = False,
+        unsettled: Callable[[FetchTicket, BaseException], bool] | None = None,
     ) -> list[int]:
         before = self._tracker.local_position
-        ids = await take_ids(self._fetches, fetch, completed=completed)
+        ids = await take_ids(self._fetches, fetch, completed=completed, unsettled=unsettled)
         self._poke_if_moved(before)
         return ids
 
@@ -443,11 +444,20 @@ class MultiWriterIdGenerator:
                 )
                 await asyncio.sleep(delay)
                 delay = min(5.0, 2 * delay)
-        if self._capture is not None:
-            self._capture.unknown(low, high)
+        assert self._capture is not None  # `_unsettled` settles captured writers only
+        self._capture.unknown(low, high)
+        self._end_empty(ticket)
+
+    def _end_empty(self, ticket: FetchTicket) -> None:
+        """End a fetch that handed out nothing (or nothing anyone can name)."""
         before = self._tracker.local_position
         self._fetches.end(ticket, [])
         self._poke_if_moved(before)
+
+    def _lost(self, ticket: FetchTicket) -> None:
+        """A fetch's IDs may have committed unnamed: settle it, or end it at once."""
+        if not self._unsettled(ticket, None):
+            self._end_empty(ticket)
 
     def _finish(self, ids: list[int], rows: list[StreamRow] | None = None) -> None:
         if self._capture is not None:
@@ -684,9 +694,7 @@ class _InsertAtCommit:
         except ConfigError as err:
             # Committed, but plait cannot tell which IDs it took: as for a lost answer.
             logger.error("stream %s: %s", gen.stream_name, err)
-            if not gen._unsettled(ticket, None):
-                gen._fetches.end(ticket, [], completed=True)
-                gen._poke_if_moved(self._before)
+            gen._lost(ticket)
             return
         if ids and gen._capture is not None:
             gen._capture.written(ids, gen._rows_of(columns, records))
@@ -700,9 +708,8 @@ class _InsertAtCommit:
         # The transaction waited until its COMMIT's outcome was final; which IDs the
         # statement took, if it committed, is lost with the answer.
         ticket, self._ticket = self._ticket, None
-        if ticket is not None and not self._gen._unsettled(ticket, None):
-            self._gen._fetches.end(ticket, [])
-            self._gen._poke_if_moved(self._before)
+        if ticket is not None:
+            self._gen._lost(ticket)
 
 
 # A statement that failed with these may have committed all the same: its connection
