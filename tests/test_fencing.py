@@ -216,9 +216,12 @@ async def two_writers_and_a_reader(
     reader_gen = await create_generator(
         reader_db, ["w1", "w2"], "reader", position_flush_interval=0.1, fence_after=1.0
     )
+    # The reader starts before the writers: made after them, it would start wherever
+    # its generator had followed the database to meanwhile, past rows it never read.
+    reader = LinearReader(reader_gen)
     writers = {name: await spawn(dsn, name) for name in ("w1", "w2")}
     try:
-        yield LinearReader(reader_gen), writers
+        yield reader, writers
     finally:
         stop(*writers.values())
         await reader_gen.close()
