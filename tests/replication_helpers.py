@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,26 @@ async def until(condition: Callable[[], bool], within: float = 10.0, step: float
     async with asyncio.timeout(within):
         while not condition():  # noqa: ASYNC110 - polling another component's state
             await asyncio.sleep(step)
+
+
+def metric(instance: Instance, name: str, **labels: str) -> float:
+    """A sample of `instance`'s metrics, as a scrape would read it (0 when absent)."""
+    value = instance.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def start_connected(
+    cluster: Cluster, seen: Mapping[str, Any], **overrides: Any
+) -> list[Instance]:
+    """An instance of `cluster` for each name in `seen` (with `overrides` to its config),
+    giving the rows it receives to its `Seen`; returns once all are connected."""
+    instances = []
+    for name, rows in seen.items():
+        instance = cluster.instance(name, **overrides)
+        instance.on_rows("events", rows.on_rows)
+        instances.append(await cluster.start(instance))
+    await connected(*instances)
+    return instances
 
 
 async def connected(*instances: Instance) -> None:

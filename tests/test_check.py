@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from plait.check import journal
 from plait.check.faults import kinds_for
 from plait.check.redis_server import redis_server_binary
 from plait.check.run import Checker, Options
@@ -48,3 +49,44 @@ async def test_short_schedule_finds_no_violation(
     assert "plait check: OK" in text
     assert f"{report.committed:,}" in text
     assert all(name in text for name in ("follower", "linear", "dblinear", "worker"))
+
+
+async def test_a_spark_streaming_reader_gets_every_row_once_across_query_restarts(
+    server_dsn: str, tmp_path: Path
+) -> None:
+    """`plait check --spark`: a Structured Streaming query per stream, in a process and
+    JVM of its own, is one more reader; its queries restart from their checkpoints as
+    faults, with their last commit removed, so Spark runs that batch again and the
+    source must read the same rows for it. Lighter than the runs above (a JVM shares
+    the machine's cores)."""
+    options = Options(
+        dsn=server_dsn, writers=3, duration=15.0, faults=8, run_dir=tmp_path, spark=True
+    )
+    report = await Checker(options).run()
+    assert report.ok, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
+    assert report.faults.counts["spark_restart"] == 2  # a quarter of 8
+    spark = next(r for r in report.readers if r.name == "spark")
+    assert spark.caught_up
+    assert spark.delivered == report.committed > 500
+    assert spark.longest_stall <= options.spark_stall_bound
+    # Every restart was journalled, and each restarted query went on past it.
+    lines = list(journal.read(tmp_path / "spark.journal"))
+    restarted = [line for line in lines if line.kind == "S" and line.fields[0] == "restarted"]
+    assert len(restarted) == 2
+    # A restart between two batches removed the last commit: Spark ran that batch
+    # again, with the rows it had the first time (a difference would be a violation
+    # above), and the sink took them once.
+    replayed = {
+        (line.fields[1], line.fields[2])
+        for line in lines
+        if line.kind == "S" and line.fields[0] == "replayed"
+    }
+    for line in restarted:
+        if line.fields[3] == "replay":
+            assert (line.fields[1], line.fields[2]) in replayed, line
+    assert spark.replays == 0
+    for line in restarted:
+        stream = line.fields[1]
+        assert any(
+            later.kind == "D" and later.fields[0] == stream and later.t > line.t for later in lines
+        ), f"no rows of {stream} after its restart"

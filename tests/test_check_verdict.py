@@ -7,7 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.check.faults import kinds_for, schedule
+from plait.check.faults import counts_for, kinds_for, schedule
+from plait.check.spark_reader import Batches
 from plait.check.verdict import (
     IDLE_GRACE,
     TRANSPORT_GRACE,
@@ -131,6 +132,31 @@ def test_a_paused_writer_publishes_when_it_runs_again() -> None:
     assert at(steps["w0"], 4.0) >= 1
 
 
+def test_a_writer_idles_only_while_it_runs() -> None:
+    # w0 starts at 1.0 and is paused at once until 4.0: it could not learn of w1's IDs
+    # nor publish an advance meanwhile. At 4.0 it takes 5 and holds it (a slow commit):
+    # the linear position stays at w0's start until 5 completes (seen in a run: a
+    # writer paused as it started, then given slow commits).
+    h = history(
+        (0.5, "w1", "A", [1]),
+        (0.6, "w1", "C", [1]),
+        (1.5, "w1", "A", [2, 3, 4]),
+        (1.6, "w1", "C", [2, 3, 4]),
+        (4.0, "w0", "F", [0]),
+        (4.01, "w0", "f", [0]),
+        (4.01, "w0", "A", [5]),
+        (14.0, "w0", "C", [5]),
+        starts={"w0": [1.0], "w1": [0.0]},
+        stops={"w0": [(1.0, 4.0)]},
+    )
+    linear = least(allowed_positions(h, "s", W))
+    assert at(linear, 13.9) == 1
+    assert at(linear, 14.0) >= 5
+    # Paused after a second of running idle, it would have advanced before the pause.
+    h.stops = {"w0": [(2.9, 4.0)]}
+    assert at(least(allowed_positions(h, "s", W)), 4.0) >= 4
+
+
 def test_an_idle_writer_moves_to_the_head_only_after_the_grace() -> None:
     h = history(
         (1.0, "w1", "A", [1]),
@@ -239,8 +265,30 @@ def test_only_linear_stalls_are_bounded() -> None:
 def test_the_schedule_has_every_kind_in_the_run() -> None:
     kinds = kinds_for("tcp")
     assert "redis_restart" not in kinds
+    assert "spark_restart" not in kinds
     assert "redis_restart" in kinds_for("redis")
-    plan = schedule(kinds, 20, 30.0, random.Random(1))
+    assert "spark_restart" in kinds_for("tcp", spark=True)
+    plan = schedule(counts_for(kinds, 20), 30.0, random.Random(1))
     assert len(plan) == 20 * len(kinds)
     assert all(1.0 <= t <= 29.0 for t, _ in plan)
     assert plan == sorted(plan)
+
+
+def test_spark_queries_restart_a_quarter_as_often_and_at_least_once() -> None:
+    kinds = kinds_for("redis", spark=True)
+    counts = counts_for(kinds, 20)
+    assert counts["spark_restart"] == 5
+    assert all(n == 20 for k, n in counts.items() if k != "spark_restart")
+    assert counts_for(kinds, 3)["spark_restart"] == 1
+    plan = schedule(counts, 30.0, random.Random(2))
+    assert sum(kind == "spark_restart" for _, kind in plan) == 5
+
+
+def test_the_spark_sink_takes_a_batch_once_and_knows_a_replay_that_differs() -> None:
+    batches = Batches()
+    rows = [("w0", 3), ("w1", 4)]
+    assert batches.first_time("s0", 0, rows) is True
+    assert batches.first_time("s1", 0, [("w0", 5)]) is True  # batch ids are per query
+    assert batches.first_time("s0", 0, list(reversed(rows))) is False  # a replay, same rows
+    assert batches.first_time("s0", 0, [("w0", 3)]) is None  # a replay reading other rows
+    assert batches.first_time("s0", 1, []) is True

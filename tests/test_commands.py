@@ -24,6 +24,7 @@ from plait.core.commands import (
     Rdata,
     Replicate,
     Server,
+    rows_of,
     to_line,
 )
 
@@ -211,3 +212,24 @@ def test_registration_refuses_clashes_and_bad_names() -> None:
 
     with pytest.raises(ValueError, match="capitals"):
         CommandSet([Lower])
+
+
+@given(commands, names)
+def test_rows_of_an_instance_are_told_without_parsing_as_parsing_tells_them(
+    command: Command, instance: str
+) -> None:
+    line = to_line(command)
+    parsed = COMMANDS.parse(line)
+    expected = isinstance(parsed, Rdata | Position) and parsed.instance == instance
+    assert rows_of(line, instance) is expected
+    assert rows_of(line.encode(), instance.encode()) is expected
+    # The name of the command's own instance, and one that only starts or ends like it.
+    if isinstance(command, Rdata | Position):
+        assert rows_of(line, command.instance)
+        assert not rows_of(line, command.instance[:-1] or "x" + command.instance)
+        assert rows_of(line.encode(), command.instance.encode())
+
+
+def test_rows_of_refuses_to_mix_text_and_bytes() -> None:
+    with pytest.raises(TypeError, match="both be str, or both bytes"):
+        rows_of("RDATA s a 1 {}", b"a")  # type: ignore[call-overload]

@@ -58,6 +58,15 @@ def test_a_yaml_file_becomes_a_config_with_stream_specs(tmp_path: Path) -> None:
             {"instance_name": "a", "replication": {"catch_up_page": 500, "catch_up_page_max": 100}},
             "catch_up_page must not exceed",
         ),
+        # YAML's .inf and .nan are floats too: no setting means "never" by them.
+        (
+            {"instance_name": "a", "fence_after": float("inf")},
+            "fence_after: Input should be a finite number",
+        ),
+        (
+            {"instance_name": "a", "replication": {"announce_interval": float("nan")}},
+            "announce_interval: Input should be a finite number",
+        ),
     ],
 )
 def test_bad_configs_say_what_is_wrong(value: dict[str, object], message: str) -> None:

@@ -307,6 +307,23 @@ def test_spark_source_options_parse_or_are_refused(raw: dict[str, str]) -> None:
     assert options.stream
     assert options.max_ids >= 1
     assert options.max_rows is None or options.max_rows >= 1
+    # A number given is read as the ASCII digits it is written in, nothing else.
+    given = {k.lower(): v for k, v in raw.items()}
+    numbers = {"maxrowspertrigger": options.max_rows, "maxidsperpartition": options.max_ids}
+    for key, number in numbers.items():
+        if key in given:
+            text = given[key].strip()
+            assert text.isascii(), text
+            assert text.isdigit(), text
+            assert number == int(text)
+
+
+@pytest.mark.parametrize("value", ["\u0661\u0662", "1_000", "+5", "0", "1e3", " ", "5.0"])
+def test_spark_int_options_take_ascii_digits_only(value: str) -> None:
+    raw = {"dsn": "postgresql:///x", "stream": "events", "maxRowsPerTrigger": value}
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        Options.parse(raw)
+    assert Options.parse({**raw, "maxRowsPerTrigger": " 012 "}).max_rows == 12
 
 
 # -- configuration ---------------------------------------------------------------------

@@ -25,11 +25,11 @@ from plait import Database
 from plait.config import InstanceConfig, RedisConfig
 from plait.errors import ConfigError
 from plait.replication.metrics import ReplicationMetrics
-from plait.replication.redis_transport import RedisTls, RedisTransport, client_options
+from plait.replication.redis_options import RedisTls, client_options
+from plait.replication.redis_transport import RedisTransport
 from redis_tls import Pki, TlsRedisServer, make_pki, start_tls_server
-from replication_helpers import Seen, cluster_of, write
+from replication_helpers import Seen, cluster_of, start_connected, write
 from test_redis_transport import RecordingHandler, channel
-from test_tcp_hostile_peers import start_connected
 from transport_helpers import RecordingBackoff, eventually
 
 LOGGER = "plait.replication.redis_transport"
@@ -325,7 +325,8 @@ def test_bad_tls_settings_are_config_errors_that_say_what_to_do(pki: Pki, tmp_pa
         with pytest.raises(ConfigError) as err:
             config_of(**settings)
         message = str(err.value)
-        assert message.startswith("invalid plait configuration: replication.redis"), message
+        assert message.startswith("invalid plait configuration: replication"), message
+        assert "replication.redis" in message or "redis: " in message, message
         for phrase in phrases:
             assert phrase in message, (case, message)
         assert "inurl" not in message, case  # never a password
@@ -354,3 +355,19 @@ def test_an_encrypted_client_key_is_refused_up_front_not_prompted_for(
     )
     with pytest.raises(ConfigError, match="unencrypted private key"):
         RedisTls(certfile=str(pki.client_cert), keyfile=str(encrypted))
+
+
+def test_redis_settings_are_checked_only_where_redis_is_the_transport(tmp_path: Path) -> None:
+    """A deployment on the TCP hub may keep a redis section naming files this machine
+    does not have; with Redis as the transport, the same section is an error."""
+    redis = {"url": TLS_URL, "ssl_ca_certs": str(tmp_path / "missing.pem")}
+    base = {
+        "instance_name": "a",
+        "deployment": "d",
+        "database": "postgresql://localhost/x",
+        "streams": [{"name": "s", "tables": [{"name": "t"}], "writers": ["a"]}],
+    }
+    tcp = {"transport": "tcp", "redis": redis, "tcp": {"hub": "a"}}
+    assert InstanceConfig.load({**base, "replication": tcp}).replication.transport == "tcp"
+    with pytest.raises(ConfigError, match="ssl_ca_certs"):
+        InstanceConfig.load({**base, "replication": {"transport": "redis", "redis": redis}})

@@ -252,6 +252,34 @@ async def test_a_silent_path_ends_the_connection_and_it_comes_back(
     assert handler.session.closed_calls == 0
 
 
+async def test_a_publisher_whose_lines_go_nowhere_ends_the_connection_while_others_talk(
+    redis_url: str, make_transport: Callable[..., RedisTransport]
+) -> None:
+    """Hearing other instances proves only the subscription: a connection whose own
+    PINGs stop coming back is dead, or no peer would ever hear this instance again."""
+    name = channel()
+    handler = RecordingHandler("a")
+    transport = make_transport(
+        handler, redis_url, name, ping_interval=0.1, backoff=RecordingBackoff()
+    )
+    await transport.start()
+    assert await transport.wait_open(3)
+    outbox = transport._outbox
+    assert outbox is not None
+    lost: list[str] = []
+    outbox.send = lost.append  # type: ignore[method-assign]  # the publisher's half breaks
+    async with Redis.from_url(redis_url) as other:
+        talking = time.monotonic()
+        while handler.sessions[0].closed_calls == 0 and time.monotonic() - talking < 3:
+            await other.publish(name, b"RDATA s b 1 {}")  # another instance, still heard
+            await asyncio.sleep(0.02)
+    assert handler.sessions[0].closed_calls == 1
+    assert time.monotonic() - talking < 0.8  # about 3 ping intervals
+    assert any(line.startswith("PING ") for line in lost)
+    assert "RDATA s b 1 {}" in handler.sessions[0].lines
+    await eventually(lambda: len(handler.sessions) >= 2, "a new connection")
+
+
 async def test_a_restarted_server_is_reconnected_with_growing_delays(
     redis_server: RedisServer, make_transport: Callable[..., RedisTransport]
 ) -> None:
@@ -344,7 +372,9 @@ async def test_bad_lines_cost_a_log_line_never_the_connection(
     assert len(errors) == 3, errors
 
 
-@pytest.mark.parametrize("failure", ["wrong password", "nothing listening", "silent server"])
+@pytest.mark.parametrize(
+    "failure", ["wrong password", "nothing listening", "silent server", "echoing peer"]
+)
 async def test_failing_to_connect_retries_with_growing_delays_and_stops_promptly(
     failure: str,
     redis_server: RedisServer,
@@ -359,12 +389,23 @@ async def test_failing_to_connect_retries_with_growing_delays_and_stops_promptly
         url = f"redis://nobody:wrongpass@127.0.0.1:{redis_server.port}/0"
     elif failure == "nothing listening":
         url = f"redis://127.0.0.1:{free_port()}/0"
-    else:  # accepts connections, never answers: only connect_timeout ends the wait
+    elif failure == "silent server":  # accepts, never answers: only connect_timeout ends it
 
         def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             silent_peers.append(writer)
 
         server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        url = f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
+    if failure == "echoing peer":
+        # What a client gets when it connects to its own port while the server is down
+        # (a TCP self-connection): every command comes back as its answer.
+
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            silent_peers.append(writer)
+            while data := await reader.read(65536):
+                writer.write(data)
+
+        server = await asyncio.start_server(echo, "127.0.0.1", 0)
         url = f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
     try:
         before = asyncio.all_tasks()
@@ -399,6 +440,8 @@ async def test_failing_to_connect_retries_with_growing_delays_and_stops_promptly
     assert not any("wrongpass" in r.getMessage() for r in records)
     if failure == "wrong password":
         assert "nobody:***@127.0.0.1" in records[0].getMessage()
+    if failure == "echoing peer":
+        assert "did not answer PING with PONG" in records[0].getMessage()
 
 
 async def test_stop_while_connected_flushes_and_ends_every_task(

@@ -25,6 +25,7 @@ from replication_helpers import (
     Seen,
     cluster_of,
     connected,
+    metric,
     until,
     write,
     write_many,
@@ -55,11 +56,6 @@ async def started(cluster: Cluster, name: str, seen: Seen | None = None) -> Inst
     if seen is not None:
         instance.on_rows("events", seen.on_rows)
     return await cluster.start(instance)
-
-
-def metric(instance: Instance, name: str, **labels: str) -> float:
-    value = instance.metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
 
 
 async def test_live_rows_reach_other_instances_in_order_with_batches_together(
@@ -270,6 +266,11 @@ async def test_wait_for_stream_position_and_read_your_writes(cluster: Cluster) -
     assert not await r.wait_for_stream_position("w1", "events", sid + 1000, timeout=0.2)
     assert 0.2 <= time.monotonic() - started_at < 1
     assert metric(r, "plait_wait_timeouts_total", stream="events") == 1
+    # Positions on several streams are awaited together: one timeout in all.
+    started_at = time.monotonic()
+    await r.await_positions("w1", {"events": sid + 1000, "notes": 10**6}, timeout=0.3)
+    assert 0.3 <= time.monotonic() - started_at < 0.55
+    assert metric(r, "plait_wait_timeouts_total", stream="notes") == 1
 
     for i in range(5):  # each call sees the write just before it
         await write(w1, f"ryw{i}")

@@ -16,7 +16,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +27,7 @@ from plait.core.commands import MAX_LINE_BYTES
 from plait.instance import Instance
 from plait.replication import tcp_transport
 from plait.replication.tcp_transport import TcpHub
-from replication_helpers import Cluster, Seen, cluster_of, connected, write
-from test_replication import metric
+from replication_helpers import Cluster, Seen, cluster_of, metric, start_connected, write
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,24 +114,10 @@ class Pair:
     def w2_sessions_at_hub(self) -> list[Any]:
         return [p for p in self.hub._peers if p.label == "tcp:w2"]
 
-    def buffered(self) -> int:
-        """Bytes the hub holds for its peers: queued lines, unsent and unread bytes."""
-        return self.hub.buffered_bytes()
-
-
-async def start_connected(
-    cluster: Cluster, seen: Mapping[str, Seen], **overrides: Any
-) -> list[Instance]:
-    """An instance of `cluster` for each name in `seen` (with `overrides` to its config),
-    giving the rows it receives to its `Seen`; returns once all are connected. (For
-    replication_helpers.py, which another change holds; test_redis_tls uses it too.)"""
-    instances = []
-    for name, rows in seen.items():
-        instance = cluster.instance(name, **overrides)
-        instance.on_rows("events", rows.on_rows)
-        instances.append(await cluster.start(instance))
-    await connected(*instances)
-    return instances
+    def buffered(self) -> float:
+        """Bytes the hub holds for its peers: queued lines, unsent and unread bytes (its
+        gauge, read as a scrape would)."""
+        return metric(self.w1, "plait_tcp_hub_buffered_bytes")
 
 
 @contextlib.asynccontextmanager

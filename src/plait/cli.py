@@ -10,11 +10,13 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
+from plait.check.options import Options as _CHECK  # its defaults are the command's
 from plait.errors import PlaitError
 from plait.storage.embedded import dsn_or_embedded
 
@@ -158,50 +160,55 @@ def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) ->
     sys.exit(0 if ok else 1)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _count(name: str, default: int, help: str) -> Callable[[F], F]:
+    return click.option(
+        name, type=click.IntRange(min=1), default=default, show_default=True, help=help
+    )
+
+
 @main.command()
 @_ANY_DSN
 @click.option(
     "--transport",
     type=click.Choice(["tcp", "redis"]),
-    default="tcp",
+    default=_CHECK.transport,
     show_default=True,
     help="tcp: a hub behind a proxy that cuts connections; redis: a redis-server of its own.",
 )
+@_count("--writers", _CHECK.writers, "Writer processes.")
+@_count("--streams", _CHECK.streams, "Streams, each written by all.")
 @click.option(
-    "--writers", type=click.IntRange(min=1), default=3, show_default=True, help="Writer processes."
+    "--duration", default=_CHECK.duration, show_default=True, help="Seconds of writes and faults."
 )
-@click.option(
-    "--streams",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Streams, each written by all.",
-)
-@click.option("--duration", default=30.0, show_default=True, help="Seconds of writes and faults.")
-@click.option(
-    "--faults",
-    type=click.IntRange(min=1),
-    default=20,
-    show_default=True,
-    help="Faults of each kind.",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Scales the IDs per transaction.",
-)
+@_count("--faults", _CHECK.faults, "Faults of each kind.")
+@_count("--batch", _CHECK.batch, "Scales the IDs per transaction.")
 @click.option("--seed", type=int, help="Seed of the fault schedule (default: random, printed).")
-@click.option("--fence-after", default=1.0, show_default=True, help="The writers' fence_after.")
+@click.option(
+    "--fence-after", default=_CHECK.fence_after, show_default=True, help="The writers' fence_after."
+)
 @click.option(
     "--stall-bound",
-    default=4.0,
+    default=_CHECK.stall_bound,
     show_default=True,
     help="Longest a linear reader may trail the position the writers allow (seconds).",
 )
+@click.option(
+    "--spark-stall-bound",
+    default=_CHECK.spark_stall_bound,
+    show_default=True,
+    help="Longest the Spark reader may trail it (seconds; with --spark).",
+)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Where journals and logs go.")
 @click.option("--keep", is_flag=True, help="Keep the run's schema even when all is well.")
+@click.option(
+    "--spark",
+    is_flag=True,
+    help="Also read every stream with a Spark streaming query (a JVM of its own), and"
+    " restart those queries as faults.",
+)
 @click.option("--json", "as_json", is_flag=True, help="The summary as one JSON line.")
 def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     """Run writers and readers of every kind, break them on a schedule (kill -9 and
@@ -211,12 +218,12 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     Exits 1 on any violation."""
     import asyncio
 
-    from plait.check.run import Checker, Options
+    from plait.check.run import Checker
     from plait.check.table import summary
 
     console = _console()
     with dsn_or_embedded(dsn) as url:
-        checker = Checker(Options(dsn=url, **options))
+        checker = Checker(_CHECK(dsn=url, **options))
         report = asyncio.run(checker.run(None if as_json else console.print))
     if as_json:
         click.echo(json.dumps(report.to_json()))

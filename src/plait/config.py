@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from plait.caches.invalidations import CACHES_STREAM
 from plait.errors import ConfigError
-from plait.replication.redis_transport import CertReqs, RedisTls, client_options
+from plait.replication.redis_options import CertReqs, RedisTls, client_options
 from plait.streams.spec import StreamSpec, TableSpec
 
 _NAME_PATTERN = r"^[^\s]+$"
@@ -35,7 +35,8 @@ _TLS_SETTINGS = (
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No .inf or .nan (YAML floats): every interval and bound is a real number of seconds.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TableConfig(_Model):
@@ -98,12 +99,12 @@ class RedisConfig(_Model):
     # is none.
     ssl_check_hostname: bool | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> RedisConfig:
-        # ConfigError (a ValueError, so reported like any other bad value): a missing
-        # certificate file, TLS settings on a redis:// URL, a password given twice.
+    def check(self) -> None:
+        """ConfigError (a ValueError, so reported like any other bad value): a missing
+        certificate file, TLS settings on a redis:// URL, a password given twice.
+        Checked only where Redis is the transport: a deployment on the TCP hub may keep
+        a redis section whose files this machine does not have."""
         client_options(self.url, tls=self.tls(), password=self.password_value())
-        return self
 
     def tls(self) -> RedisTls | None:
         """The TLS settings, or None when none of them is set (rediss:// URLs then verify
@@ -148,6 +149,8 @@ class ReplicationConfig(_Model):
     def _check(self) -> ReplicationConfig:
         if self.transport == "tcp" and self.tcp is None:
             raise ValueError("transport 'tcp' needs a tcp section naming the hub instance")
+        if self.transport == "redis":
+            self.redis.check()
         if self.catch_up_page > self.catch_up_page_max:
             raise ValueError("catch_up_page must not exceed catch_up_page_max")
         if self.backoff_initial > self.backoff_cap:

@@ -315,11 +315,21 @@ class Instance:
                 positions[name] = position
         return positions
 
-    async def await_positions(self, instance: str, positions: Mapping[str, int]) -> None:
-        """Wait (each up to the default timeout) until `instance`'s positions are seen."""
-        for stream, position in positions.items():
-            if stream in self._streams and isinstance(position, int):
-                await self.wait_for_stream_position(instance, stream, position)
+    async def await_positions(
+        self,
+        instance: str,
+        positions: Mapping[str, int],
+        timeout: float = DEFAULT_WAIT,  # noqa: ASYNC109 (R-RP-6)
+    ) -> None:
+        """Wait until `instance`'s positions are seen, on every stream at once: `timeout`
+        seconds at most in all, not per stream."""
+        await asyncio.gather(
+            *(
+                self.wait_for_stream_position(instance, stream, position, timeout)
+                for stream, position in positions.items()
+                if stream in self._streams and isinstance(position, int)
+            )
+        )
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -11,18 +11,30 @@ from plait.check.plan import FAULT_KINDS, Transport
 from plait.check.verdict import merged_windows
 
 
-def kinds_for(transport: Transport) -> tuple[str, ...]:
-    """Every fault kind but a Redis restart, which needs Redis."""
-    return tuple(k for k in FAULT_KINDS if transport == "redis" or k != "redis_restart")
+def kinds_for(transport: Transport, *, spark: bool = False) -> tuple[str, ...]:
+    """Every fault kind but a Redis restart, which needs Redis, and a Spark query
+    restart, which needs the Spark reader."""
+    return tuple(
+        k
+        for k in FAULT_KINDS
+        if (transport == "redis" or k != "redis_restart") and (spark or k != "spark_restart")
+    )
+
+
+def counts_for(kinds: tuple[str, ...], per_kind: int) -> dict[str, int]:
+    """How many faults of each kind: `per_kind`, but a quarter as many Spark query
+    restarts (at least one), since one takes seconds: more would leave the query
+    restarting more than reading."""
+    return {k: max(1, per_kind // 4) if k == "spark_restart" else per_kind for k in kinds}
 
 
 def schedule(
-    kinds: tuple[str, ...], per_kind: int, duration: float, rng: random.Random
+    counts: dict[str, int], duration: float, rng: random.Random
 ) -> list[tuple[float, str]]:
-    """`per_kind` faults of each kind at random times in the run, leaving its first and
-    last second alone (start-up, and the drain that follows)."""
+    """`counts[kind]` faults of each kind at random times in the run, leaving its first
+    and last second alone (start-up, and the drain that follows)."""
     low, high = min(1.0, duration / 4), max(duration - 1.0, duration * 3 / 4)
-    times = [(rng.uniform(low, high), kind) for kind in kinds for _ in range(per_kind)]
+    times = [(rng.uniform(low, high), kind) for kind, n in counts.items() for _ in range(n)]
     return sorted(times)
 
 

@@ -19,6 +19,7 @@ FOLLOWER = "follower"  # per-writer tokens over replication (and the TCP hub)
 LINEAR = "linear"  # the linear position over replication, rows read from the database
 DB_LINEAR = "dblinear"  # the linear position from the database alone, no transport
 WORKER = "worker"  # a worker with caches, invalidated by the writers' transactions
+SPARK = "spark"  # a Structured Streaming query per stream (optional: `--spark`)
 READERS = (FOLLOWER, LINEAR, DB_LINEAR, WORKER)
 REPLICATION_READERS = (FOLLOWER, LINEAR)  # stalled by a transport outage
 
@@ -26,7 +27,15 @@ KV_CACHE = "kv"  # the worker's cache of check_kv values
 KV_CHANGED = "kv_changed"  # the pseudo-cache the writers invalidate it through
 KV_KEYS = 64  # keys per stream
 
-FAULT_KINDS = ("kill", "stop", "slow_commit", "pg_terminate", "transport_cut", "redis_restart")
+FAULT_KINDS = (
+    "kill",
+    "stop",
+    "slow_commit",
+    "pg_terminate",
+    "transport_cut",
+    "redis_restart",
+    "spark_restart",
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,11 @@ class Plan:
         return self.run_dir / f"{process}.journal"
 
     @property
+    def slow_made(self) -> Path:
+        """One line per slow commit a writer began (all writers, appended)."""
+        return self.run_dir / "slow.made"
+
+    @property
     def control(self) -> Path:
         return self.run_dir / "control.json"
 
@@ -74,7 +88,12 @@ class Plan:
             ],
             "replication": {
                 "transport": self.transport,
-                "redis": {"url": self.redis_url or "redis://127.0.0.1:6379/0"},
+                # A PING each second: a connection whose PINGs stop coming back is
+                # replaced within 3 s, not 90 (the default interval is 30 s).
+                "redis": {
+                    "url": self.redis_url or "redis://127.0.0.1:6379/0",
+                    "ping_interval": 1.0,
+                },
                 "tcp": tcp,
                 "announce_interval": 0.5,
                 "backoff_initial": 0.05,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import json
 import logging
@@ -32,6 +33,7 @@ from plait.check.plan import (
     KV_CHANGED,
     KV_KEYS,
     LINEAR,
+    SPARK,
     WORKER,
     Plan,
     read_control,
@@ -74,6 +76,16 @@ class Control:
                 self.changed = asyncio.Event()
             await asyncio.sleep(POLL)
 
+    @staticmethod
+    def count(value: dict[str, Any], what: str, name: str) -> int:
+        orders = value.get(what)
+        count = orders.get(name, 0) if isinstance(orders, dict) else 0
+        return count if isinstance(count, int) else 0
+
+    def orders(self, what: str, name: str) -> int:
+        """How many of `what` the orchestrator has asked of process `name` so far."""
+        return self.count(self.value, what, name)
+
     @property
     def phase(self) -> str:
         return str(self.value.get("phase", "run"))
@@ -107,13 +119,9 @@ async def writer(plan: Plan, name: str) -> None:
     journal = Journal(plan.journal(name))
     rng = random.Random()
     control = Control(plan)
-    slow_requests = 0
-
-    def ask_slow() -> None:
-        nonlocal slow_requests
-        slow_requests += 1
-
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, ask_slow)
+    # Slow commits asked of an earlier run of this writer are not this one's to make.
+    slow_taken = Control.count(read_control(plan.control), "slow", name)
+    slow_made = Journal(plan.slow_made)
     instance = Instance(plan.instance_config(name))
     await instance.start()
     gens = {s: instance.generator(s) for s in plan.stream_names}
@@ -131,12 +139,12 @@ async def writer(plan: Plan, name: str) -> None:
     fetches = itertools.count()
 
     async def one() -> None:
-        nonlocal slow_requests
+        nonlocal slow_taken
         index = rng.randrange(plan.streams)
         s = plan.stream_names[index]
-        slow = slow_requests > 0
+        slow = control.orders("slow", name) > slow_taken
         if slow:
-            slow_requests -= 1
+            slow_taken += 1
         ids: list[int] = []
         fetch = next(fetches)
         # Journalled before the IDs are asked for: a writer paused while they are on
@@ -161,6 +169,7 @@ async def writer(plan: Plan, name: str) -> None:
                     await instance.caches.invalidate_batch(txn, KV_CHANGED, (index, ids[0]), [key])
                 if slow:
                     journal.write("S", "slow", s, ",".join(map(str, ids)))
+                    slow_made.write("S", name)
                 await asyncio.sleep(plan.slow_commit if slow else rng.uniform(0, 0.01))
                 if rng.random() < ROLLBACK_SHARE:
                     raise _Rollback
@@ -216,7 +225,7 @@ async def writer(plan: Plan, name: str) -> None:
 # -- readers ----------------------------------------------------------------------------------
 
 
-async def _read_until_stopped(seen: Seen, control: Control, targets_key: str) -> None:
+async def read_until_stopped(seen: Seen, control: Control, targets_key: str) -> None:
     """Journal what `seen` holds every 0.1 s; say once when the targets are reached."""
     caught_up = False
     while control.phase != "stop":
@@ -277,7 +286,7 @@ async def linear(plan: Plan, name: str) -> None:
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
     viewer = asyncio.create_task(views(seen.journal, gens))
-    read = asyncio.create_task(_read_until_stopped(seen, control, "linear"))
+    read = asyncio.create_task(read_until_stopped(seen, control, "linear"))
     positions = {s: gen.get_current_token() for s, gen in gens.items()}
     for s, position in positions.items():
         seen.token(s, "*", position)
@@ -373,7 +382,7 @@ async def _run_reader(
     gens = {c.name: instance.generator(c.name) for c in instance.config.streams}
     gens[CACHES_STREAM] = instance.generator(CACHES_STREAM)
     viewer = asyncio.create_task(views(seen.journal, gens))
-    await _read_until_stopped(seen, control, targets_key)
+    await read_until_stopped(seen, control, targets_key)
     viewer.cancel()
     if extra is not None:
         await extra  # its failure is the run's
@@ -381,7 +390,36 @@ async def _run_reader(
     await instance.stop()
 
 
-ROLES = {"writer": writer, FOLLOWER: follower, LINEAR: linear, DB_LINEAR: linear, WORKER: worker}
+async def spark(plan: Plan, name: str) -> None:
+    from plait.check.spark_reader import spark_reader  # pyspark only where it is used
+
+    await spark_reader(plan, name)
+
+
+ROLES = {
+    "writer": writer,
+    FOLLOWER: follower,
+    LINEAR: linear,
+    DB_LINEAR: linear,
+    WORKER: worker,
+    SPARK: spark,
+}
+
+
+def dump_tasks() -> None:
+    """Log the stack of every task of this process (on SIGUSR1, from the orchestrator
+    when something did not catch up): where each one waits."""
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(limit=12, file=out)
+        logger.warning("task %s:\n%s", task.get_name(), out.getvalue().rstrip())
+
+
+async def _with_dumps(
+    role: Callable[[Plan, str], Coroutine[Any, Any, None]], plan: Plan, name: str
+) -> None:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+    await role(plan, name)
 
 
 def main() -> None:
@@ -392,7 +430,8 @@ def main() -> None:
     # Connections and catch-ups, for whoever reads a failed run: a few lines per event.
     logging.getLogger("plait.replication.redis_transport").setLevel(logging.DEBUG)
     logging.getLogger("plait.replication.handler").setLevel(logging.INFO)
-    asyncio.run(ROLES[role](plan, name))
+    logging.getLogger("plait.check").setLevel(logging.INFO)
+    asyncio.run(_with_dumps(ROLES[role], plan, name))
 
 
 if __name__ == "__main__":

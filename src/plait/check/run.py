@@ -32,16 +32,16 @@ from redis.asyncio import Redis
 
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check import journal
-from plait.check.faults import FaultLog, kinds_for, schedule
+from plait.check.faults import FaultLog, schedule
+from plait.check.options import Options
 from plait.check.plan import (
     FOLLOWER,
     KV_CHANGED,
     KV_KEYS,
-    READERS,
     REPLICATION_READERS,
+    SPARK,
     WORKER,
     Plan,
-    Transport,
     write_control,
 )
 from plait.check.proxy import CutProxy
@@ -61,22 +61,6 @@ from plait.storage.embedded import free_port
 START_TIMEOUT = 60.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
 CATCH_UP_TIMEOUT = 60.0
-
-
-@dataclass(frozen=True)
-class Options:
-    dsn: str
-    transport: Transport = "tcp"
-    writers: int = 3
-    streams: int = 2
-    duration: float = 30.0
-    faults: int = 20  # of each kind
-    batch: int = 1  # scales the IDs per transaction (1 to 13)
-    seed: int | None = None
-    fence_after: float = 1.0
-    stall_bound: float = 4.0
-    run_dir: Path | None = None
-    keep: bool = False
 
 
 @dataclass
@@ -113,6 +97,7 @@ class Report:
             "crashes": self.faults.crashes,
             "transport_down": round(self.faults.transport_down(), 1),
             "stall_bound": self.options.stall_bound,
+            "spark_stall_bound": self.options.spark_stall_bound if self.options.spark else None,
             "readers": {
                 r.name: {
                     "delivered": r.delivered,
@@ -121,6 +106,7 @@ class Report:
                     "phantom": r.phantom,
                     "regressions": r.regressions,
                     "stale": r.stale,
+                    "replays": r.replays,
                     "longest_stall": round(r.longest_stall, 3),
                     "stall_at": r.stall_at,
                     "caught_up": r.caught_up,
@@ -216,6 +202,7 @@ class Checker:
         self._redis: RedisServer | None = None
         self._proxy: CutProxy | None = None
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
+        self._control: dict[str, Any] = {}  # the orders in the control file
 
     async def run(self, progress: Any = None) -> Report:
         say = progress or (lambda text: None)
@@ -226,9 +213,9 @@ class Checker:
         plan = await self._prepare(run_dir)
         self.plan = plan
         self.faults.journal = journal.Journal(run_dir / "faults.journal")
-        self._write_control({"phase": "run"})
+        self._write_control(phase="run")
         writers = [_Proc("writer", w, plan) for w in plan.writers]
-        readers = [_Proc(r, r, plan) for r in READERS]
+        readers = [_Proc(r, r, plan) for r in options.readers]
         self.writers, self.readers = writers, readers
         problems: list[str] = []
         try:
@@ -247,10 +234,13 @@ class Checker:
             say("draining: faults undone, writers going idle")
             problems += await self._drain()
             truth, kv_truth, targets = await self._truth()
-            self._write_control({"phase": "idle", "targets": targets})
+            self._write_control(targets=targets)
+            deadline = time.monotonic() + CATCH_UP_TIMEOUT  # for all of them at once
             for reader in readers:
-                if not await reader.until("caught-up", CATCH_UP_TIMEOUT):
+                if not await reader.until("caught-up", deadline - time.monotonic()):
                     problems.append(f"{reader.name} did not catch up in {CATCH_UP_TIMEOUT:g} s")
+            if problems:
+                self._dump_tasks()
         finally:
             await self._stop_all()
         say("judging")
@@ -307,8 +297,16 @@ class Checker:
         await self._proxy.start()
         return replace(plan, hub_port=hub_port, proxy_port=proxy_port)
 
-    def _write_control(self, value: dict[str, Any]) -> None:
-        write_control(self.plan.control, value)
+    def _write_control(self, **changes: Any) -> None:
+        self._control.update(changes)
+        write_control(self.plan.control, self._control)
+
+    def _order(self, what: str, target: str) -> None:
+        """One more `what` for process `target` to do: a count in the control file,
+        where a signal would merge with one sent just before."""
+        orders = self._control.setdefault(what, {})
+        orders[target] = orders.get(target, 0) + 1
+        self._write_control()
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -342,7 +340,8 @@ class Checker:
 
     async def _inject(self, t0: float) -> None:
         options = self.options
-        plan = schedule(kinds_for(options.transport), options.faults, options.duration, self.rng)
+        counts = options.fault_counts
+        plan = schedule(counts, options.duration, self.rng)
         for at, kind in plan:
             await asyncio.sleep(max(0.0, t0 + at - time.time()))
             deadline = time.time() + 5.0
@@ -352,10 +351,19 @@ class Checker:
         # A fault that found no target in time (every writer dead or paused on a loaded
         # machine) is made up now, so each kind reaches its count.
         deadline = time.time() + 30.0
-        for kind in kinds_for(options.transport):
-            while self.faults.counts[kind] < options.faults and time.time() < deadline:
+        for kind, n in counts.items():
+            while self._done(kind) < n and time.time() < deadline:
                 if not await self._fault(kind):
                     await asyncio.sleep(0.1)
+                elif kind == "slow_commit":
+                    await asyncio.sleep(0.3)  # for the writer to take it
+
+    def _done(self, kind: str) -> int:
+        """Faults of `kind` so far; slow commits count once a writer began one (one
+        asked of a writer killed before its next transaction is never made)."""
+        if kind == "slow_commit":
+            self.faults.counts[kind] = sum(1 for _ in journal.read(self.plan.slow_made))
+        return self.faults.counts[kind]
 
     async def _fault(self, kind: str) -> bool:
         """Inject one fault of `kind`; False when nothing could take it just now."""
@@ -378,8 +386,9 @@ class Checker:
             self._pauses.add(pause)
             pause.add_done_callback(self._pauses.discard)
         elif kind == "slow_commit" and target is not None:
-            assert target.proc is not None
-            target.proc.send_signal(signal.SIGUSR1)
+            self._order("slow", target.name)
+            self.faults.note(kind, name)
+            return True  # counted when made (`_done`)
         elif kind == "pg_terminate" and target is not None:
             if not await self._terminate_backend(target.name):
                 return False
@@ -393,6 +402,11 @@ class Checker:
             await asyncio.sleep(rng.uniform(0.1, 0.5))
             await asyncio.to_thread(self._redis.start)
             self.faults.outage(down, time.time())
+        elif kind == "spark_restart":
+            spark = next(r for r in self.readers if r.name == SPARK)
+            if not spark.live:
+                return False
+            self._order("restart", spark.name)
         self.faults.injected(kind, name)
         return True
 
@@ -450,7 +464,7 @@ class Checker:
         for w in self.writers:
             if not await w.until("started", START_TIMEOUT):
                 problems.append(f"{w.name} did not restart:\n{w.log_tail()}")
-        self._write_control({"phase": "idle"})
+        self._write_control(phase="idle")
         for w in self.writers:
             if not await w.until("idle", self.plan.slow_commit + START_TIMEOUT):
                 problems.append(f"{w.name} did not go idle:\n{w.log_tail()}")
@@ -493,7 +507,7 @@ class Checker:
     async def _stop_all(self) -> None:
         self._stopping = True
         with contextlib.suppress(Exception):
-            self._write_control({"phase": "stop"})
+            self._write_control(phase="stop")
         procs = [p for p in self.writers + self.readers if p.proc is not None]
         for p in procs:
             assert p.proc is not None
@@ -514,6 +528,14 @@ class Checker:
         if self.faults.journal is not None:
             self.faults.journal.close()
 
+    def _dump_tasks(self) -> None:
+        """Ask every process to log what each of its tasks awaits (`roles.dump_tasks`):
+        for whoever reads why something never caught up or went idle."""
+        for p in self.writers + self.readers:
+            if p.proc is not None and p.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.proc.send_signal(signal.SIGUSR1)
+
     async def _drop_schema(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.options.dsn, autocommit=True) as c:
             await c.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
@@ -527,6 +549,7 @@ class Checker:
         kv_truth: dict[str, dict[int, str]],
         elapsed: float,
     ) -> Report:
+        self._done("slow_commit")  # the slow commits begun, from the writers' record
         history = History(deaths=self.faults.deaths, stops=self.faults.stops)
         rolled_back = failed = 0
         for w in plan.writers:
@@ -558,13 +581,13 @@ class Checker:
                 truth,
                 allowed,
                 per_writer=name == FOLLOWER,
-                outages=self.faults.outages if name in REPLICATION_READERS else (),
+                outages=self._down(plan, name),
             )
-            for name in READERS
+            for name in self.options.readers
         ]
         regressions = own_regressions(history)
-        bound = self.options.stall_bound
-        problems = [f"{v.name}: {p}" for v in verdicts for p in v.violations(bound)]
+        bound = self.options.bound
+        problems = [f"{v.name}: {p}" for v in verdicts for p in v.violations(bound(v.name))]
         problems += [f"{v.name}: e.g. {e}" for v in verdicts for e in v.examples]
         problems += [f"own position went back: {r}" for r in regressions]
         problems += [f"crash: {c}" for c in self.faults.crashes]
@@ -581,6 +604,21 @@ class Checker:
             own_regressions=regressions,
             problems=problems,
         )
+
+    def _down(self, plan: Plan, reader: str) -> list[tuple[float, float]]:
+        """When `reader` could not read, through no fault of plait's: the transport
+        down for replication readers; a Spark query restarting (the fault stops it)."""
+        if reader in REPLICATION_READERS:
+            return self.faults.outages
+        if reader != SPARK:
+            return []
+        down, began = [], {}
+        for line in journal.read(plan.journal(reader)):
+            if line.kind == "S" and line.fields[0] == "restarting":
+                began[line.fields[1]] = line.t
+            elif line.kind == "S" and line.fields[0] == "restarted":
+                down.append((began.pop(line.fields[1]), line.t))
+        return down
 
 
 def _reader_log(path: Path) -> ReaderLog:

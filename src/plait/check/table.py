@@ -27,8 +27,11 @@ def summary(report: Report) -> list[Table]:
     run.add_row("crashes", str(len(report.faults.crashes)))
     run.add_row("own positions gone back", str(len(report.own_regressions)))
     readers = Table(
-        title=f"readers (stall bound {options.stall_bound:g} s; replication readers' stalls"
-        " leave out the time the transport was down)"
+        title=f"readers (stall bound {options.stall_bound:g} s"
+        + (f", spark {options.spark_stall_bound:g} s" if options.spark else "")
+        + "; replication readers' stalls leave out the time the transport was down"
+        + (", Spark's the time its queries restarted" if options.spark else "")
+        + ")"
     )
     for column in ("reader", "delivered", "lost", "duplicated", "phantom", "regressions"):
         readers.add_column(column, justify="left" if column == "reader" else "right")

@@ -5,7 +5,8 @@ rebuilt from the writers' journals:
 - a writer with IDs unfinished is at its largest completed ID below the smallest, and
   one with a fetch of IDs on its way stays below what the fetch may return (above the
   head when it began);
-- a writer idle for a second is at the largest ID taken anywhere a second before;
+- a writer idle for a second is at the largest ID taken anywhere a second before (time
+  it spent paused by SIGSTOP does not count: it could neither learn nor publish then);
 - a dead writer is where a fence may move it: the highest of the other writers'
   positions, or its own last row (so with every writer dead nothing may move until
   one comes back, and a restart registers at the head);
@@ -81,6 +82,7 @@ class ReaderVerdict:
     phantom: int = 0  # delivered but never committed (rolled back, failed, or made up)
     regressions: int = 0
     stale: int = 0
+    replays: int = 0  # batches read again (Spark) with other rows than the first time
     longest_stall: float = 0.0
     stall_at: str = ""
     caught_up: bool = True
@@ -99,6 +101,7 @@ class ReaderVerdict:
                 ("phantom", self.phantom),
                 ("regressions", self.regressions),
                 ("stale", self.stale),
+                ("batches replayed with other rows", self.replays),
             )
             if n
         ]
@@ -118,6 +121,8 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
     for w in writers:
         timeline += [(t, 0, w, "start", []) for t in history.starts.get(w, [])]
         timeline += [(t, 0, w, "death", []) for t in history.deaths.get(w, [])]
+        for start, end in history.stops.get(w, []):
+            timeline += [(start, 0, w, "pause", []), (end, 0, w, "cont", [])]
     if timeline:  # idle writers move with time, not only at events
         first, last = min(e[0] for e in timeline), max(e[0] for e in timeline)
         ticks = int((last - first + 2 * IDLE_GRACE) / TICK) + 1
@@ -132,6 +137,7 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
     last_row = dict.fromkeys(writers, 0)
     position = dict.fromkeys(writers, 0)
     idle_since: dict[str, float | None] = dict.fromkeys(writers)
+    paused_at: dict[str, float | None] = dict.fromkeys(writers)
     steps: dict[str, Steps] = {w: [] for w in writers}
     head = 0
     head_at: Steps = [(0.0, 0)]
@@ -140,6 +146,13 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             pass
         elif w not in position:
             continue
+        elif kind == "pause":
+            paused_at[w] = t
+        elif kind == "cont":  # idle time counts only while it runs
+            since, paused = idle_since[w], paused_at[w]
+            if since is not None and paused is not None:
+                idle_since[w] = since + (t - max(since, paused))
+            paused_at[w] = None
         elif kind == "F":
             fetching[w][ids[0]] = head + 1  # the sequence gives it nothing lower
             idle_since[w] = None
@@ -193,7 +206,7 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
                     since = idle_since[v]
                     if since is None:
                         idle_since[v] = t
-                    elif t - since >= IDLE_GRACE:
+                    elif paused_at[v] is None and t - since >= IDLE_GRACE:
                         i = bisect.bisect_right(head_at, (t - IDLE_GRACE, head)) - 1
                         new = max(new, head_at[i][1])
             if new > position[v]:
@@ -292,6 +305,7 @@ def judge_reader(
     verdict = ReaderVerdict(name, caught_up=log.caught_up, bounded=not per_writer)
     verdict.regressions = log.violations["regression"] + log.violations["order"]
     verdict.stale = log.violations["stale"]
+    verdict.replays = log.violations["replay"]
     counts: dict[str, Counter[int]] = defaultdict(Counter)
     for (stream, writer), ids in log.rows.items():
         expected = committed.get(stream, {})

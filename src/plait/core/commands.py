@@ -27,7 +27,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, AnyStr, ClassVar, Protocol, Self, overload
 
 from plait.errors import CommandParseError
 
@@ -261,6 +261,36 @@ BUILTIN: tuple[type[Command], ...] = (
 
 
 # -- argument helpers, for built-in and application commands ---------------------------
+
+
+_ROW_PREFIXES = ("RDATA ", "POSITION ")
+_ROW_PREFIXES_BYTES = (b"RDATA ", b"POSITION ")
+
+
+@overload
+def rows_of(line: str, instance: str) -> bool: ...
+@overload
+def rows_of(line: bytes, instance: bytes) -> bool: ...
+def rows_of(line: str | bytes, instance: str | bytes) -> bool:
+    """Whether `line` is RDATA or POSITION of `instance` (`<command> <stream> <instance>
+    ...`), found without parsing or copying its row (up to 1 MiB); a line in bytes takes
+    the name in bytes. Redis hands an instance its own lines back; the TCP hub refuses
+    them from anyone else."""
+    if isinstance(line, bytes) and isinstance(instance, bytes):
+        return _rows_of(line, _ROW_PREFIXES_BYTES, instance, b" ")
+    if isinstance(line, str) and isinstance(instance, str):
+        return _rows_of(line, _ROW_PREFIXES, instance, " ")
+    raise TypeError("rows_of: the line and the instance name must both be str, or both bytes")
+
+
+def _rows_of(line: AnyStr, prefixes: tuple[AnyStr, ...], instance: AnyStr, space: AnyStr) -> bool:
+    if not line.startswith(prefixes):
+        return False
+    start = line.find(space, line.find(space) + 1) + 1
+    if start == 0:
+        return False
+    end = start + len(instance)
+    return line.startswith(instance, start) and (end == len(line) or line[end : end + 1] == space)
 
 
 def split_args(args: str, count: int, usage: str) -> list[str]:

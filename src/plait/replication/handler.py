@@ -47,6 +47,7 @@ from plait.core.commands import (
     Rdata,
     Replicate,
     Server,
+    rows_of,
     to_line,
 )
 from plait.core.inbound import Inbound
@@ -550,7 +551,8 @@ class _Session:
     def received(self, line: str | bytes) -> None:
         if self._closed:
             return
-        if self._own_echo(line):
+        name = self._handler.instance_name
+        if rows_of(line, self._own_bytes) if isinstance(line, bytes) else rows_of(line, name):
             return  # Redis hands our own RDATA and POSITION back: drop them unparsed
         handler = self._handler
         try:
@@ -566,16 +568,6 @@ class _Session:
             self._dispatch(command)
         except Exception:
             logger.exception("replication: handling %s on %s failed", command.NAME, self.link.label)
-
-    def _own_echo(self, line: str | bytes) -> bool:
-        """Whether the line is RDATA or POSITION of this instance (without parsing its
-        row: echoes are as many as our own writes)."""
-        if isinstance(line, str):
-            line = line.encode()  # TCP lines; Redis hands bytes, the common case
-        if not line.startswith((b"RDATA ", b"POSITION ")):
-            return False
-        fields = line.split(b" ", 3)
-        return len(fields) > 3 and fields[2] == self._own_bytes
 
     async def wait_up(self) -> None:
         await self._up.wait()

@@ -160,6 +160,12 @@ class ReplicationMetrics:
             ["link"],
             registry=r,
         )
+        self.hub_buffered_bytes = Gauge(
+            "plait_tcp_hub_buffered_bytes",
+            "Bytes the TCP hub holds for its peers: lines queued, written but not sent, "
+            "received but not read (a slow or hostile peer shows here first).",
+            registry=r,
+        )
         self.reconnects = Counter(
             "plait_reconnects",
             "Replication connection attempts after a failure.",

@@ -12,9 +12,10 @@ Rules:
   or for a connection that has ended, are dropped (peers catch up after reconnecting);
   they never leak into the next connection.
 - Every message on the channel reaches the session, our own echoes included (the handler
-  drops those), except the transport's own PING. A PING goes out every `ping_interval`
-  and comes back through the subscription, so 3 x `ping_interval` of silence means a dead
-  path.
+  drops those), except PINGs. A PING goes out every `ping_interval` and comes back
+  through the subscription: 3 x `ping_interval` without one of our own back means a
+  dead path, even while other instances' messages still arrive (our publisher may be
+  the broken half).
 - Any failure ends the connection: `Session.closed()`, both Redis connections closed, a
   backoff delay, a new attempt, forever. The backoff starts over only once the session
   says every stream caught up (`Session.wait_up`, R-RP-3), so a connection that fails
@@ -30,14 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import parse_qs, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -48,7 +45,6 @@ from redis.exceptions import RedisError
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, Ping, to_line
 from plait.core.redact import redact
-from plait.errors import ConfigError
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,
@@ -57,6 +53,7 @@ from plait.replication.link import (
     wait_set,
 )
 from plait.replication.metrics import ReplicationMetrics
+from plait.replication.redis_options import RedisTls, client_options
 
 logger = logging.getLogger(__name__)
 
@@ -84,150 +81,6 @@ _NAME_BYTES = 16
 # Failures that are the network's or the server's, logged without a traceback. Anything
 # else is a bug somewhere and is logged with one; both end the connection alike.
 _EXPECTED_FAILURES = (RedisError, OSError, TimeoutError)
-
-CertReqs = Literal["required", "optional", "none"]
-_CERT_REQS = ("required", "optional", "none")
-
-
-# -- options -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RedisTls:
-    """TLS settings of a rediss:// connection, named after redis-py's `ssl_*` options;
-    files are PEM. The defaults verify the server's certificate against the system's CAs
-    and its host name against the URL's. Checked when made: `ConfigError` names the
-    setting, the file and what to do, so nothing fails later at connect time."""
-
-    ca_certs: str | None = None  # the CA(s) that signed the server's certificate
-    certfile: str | None = None  # a client certificate, for a server that asks for one
-    keyfile: str | None = None  # its private key, unless certfile holds it too
-    cert_reqs: CertReqs = "required"  # verify the server's certificate
-    check_hostname: bool | None = None  # None: verify the host name unless cert_reqs is none
-
-    def __post_init__(self) -> None:
-        if self.cert_reqs not in _CERT_REQS:
-            raise ConfigError(
-                f"redis: ssl_cert_reqs {self.cert_reqs!r} is not one of {', '.join(_CERT_REQS)}"
-            )
-        if self.check_hostname and self.cert_reqs == "none":
-            raise ConfigError(
-                "redis: ssl_check_hostname needs the server's certificate checked, but "
-                "ssl_cert_reqs is 'none'; set ssl_check_hostname to false, or verify the "
-                "server (ssl_cert_reqs 'required', with ssl_ca_certs naming its CA)"
-            )
-        if self.keyfile is not None and self.certfile is None:
-            raise ConfigError(
-                "redis: ssl_keyfile is set without ssl_certfile; give the client "
-                "certificate in ssl_certfile too (or drop ssl_keyfile)"
-            )
-        self._check_files()
-
-    def _check_files(self) -> None:
-        """Load every file into a throw-away context: a missing, unreadable or wrong file
-        is reported now, naming it, rather than as a reconnect loop later. The context
-        loads no CA store of its own (the system's takes milliseconds)."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        if self.ca_certs is not None:
-            _check_file("ssl_ca_certs", self.ca_certs, "the CA of the server's certificate")
-            try:
-                context.load_verify_locations(cafile=self.ca_certs)
-            except (ssl.SSLError, OSError) as err:
-                raise ConfigError(
-                    f"redis: ssl_ca_certs {self.ca_certs!r} holds no usable CA certificate "
-                    f"({err}); give the PEM file of the CA that signed the server's certificate"
-                ) from None
-        if self.certfile is not None:
-            _check_file("ssl_certfile", self.certfile, "the client certificate")
-            if self.keyfile is not None:
-                _check_file("ssl_keyfile", self.keyfile, "the client certificate's private key")
-            try:
-                # A callable password: an encrypted key fails here instead of OpenSSL
-                # prompting for a pass phrase on the terminal (redis-py would, at connect).
-                context.load_cert_chain(self.certfile, self.keyfile, password=_no_pass_phrase)
-            except (ssl.SSLError, OSError) as err:
-                files = repr(self.certfile) + (f" and {self.keyfile!r}" if self.keyfile else "")
-                raise ConfigError(
-                    f"redis: ssl_certfile/ssl_keyfile: {files} are not a PEM certificate "
-                    f"with its unencrypted private key ({err}); give the client certificate "
-                    "in ssl_certfile and its key (unencrypted) in ssl_keyfile or in the same file"
-                ) from None
-
-    def client_kwargs(self) -> dict[str, Any]:
-        """The settings as redis-py's keyword arguments."""
-        check_hostname = self.check_hostname
-        if check_hostname is None:
-            check_hostname = self.cert_reqs != "none"
-        return {
-            "ssl_ca_certs": self.ca_certs,
-            "ssl_certfile": self.certfile,
-            "ssl_keyfile": self.keyfile,
-            "ssl_cert_reqs": self.cert_reqs,
-            "ssl_check_hostname": check_hostname,
-        }
-
-
-def _check_file(option: str, path: str, what: str) -> None:
-    if not os.path.isfile(path):
-        problem = "is not a file" if os.path.exists(path) else "does not exist"
-        raise ConfigError(
-            f"redis: {option} {path!r} {problem}; give the path of the PEM file of {what} "
-            "(relative paths are from the working directory)"
-        )
-    if not os.access(path, os.R_OK):
-        raise ConfigError(
-            f"redis: {option} {path!r} cannot be read by this process; make it readable "
-            "by the user plait runs as"
-        )
-
-
-def _no_pass_phrase() -> str:
-    return ""
-
-
-def client_options(
-    url: str, *, tls: RedisTls | None = None, password: str | None = None
-) -> dict[str, Any]:
-    """The keyword arguments that give `Redis.from_url(url, ...)` the TLS settings and
-    the password, once checked against the URL: `ConfigError` when they do not fit it.
-    A rediss:// URL without `tls` gets `RedisTls()` (verify everything), unless its
-    query holds ssl_* options of its own, which redis-py then applies."""
-    try:
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        in_url = parts.password is not None or "password" in query
-    except ValueError as err:
-        raise ConfigError(f"redis: the URL {redact(url)!r} is malformed: {err}") from None
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(
-            f"redis: {redact(url)!r} is not a redis://, rediss:// (TLS) or unix:// URL"
-        )
-    options: dict[str, Any] = {}
-    if password is not None:
-        if in_url:
-            raise ConfigError(
-                "redis: a password is given both in the URL and as the password setting; "
-                "keep one (the setting keeps it out of the URL)"
-            )
-        if not password:
-            raise ConfigError("redis: the password setting is empty; give one or remove it")
-        options["password"] = password
-    url_tls = sorted(name for name in query if name.startswith("ssl_"))
-    if parts.scheme != "rediss":
-        if tls is not None or url_tls:
-            raise ConfigError(
-                f"redis: TLS options are set but the URL is {parts.scheme}://, which has no "
-                "TLS; use a rediss:// URL for a server that speaks TLS, or remove the "
-                "ssl_* options"
-            )
-    elif url_tls and tls is not None:
-        raise ConfigError(
-            f"redis: TLS options are given both in the URL ({', '.join(url_tls)}) and as "
-            "settings; keep one place (redis-py would let the URL win)"
-        )
-    elif not url_tls:
-        options.update((tls if tls is not None else RedisTls()).client_kwargs())
-    return options
 
 
 class _Outbox:
@@ -284,10 +137,32 @@ class _Outbox:
 
 
 class _Liveness:
-    """When the subscription last delivered anything."""
+    """When one of our own PINGs last came back through the subscription: the proof that
+    both connections reach the same server. Hearing other instances proves only the
+    subscription; a publisher whose lines go nowhere would go unnoticed while they talk,
+    and every peer would wait for this instance forever."""
+
+    _KEPT = 16  # PINGs awaited at most (older ones count as lost)
 
     def __init__(self, now: float) -> None:
-        self.last_received = now
+        self.last_echo = now
+        self._awaited: dict[bytes, None] = {}
+        self._last_ms = 0
+
+    def ping(self, now_ms: int) -> str:
+        """The next PING line to send: unique for this connection (its ms strictly grow)."""
+        self._last_ms = max(self._last_ms + 1, now_ms)
+        line = to_line(Ping(self._last_ms))
+        self._awaited[line.encode()] = None
+        while len(self._awaited) > self._KEPT:
+            del self._awaited[next(iter(self._awaited))]
+        return line
+
+    def heard(self, line: bytes, now: float) -> None:
+        """A PING line came through the subscription (ours, or another instance's)."""
+        if line in self._awaited:
+            del self._awaited[line]
+            self.last_echo = now
 
 
 class RedisTransport:
@@ -394,7 +269,13 @@ class RedisTransport:
         try:
             try:
                 async with asyncio.timeout(self._connect_timeout):
-                    await publisher.ping()  # auth and reachability, before anything opens
+                    # Auth and reachability, before anything opens. Not PONG: no Redis
+                    # server (e.g. a connection to its own port, made while the server
+                    # was down, hands every command back as its answer).
+                    if not await publisher.ping():
+                        raise ConnectionError(
+                            "the server did not answer PING with PONG: not a Redis server"
+                        )
                     await pubsub.subscribe(self._channel)
                     await _confirmed(pubsub)
             except TimeoutError as err:
@@ -455,7 +336,6 @@ class RedisTransport:
         count = 0
         while True:
             message = await pubsub.get_message(timeout=None)  # None: wait for one
-            liveness.last_received = loop.time()
             count += 1
             if count % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)
@@ -464,7 +344,8 @@ class RedisTransport:
             data: bytes = message["data"]
             for line in data.split(b"\n"):
                 name = command_name(line[:_NAME_BYTES].decode(errors="replace"))
-                if name in CONNECTION_COMMANDS:  # PING: liveness only, noted above
+                if name in CONNECTION_COMMANDS:  # PING: liveness only
+                    liveness.heard(line, loop.time())
                     continue
                 try:
                     session.received(line)
@@ -477,12 +358,12 @@ class RedisTransport:
         next_ping = loop.time() + self._ping_interval
         while True:
             now = loop.time()
-            if now - liveness.last_received >= silence:
-                raise TimeoutError(f"nothing received for {silence:g} s, not even our PING")
+            if now - liveness.last_echo >= silence:
+                raise TimeoutError(f"none of our PINGs came back for {silence:g} s")
             if now >= next_ping:
-                outbox.send(to_line(Ping(int(time.time() * 1000))))
+                outbox.send(liveness.ping(int(time.time() * 1000)))
                 next_ping = now + self._ping_interval
-            await asyncio.sleep(min(next_ping, liveness.last_received + silence) - now)
+            await asyncio.sleep(min(next_ping, liveness.last_echo + silence) - now)
 
     async def _mark_up(self, session: Session) -> None:
         await session.wait_up()

@@ -51,6 +51,7 @@ from plait.core.commands import (
     Ping,
     Replicate,
     Server,
+    rows_of,
     to_line,
 )
 from plait.errors import CommandParseError, ConfigError
@@ -94,7 +95,6 @@ _MAX_HANDSHAKING = 64
 # established for the client but unseen by the hub, for seconds of SYN-ACK retries.
 _BACKLOG = 1024
 # Commands that name the instance whose rows or position they carry, third on the line.
-_OWN_COMMANDS = ("RDATA ", "POSITION ")
 # The hub knows these: one its session refuses is bad. Any other well-formed name may be
 # an application's command the hub does not register: relayed for its receivers to
 # check (`CommandSet.register` allows only names of this form).
@@ -506,6 +506,8 @@ class TcpHub:
         self._server = await asyncio.start_server(
             self._accept, self._host, self._port, limit=_READ_LIMIT, backlog=_BACKLOG
         )
+        if self._metrics is not None:
+            self._metrics.hub_buffered_bytes.set_function(self.buffered_bytes)
         name = self._handler.instance_name
         log.info("tcp hub %s: listening on %s:%d", name, self._host, self.port)
 
@@ -634,7 +636,7 @@ class TcpHub:
             if sender.may_complain():
                 session.received(line)
             return
-        if isinstance(line, str) and self._claims_our_rows(line):
+        if isinstance(line, str) and rows_of(line, self._handler.instance_name):
             # Our session drops these unread, as its own echoes; no client may send them.
             hub = self._handler.instance_name
             text = f"{name} of {hub} refused: only {hub} sends its own (two instances named so?)"
@@ -668,18 +670,6 @@ class TcpHub:
                     peer.send(line)
         for conn, out in held:
             conn.send(out)
-
-    def _claims_our_rows(self, line: str) -> bool:
-        """Whether `line` is RDATA or POSITION of this (the hub's) instance."""
-        if not line.startswith(_OWN_COMMANDS):
-            return False
-        # <command> <stream> <instance> ...: found without copying the row (up to 1 MiB).
-        start = line.find(" ", line.find(" ") + 1) + 1
-        if start == 0:
-            return False
-        name = self._handler.instance_name
-        end = start + len(name)
-        return line.startswith(name, start) and (len(line) == end or line[end] == " ")
 
     def _hold(self, conn: _Connection, line: str) -> bool:
         if self._held is None:

@@ -21,6 +21,7 @@ COPY), cast to the schema's Arrow types.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -93,14 +94,15 @@ def _partitioning(options: Mapping[str, str]) -> str:
     return value.lower()
 
 
+# ASCII digits only: int() would also take "1_000" and digits of other scripts.
+_DIGITS = re.compile(r"[0-9]{1,18}")
+
+
 def _positive(options: Mapping[str, str], key: str) -> int | None:
     value = options.get(key)
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
+    number = int(value) if _DIGITS.fullmatch(value.strip()) else 0
     if number < 1:
         raise ConfigError(f"plait source: option {key} must be a positive integer, not {value!r}")
     return number

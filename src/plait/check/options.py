@@ -1,0 +1,42 @@
+"""What a checker run is asked to do: the options of `plait check`, and their defaults
+(the command's too). Light to import: the CLI reads it at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.check.faults import counts_for, kinds_for
+from plait.check.plan import READERS, SPARK, Transport
+
+
+@dataclass(frozen=True)
+class Options:
+    dsn: str
+    transport: Transport = "tcp"
+    writers: int = 3
+    streams: int = 2
+    duration: float = 30.0
+    faults: int = 20  # of each kind
+    batch: int = 1  # scales the IDs per transaction (1 to 13)
+    seed: int | None = None
+    fence_after: float = 1.0
+    stall_bound: float = 4.0
+    # A Spark query's micro-batches (planning, Python workers, a JVM on a machine the
+    # writers keep busy) take about a second each, and several on a loaded machine: its
+    # bound catches a position that stops, not Spark's own pace.
+    spark_stall_bound: float = 15.0
+    run_dir: Path | None = None
+    keep: bool = False
+    spark: bool = False  # a Spark streaming query per stream, as one more reader
+
+    @property
+    def readers(self) -> tuple[str, ...]:
+        return (*READERS, SPARK) if self.spark else READERS
+
+    @property
+    def fault_counts(self) -> dict[str, int]:
+        return counts_for(kinds_for(self.transport, spark=self.spark), self.faults)
+
+    def bound(self, reader: str) -> float:
+        return self.spark_stall_bound if reader == SPARK else self.stall_bound

@@ -1,0 +1,156 @@
+"""Redis connection settings, checked before anything connects: TLS (`RedisTls`) and
+the password, fitted to the URL (`client_options`). Apart from the transport, so the
+configuration checks them without depending on the transport or on redis-py.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
+
+from plait.core.redact import redact
+from plait.errors import ConfigError
+
+CertReqs = Literal["required", "optional", "none"]
+_CERT_REQS = ("required", "optional", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTls:
+    """TLS settings of a rediss:// connection, named after redis-py's `ssl_*` options;
+    files are PEM. The defaults verify the server's certificate against the system's CAs
+    and its host name against the URL's. Checked when made: `ConfigError` names the
+    setting, the file and what to do, so nothing fails later at connect time."""
+
+    ca_certs: str | None = None  # the CA(s) that signed the server's certificate
+    certfile: str | None = None  # a client certificate, for a server that asks for one
+    keyfile: str | None = None  # its private key, unless certfile holds it too
+    cert_reqs: CertReqs = "required"  # verify the server's certificate
+    check_hostname: bool | None = None  # None: verify the host name unless cert_reqs is none
+
+    def __post_init__(self) -> None:
+        if self.cert_reqs not in _CERT_REQS:
+            raise ConfigError(
+                f"redis: ssl_cert_reqs {self.cert_reqs!r} is not one of {', '.join(_CERT_REQS)}"
+            )
+        if self.check_hostname and self.cert_reqs == "none":
+            raise ConfigError(
+                "redis: ssl_check_hostname needs the server's certificate checked, but "
+                "ssl_cert_reqs is 'none'; set ssl_check_hostname to false, or verify the "
+                "server (ssl_cert_reqs 'required', with ssl_ca_certs naming its CA)"
+            )
+        if self.keyfile is not None and self.certfile is None:
+            raise ConfigError(
+                "redis: ssl_keyfile is set without ssl_certfile; give the client "
+                "certificate in ssl_certfile too (or drop ssl_keyfile)"
+            )
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Load every file into a throw-away context: a missing, unreadable or wrong file
+        is reported now, naming it, rather than as a reconnect loop later. The context
+        loads no CA store of its own (the system's takes milliseconds)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        if self.ca_certs is not None:
+            _check_file("ssl_ca_certs", self.ca_certs, "the CA of the server's certificate")
+            try:
+                context.load_verify_locations(cafile=self.ca_certs)
+            except (ssl.SSLError, OSError) as err:
+                raise ConfigError(
+                    f"redis: ssl_ca_certs {self.ca_certs!r} holds no usable CA certificate "
+                    f"({err}); give the PEM file of the CA that signed the server's certificate"
+                ) from None
+        if self.certfile is not None:
+            _check_file("ssl_certfile", self.certfile, "the client certificate")
+            if self.keyfile is not None:
+                _check_file("ssl_keyfile", self.keyfile, "the client certificate's private key")
+            try:
+                # A callable password: an encrypted key fails here instead of OpenSSL
+                # prompting for a pass phrase on the terminal (redis-py would, at connect).
+                context.load_cert_chain(self.certfile, self.keyfile, password=_no_pass_phrase)
+            except (ssl.SSLError, OSError) as err:
+                files = repr(self.certfile) + (f" and {self.keyfile!r}" if self.keyfile else "")
+                raise ConfigError(
+                    f"redis: ssl_certfile/ssl_keyfile: {files} are not a PEM certificate "
+                    f"with its unencrypted private key ({err}); give the client certificate "
+                    "in ssl_certfile and its key (unencrypted) in ssl_keyfile or in the same file"
+                ) from None
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """The settings as redis-py's keyword arguments."""
+        check_hostname = self.check_hostname
+        if check_hostname is None:
+            check_hostname = self.cert_reqs != "none"
+        return {
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_cert_reqs": self.cert_reqs,
+            "ssl_check_hostname": check_hostname,
+        }
+
+
+def _check_file(option: str, path: str, what: str) -> None:
+    if not os.path.isfile(path):
+        problem = "is not a file" if os.path.exists(path) else "does not exist"
+        raise ConfigError(
+            f"redis: {option} {path!r} {problem}; give the path of the PEM file of {what} "
+            "(relative paths are from the working directory)"
+        )
+    if not os.access(path, os.R_OK):
+        raise ConfigError(
+            f"redis: {option} {path!r} cannot be read by this process; make it readable "
+            "by the user plait runs as"
+        )
+
+
+def _no_pass_phrase() -> str:
+    return ""
+
+
+def client_options(
+    url: str, *, tls: RedisTls | None = None, password: str | None = None
+) -> dict[str, Any]:
+    """The keyword arguments that give `Redis.from_url(url, ...)` the TLS settings and
+    the password, once checked against the URL: `ConfigError` when they do not fit it.
+    A rediss:// URL without `tls` gets `RedisTls()` (verify everything), unless its
+    query holds ssl_* options of its own, which redis-py then applies."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        in_url = parts.password is not None or "password" in query
+    except ValueError as err:
+        raise ConfigError(f"redis: the URL {redact(url)!r} is malformed: {err}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"redis: {redact(url)!r} is not a redis://, rediss:// (TLS) or unix:// URL"
+        )
+    options: dict[str, Any] = {}
+    if password is not None:
+        if in_url:
+            raise ConfigError(
+                "redis: a password is given both in the URL and as the password setting; "
+                "keep one (the setting keeps it out of the URL)"
+            )
+        if not password:
+            raise ConfigError("redis: the password setting is empty; give one or remove it")
+        options["password"] = password
+    url_tls = sorted(name for name in query if name.startswith("ssl_"))
+    if parts.scheme != "rediss":
+        if tls is not None or url_tls:
+            raise ConfigError(
+                f"redis: TLS options are set but the URL is {parts.scheme}://, which has no "
+                "TLS; use a rediss:// URL for a server that speaks TLS, or remove the "
+                "ssl_* options"
+            )
+    elif url_tls and tls is not None:
+        raise ConfigError(
+            f"redis: TLS options are given both in the URL ({', '.join(url_tls)}) and as "
+            "settings; keep one place (redis-py would let the URL win)"
+        )
+    elif not url_tls:
+        options.update((tls if tls is not None else RedisTls()).client_kwargs())
+    return options
