@@ -3,6 +3,6 @@ tests that stop and start the server): the checker's, `plait.check.redis_server`
 
 from __future__ import annotations
 
-from plait.check.redis_server import RedisServer, free_port, redis_server_binary
+from plait.check.redis_server import RedisServer, redis_server_binary
 
-__all__ = ["RedisServer", "free_port", "redis_server_binary"]
+__all__ = ["RedisServer", "redis_server_binary"]

@@ -16,7 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis_server import RedisServer, free_port, redis_server_binary
+from plait.ports import free_port
+from redis_server import RedisServer, redis_server_binary
 
 HOST = "127.0.0.1"
 

@@ -13,8 +13,8 @@ from psycopg import sql
 
 from plait import Database
 from plait.instance import Instance
+from plait.ports import free_port
 from plait.storage.stream_store import StreamRow
-from redis_server import free_port
 
 EVENTS = {
     "name": "events",

@@ -16,7 +16,7 @@ from plait import Database
 from plait.demo import roles, schema, sharding
 from plait.demo.roles import Memberships, SyncWorker, event_writer
 from plait.instance import Instance
-from redis_server import free_port
+from plait.ports import free_port
 
 WRITERS = ["ev1", "ev2"]
 

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from redis_server import free_port
+from plait.ports import free_port
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "minimal.py"
 

@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 
 from plait.errors import ConfigError, RemoteCallError
+from plait.ports import free_port
 from plait.replication.http_api import CatchUpPage, InternalApi, InternalClient
 from plait.replication.metrics import ReplicationMetrics
-from redis_server import free_port
 from replication_helpers import until
 
 pytestmark = pytest.mark.timeout(30)

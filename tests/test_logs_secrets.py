@@ -21,8 +21,8 @@ from plait.config import InstanceConfig
 from plait.core.redact import redact
 from plait.errors import RemoteCallError
 from plait.instance import Instance
+from plait.ports import free_port
 from plait.replication.http_api import PREFIX
-from redis_server import free_port
 from replication_helpers import until
 from test_http_api import (
     Counter,

@@ -8,6 +8,7 @@ is its collaborator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -18,10 +19,11 @@ import pytest
 from redis.asyncio import Redis
 
 from plait.core.commands import MAX_LINE_BYTES
+from plait.ports import free_port
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
-from redis_server import RedisServer, free_port
+from redis_server import RedisServer
 from transport_helpers import RecordingBackoff, eventually
 
 LOGGER = "plait.replication.redis_transport"
@@ -278,6 +280,67 @@ async def test_a_publisher_whose_lines_go_nowhere_ends_the_connection_while_othe
     assert any(line.startswith("PING ") for line in lost)
     assert "RDATA s b 1 {}" in handler.sessions[0].lines
     await eventually(lambda: len(handler.sessions) >= 2, "a new connection")
+
+
+async def test_the_transports_clients_do_not_swallow_a_cancelled_publish(redis_url: str) -> None:
+    """With a socket_timeout, redis-py sent every command through asyncio.wait_for,
+    which on Python 3.11 swallows a cancellation arriving as the send completes (324 of
+    400 cancelled PUBLISHes): a connection's publisher then outlived its connection."""
+    transport = RedisTransport(RecordingHandler("a"), url=redis_url, channel=channel())
+    client = transport._client()
+    outcomes: list[str] = []
+    try:
+        for delay in [i * 0.0002 for i in range(100)]:
+
+            async def publish() -> str:
+                while True:
+                    await client.publish("plait-test-cancel", b"x")
+                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        return "swallowed"
+
+            task = asyncio.create_task(publish())
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:
+                outcomes.append(await task)
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+    finally:
+        await client.aclose()
+    assert outcomes.count("swallowed") == 0, outcomes.count("swallowed")
+
+
+async def test_a_task_that_swallows_its_cancellation_does_not_hold_the_connection(
+    redis_server: RedisServer,
+    admin: Redis,
+    make_transport: Callable[..., RedisTransport],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection's receiver fails while its publisher is in a PUBLISH that ignores
+    cancellation: the connection still ends and a new one opens (a TaskGroup waited for
+    the publisher forever, which then went on publishing while nothing was received)."""
+    publish = Redis.publish
+
+    async def stubborn_publish(self: Redis, name: Any, message: Any, **options: Any) -> Any:
+        with contextlib.suppress(asyncio.CancelledError):  # as redis-py did
+            await asyncio.sleep(0.3)  # long enough to be in flight when the receiver fails
+        return await publish(self, name, message, **options)
+
+    monkeypatch.setattr(Redis, "publish", stubborn_publish)
+    handler = RecordingHandler("a")
+    transport = make_transport(
+        handler, redis_server.url, channel(), ping_interval=5.0, backoff=RecordingBackoff()
+    )
+    await transport.start()
+    assert await transport.wait_open(3)
+    first = handler.session
+    first.link.send("RDATA s a 1 {}")
+    await asyncio.sleep(0.05)  # the publisher is in stubborn_publish
+    await admin.client_kill_filter(_type="pubsub")
+    await eventually(lambda: first.closed_calls == 1, "the connection to close")
+    await eventually(lambda: len(handler.sessions) >= 2, "a new connection")
+    handler.session.link.send("RDATA s a 2 {}")
+    await eventually(lambda: "RDATA s a 2 {}" in handler.session.lines, "the new connection's echo")
 
 
 async def test_a_restarted_server_is_reconnected_with_growing_delays(

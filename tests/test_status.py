@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from plait import Database
 from plait.cli import main
 from plait.ops.status import StreamRows, WriterRow, assess, pending_ages, rates
-from redis_server import free_port
+from plait.ports import free_port
 from replication_helpers import cluster_of, connected, write
 from stream_helpers import create_generator, create_table
 

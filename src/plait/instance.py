@@ -275,7 +275,8 @@ class Instance:
             return True
         future = self._waiters.add(stream, instance, internal)
         try:
-            await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                await future
             return True
         except TimeoutError:
             self._waiters.discard(stream, instance, future)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from plait.errors import ConfigError
-from plait.storage.embedded import free_port
+from plait.ports import free_port
 
 
 def redis_server_binary() -> str | None:
@@ -104,4 +104,4 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-__all__ = ["RedisServer", "free_port", "redis_server_binary"]
+__all__ = ["RedisServer", "redis_server_binary"]

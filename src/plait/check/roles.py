@@ -303,7 +303,8 @@ async def linear(plan: Plan, name: str) -> None:
                 positions[s] = upto
                 seen.token(s, "*", upto)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(moved.wait(), POLL)
+            async with asyncio.timeout(POLL):
+                await moved.wait()
     follow.cancel()
     viewer.cancel()
     if instance is not None:

@@ -55,8 +55,8 @@ from plait.check.verdict import (
     judge_reader,
     own_regressions,
 )
+from plait.ports import free_port
 from plait.storage.database import Database
-from plait.storage.embedded import free_port
 
 START_TIMEOUT = 60.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
@@ -169,7 +169,8 @@ class _Proc:
             if left <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.heard.wait(), min(left, 0.5))
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self.heard.wait()
         return True
 
     @property
@@ -514,7 +515,8 @@ class Checker:
             with contextlib.suppress(ProcessLookupError):
                 p.proc.send_signal(signal.SIGCONT)
             try:
-                await asyncio.wait_for(p.proc.wait(), 30)
+                async with asyncio.timeout(30):
+                    await p.proc.wait()
             except TimeoutError:
                 p.proc.kill()
                 await p.proc.wait()

@@ -36,8 +36,9 @@ from rich.text import Text
 from plait.demo import schema
 from plait.demo.roles import SYNC_PORT_ENV
 from plait.ops import status
+from plait.ports import free_port
 from plait.storage.database import Database
-from plait.storage.embedded import dsn_or_embedded, free_port
+from plait.storage.embedded import dsn_or_embedded
 
 SCHEMA = "plait_demo"
 EVENT_WRITERS = ["ev1", "ev2"]
@@ -152,7 +153,8 @@ class Processes:
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(process.wait(), 15)
+                    async with asyncio.timeout(15):
+                        await process.wait()
                 except TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         process.kill()

@@ -725,6 +725,7 @@ class _Session:
             self._changed.clear()
             timeout = max(0.0, deadline - loop.time()) if loop.time() < deadline else None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
         # The transport sets the connection gauge and logs it (it owns the connection).
         self._up.set()

@@ -20,7 +20,9 @@ Rules:
   backoff delay, a new attempt, forever. The backoff starts over only once the session
   says every stream caught up (`Session.wait_up`, R-RP-3), so a connection that fails
   while catching up never reconnects in a tight loop.
-- Every task belongs to the transport; `stop()` ends them all.
+- Every task belongs to the transport; `stop()` ends them all. A connection's end does
+  not rest on its tasks honouring cancellation (redis-py on Python 3.11 can swallow
+  one): its outbox and session are closed first, then its sockets (`_ended`).
 - TLS (rediss:// URLs) and a password given apart from the URL are checked when the
   transport is built (`client_options`): a missing certificate file or a TLS option on a
   plain URL is a `ConfigError` before anything connects, not a reconnect loop. Neither
@@ -107,8 +109,11 @@ class _Outbox:
         self._idle.clear()
 
     async def take(self) -> list[str]:
-        """The oldest queued lines (up to `_BATCH_LINES`, in order), once there are any."""
+        """The oldest queued lines (up to `_BATCH_LINES`, in order), once there are any;
+        ConnectionError once the outbox is closed."""
         while not self._lines:
+            if self._closed:
+                raise ConnectionError("the connection is closed")
             self._waiting.clear()
             await self._waiting.wait()
         count = min(len(self._lines), _BATCH_LINES)
@@ -129,6 +134,7 @@ class _Outbox:
         self._lines.clear()
         self._idle.set()
         self._dropped.set()
+        self._waiting.set()  # a publisher waiting for lines learns it is over
 
     async def until_closed(self) -> None:
         """Raises once `close()` was called, ending the connection's task group."""
@@ -266,6 +272,7 @@ class RedisTransport:
         pubsub = subscriber.pubsub()
         outbox: _Outbox | None = None
         session: Session | None = None
+        tasks: list[asyncio.Task[None]] = []
         try:
             try:
                 async with asyncio.timeout(self._connect_timeout):
@@ -288,12 +295,14 @@ class RedisTransport:
             self._open.set()
             logger.debug("redis transport: subscribed to %s", self._channel)
             liveness = _Liveness(asyncio.get_running_loop().time())
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._publish(publisher, outbox))
-                tasks.create_task(self._receive(pubsub, session, liveness))
-                tasks.create_task(self._keep_alive(outbox, liveness))
-                tasks.create_task(self._mark_up(session))
-                tasks.create_task(outbox.until_closed())
+            tasks = [
+                asyncio.create_task(self._publish(publisher, outbox)),
+                asyncio.create_task(self._receive(pubsub, session, liveness)),
+                asyncio.create_task(self._keep_alive(outbox, liveness)),
+                asyncio.create_task(self._mark_up(session)),
+                asyncio.create_task(outbox.until_closed()),
+            ]
+            await _first_failure(tasks)
         finally:
             self._open.clear()
             self._up_gauge.set(0)
@@ -303,15 +312,20 @@ class RedisTransport:
                     self._outbox = None
             if session is not None:
                 _closed(session)
-            await _to_the_end(_close_all((pubsub.aclose, subscriber.aclose, publisher.aclose)))
+            closers = (pubsub.aclose, subscriber.aclose, publisher.aclose)
+            await _to_the_end(_ended(tasks, closers))
 
     def _client(self) -> Redis:
         # No retries inside redis-py (it would reconnect, and resubscribe, behind our
         # back): every failure reaches the run loop, which closes the session.
+        # No socket_timeout (redis-py's default is 5 s): with one, redis-py sends every
+        # command through asyncio.wait_for, which on Python 3.11 swallows a cancellation
+        # that arrives as the send completes (CPython gh-86296; 324 of 400 cancelled
+        # PUBLISHes here). A server that stops answering is found by the keep-alive.
         return Redis.from_url(
             self._url,
+            socket_timeout=None,
             socket_connect_timeout=self._connect_timeout,
-            socket_timeout=_SILENT_PINGS * self._ping_interval,
             retry=Retry(NoBackoff(), 0, supported_errors=()),
             **self._client_options,
         )
@@ -379,8 +393,7 @@ class RedisTransport:
 
     def _log_failure(self, err: Exception) -> None:
         self._failures += 1
-        cause = _first_cause(err)
-        expected = isinstance(cause, _EXPECTED_FAILURES)
+        expected = isinstance(err, _EXPECTED_FAILURES)
         if self._failures == 1:
             log = logger.warning if expected else logger.error
         else:
@@ -390,9 +403,9 @@ class RedisTransport:
             "(failure %d in a row)",
             redact(self._url),
             self._channel,
-            type(cause).__name__,
-            cause,
-            _tls_hint(cause),
+            type(err).__name__,
+            err,
+            _tls_hint(err),
             self._failures,
             exc_info=None if expected else err,
         )
@@ -452,6 +465,51 @@ async def _confirmed(pubsub: PubSub) -> None:
             return
 
 
+async def _first_failure(tasks: list[asyncio.Task[None]]) -> None:
+    """Wait until one of the connection's tasks fails (all but `_mark_up` run until
+    one does), and raise its failure."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:  # in their order, so that one failure is picked alike
+            if task not in done:
+                continue
+            if task.cancelled():
+                raise ConnectionError(f"a task of the connection was cancelled: {task!r}")
+            failure = task.exception()
+            if failure is not None:
+                raise failure
+    raise ConnectionError("the connection ended")
+
+
+async def _ended(
+    tasks: list[asyncio.Task[None]], closers: tuple[Callable[[], Awaitable[None]], ...]
+) -> None:
+    """End the connection's tasks and close its Redis connections.
+
+    Not a TaskGroup: it waits for a cancelled task however long it takes, and a task
+    that swallows its cancellation (redis-py on Python 3.11 did, see `_client`) held
+    the connection forever: its receiver gone, its publisher still publishing, nothing
+    logged. Here the sockets are closed after the cancellation, which ends whatever
+    still waits on them, a task is cancelled again until it ends, and one that will
+    not end is left behind, logged: its outbox and its session are closed already."""
+    for task in tasks:
+        task.cancel()
+    await _close_all(closers)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _CLOSE_PATIENCE
+    pending = {task for task in tasks if not task.done()}
+    while pending and loop.time() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.05)
+    for task in tasks:
+        if task in pending:
+            logger.error("redis transport: a task of a closed connection did not end: %r", task)
+        elif not task.cancelled():
+            task.exception()  # retrieved: the first failure was raised already
+
+
 def _closed(session: Session) -> None:
     try:
         session.closed()
@@ -473,14 +531,19 @@ async def _close_all(closers: tuple[Callable[[], Awaitable[None]], ...]) -> None
 
 
 async def _to_the_end(closing: Awaitable[None]) -> None:
-    """Await `closing` to its end even when cancelled meanwhile (a connection closed
-    half-way is leaked), then pass the cancellation on."""
+    """Await `closing` to its end even when cancelled meanwhile, however often (a
+    connection closed half-way is leaked; `stop()` cancels every 0.1 s), then pass the
+    cancellation on."""
     task = asyncio.ensure_future(closing)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task
-        raise
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 def _tls_hint(err: BaseException) -> str:
@@ -496,10 +559,3 @@ def _tls_hint(err: BaseException) -> str:
             )
         seen = seen.__cause__ or seen.__context__
     return ""
-
-
-def _first_cause(err: BaseException) -> BaseException:
-    """The first failure inside (nested) exception groups, as raised by a TaskGroup."""
-    while isinstance(err, BaseExceptionGroup) and err.exceptions:
-        err = err.exceptions[0]
-    return err

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from plait.errors import EmbeddedServerError
+from plait.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -221,13 +222,6 @@ def _init_if_new(data_dir: Path) -> None:
             "max_connections = 200\n"
             "unix_socket_directories = ''\n"
         )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _start(data_dir: Path) -> int:

@@ -11,7 +11,8 @@ async def let_finish(task: asyncio.Task[None], patience: float = 10.0) -> None:
     cancelling a task in the middle of a statement leaves its connection (and the IDs
     or positions it was handling) in an unknown state."""
     try:
-        await asyncio.wait_for(asyncio.shield(task), timeout=patience)
+        async with asyncio.timeout(patience):
+            await asyncio.shield(task)
     except TimeoutError:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
