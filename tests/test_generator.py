@@ -164,6 +164,33 @@ async def test_idle_writer_flushes_advanced_position(db: Database) -> None:
     assert idle.get_current_token() == 21
 
 
+async def test_a_replicated_idle_writer_follows_stored_positions_while_it_hears_nothing(
+    db: Database,
+) -> None:
+    """A writer fed by replication (`follow_database=False`) that hears nothing (Redis
+    down, or out of its reach) still moves its own idle position to the others' stored
+    ones, so database-only readers (Spark) do not stall on it (R-ID-8). It moves nothing
+    else: the others' positions and persisted-up-to wait for replication."""
+    await create_table(db)
+    writers = ["busy", "idle"]
+    busy = await create_generator(db, writers, "busy", position_flush_interval=0.1)
+    idle = await create_generator(
+        db, writers, "idle", position_flush_interval=0.1, follow_database=False
+    )
+    async with busy.get_next_mult(20) as ids:
+        assert ids[-1] == 21
+    await busy.flush_position()
+    deadline = asyncio.get_running_loop().time() + 3
+    while asyncio.get_running_loop().time() < deadline:
+        if (await stored_positions(db))["idle"] == 21:
+            break
+        await asyncio.sleep(0.05)
+    assert (await stored_positions(db))["idle"] == 21
+    assert idle.get_current_token_for_writer("idle") == 21
+    assert idle.get_positions()["busy"] == 1  # never heard of
+    assert idle.get_current_token() == 1
+
+
 async def test_any_writer_mode_keeps_no_position_rows(db: Database) -> None:
     await create_table(db)
     spec = StreamSpec("events", tables=[TableSpec("events")], writers=[])

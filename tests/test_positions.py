@@ -247,6 +247,25 @@ class TrackerNetwork(RuleBasedStateMachine):
         """An idle writer flushes its position to stream_positions (only ever forwards)."""
         self.store(data.draw(st.sampled_from(self.writers), label="writer"))
 
+    @rule(data=st.data())
+    def learn_stored_positions(self, data: st.DataObject) -> None:
+        """A writer that cannot hear the others reads their stored positions (plait does
+        when replicated and idle): completed IDs, for its idle rule only."""
+        writer = data.draw(st.sampled_from(self.writers), label="writer")
+        stored = [p for w, p in self.stored.items() if w != writer]
+        if not stored:
+            return
+        tracker = self.trackers[writer]
+        persisted, others = tracker.persisted_upto, tracker.positions()
+        tracker.learn_completed(data.draw(st.sampled_from(stored), label="stored"))
+        # Never anyone else's position, nor persisted-up-to past them: those promise that
+        # rows reached this instance, which only replication (or a read) makes true.
+        assert {w: p for w, p in tracker.positions().items() if w != writer} == {
+            w: p for w, p in others.items() if w != writer
+        }
+        heard = [p for w, p in others.items() if w != writer]
+        assert tracker.persisted_upto <= max(persisted, min(heard, default=persisted))
+
     def store(self, writer: str) -> None:
         position = self.trackers[writer].position_of(writer)
         self.stored[writer] = max(self.stored[writer], position)
@@ -455,6 +474,26 @@ def test_spec_idle_rule() -> None:
     second.complete([13])
     assert second.position_of("second") == 13
     assert second.last_local_write == 13
+
+
+def test_an_idle_writer_follows_completed_ids_learned_elsewhere() -> None:
+    """Replication down: the others' stored positions move an idle writer's own position
+    (R-ID-5, R-ID-8), and nothing else; a busy writer waits for its own IDs."""
+    writers = ["first", "second"]
+    first = PositionTracker("first", writers=writers, floor=5, positions={"second": 5})
+    first.learn_completed(9)
+    assert first.position_of("first") == 9
+    assert first.position_of("second") == 5
+    assert first.persisted_upto == 5
+    first.learn_completed(7)  # older news: nothing moves back
+    assert first.position_of("first") == 9
+    ticket = first.begin_fetch()
+    first.learn_completed(12)
+    assert first.position_of("first") == 9  # a fetch in flight holds it
+    first.end_fetch(ticket, [13])
+    first.complete([13])
+    assert first.position_of("first") == 13
+    assert ticket.floor == 10
 
 
 def test_in_flight_fetch_holds_the_position_back() -> None:

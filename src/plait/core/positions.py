@@ -390,6 +390,14 @@ class PositionTracker:
             self._known_completed.add_all(seen[bisect_right(seen, self._persisted) :])
         self._settle()
 
+    def learn_completed(self, stream_id: int) -> None:
+        """A completed ID learned outside replication (another writer's stored position),
+        for the idle rule (R-ID-5) only: it moves no other writer's position and adds
+        nothing below persisted-up-to, which promise that rows reached this instance."""
+        if stream_id > self._max_seen:
+            self._max_seen = stream_id
+            self._settle()
+
     # -- queries --------------------------------------------------------------------
 
     @property

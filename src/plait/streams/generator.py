@@ -82,7 +82,8 @@ class MultiWriterIdGenerator:
             self._position_writer = PositionWriter(
                 current=lambda: tracker.local_position,
                 upsert=self._store_own_position if tracker.is_writer else None,
-                refresh=self.refresh_positions if follow_database else None,
+                # A replicated writer learns only what moves its own idle position.
+                refresh=self.refresh_positions if follow_database else self._learn_stored_positions,
                 interval=position_flush_interval,
                 # Writes within this window share one upsert. Database-only readers
                 # poll about once per interval, so a tenth of it costs them nothing.
@@ -123,7 +124,8 @@ class MultiWriterIdGenerator:
         `position_flush_interval` bounds how stale this writer's row in `stream_positions`
         gets while it is idle. With `follow_database` the generator also refreshes the
         other writers' positions from the database that often (needed when no
-        replication feeds it). With `fence_after` (seconds), a writer that holds the
+        replication feeds it); without, a writer still reads them while idle, to move
+        its own position only. With `fence_after` (seconds), a writer that holds the
         stream's linear position that long without moving is fenced once none of its
         connections is alive (`Instance` sets it; writers need a `Database` connected
         with their `incarnation` to be fenceable).
@@ -545,6 +547,21 @@ class MultiWriterIdGenerator:
         # Only configured writers' rows come back; our own is ignored by the tracker.
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
             self._tracker.advance(writer, position)
+
+    async def _learn_stored_positions(self) -> None:
+        """A replicated writer, while idle: the others' stored positions move its own
+        (`PositionTracker.learn_completed`). Replication moves it as soon as it hears
+        the others; this keeps it moving while it hears nothing (Redis down, or out of
+        its reach), or readers of the database alone would stall on it (R-ID-8)."""
+        tracker = self._tracker
+        if not tracker.is_idle:
+            return
+        stored = await self._store.load_positions(drop_others=False)
+        others = [position for writer, position in stored.items() if writer != self._instance]
+        if others:
+            before = tracker.local_position
+            tracker.learn_completed(max(others))
+            self._poke_if_moved(before)
 
     async def flush_position(self) -> None:
         """Store this writer's current position now (it is otherwise stored in the
