@@ -57,6 +57,7 @@ from plait.check.verdict import (
 )
 from plait.ports import free_port
 from plait.storage.database import Database
+from plait.storage.incarnation import name_prefix
 
 START_TIMEOUT = 60.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
@@ -426,11 +427,21 @@ class Checker:
             w.stopped = False
 
     async def _terminate_backend(self, writer: str) -> bool:
-        """Terminate one of `writer`'s database connections (named `plait#<epoch> <name>`)."""
-        async with await psycopg.AsyncConnection.connect(self.options.dsn, autocommit=True) as c:
+        """Terminate one of `writer`'s database connections: those named after an epoch
+        it registered in this run's schema (`plait#<epoch> <name>`). Not every `w0` on
+        the server: another run's writers of the same names are not this run's to break
+        (two checks on one server crashed each other's writers as they started)."""
+        async with await psycopg.AsyncConnection.connect(self.plan.dsn, autocommit=True) as c:
             cur = await c.execute(
-                "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
-                (f"plait#% {writer}",),
+                "SELECT DISTINCT epoch FROM stream_positions"
+                " WHERE instance_name = %s AND epoch IS NOT NULL",
+                (writer,),
+            )
+            prefixes = [name_prefix(int(epoch)) for (epoch,) in await cur.fetchall()]
+            cur = await c.execute(
+                "SELECT pid FROM pg_stat_activity WHERE EXISTS"
+                " (SELECT 1 FROM unnest(%s::text[]) AS p WHERE starts_with(application_name, p))",
+                (prefixes,),
             )
             pids = [row[0] for row in await cur.fetchall()]
             if not pids:
