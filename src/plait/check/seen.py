@@ -9,7 +9,8 @@ from plait.check.journal import Journal
 
 
 class Seen:
-    """What a reader got, journalled in batches (readers are never killed)."""
+    """Rows per (stream, writer) and tokens; an ID out of order or a token going back
+    is journalled as a violation where it happens, for the judge to count."""
 
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
