@@ -3,6 +3,8 @@
 The server is `PLAIT_TEST_DSN` when set, else the embedded server from the pip wheel,
 started once per session. Each test gets its own schema (through `search_path` in the
 DSN), so tests, and the processes they start, never see each other's tables.
+
+Also Redis servers, a Spark session, and the internal HTTP API's servers and clients.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from http_api_helpers import MakeClient, StartApi, already_seen, no_streams
 from plait import Database
+from plait.replication.http_api import InternalApi, InternalClient
 from plait.storage.embedded import EmbeddedPostgres
 from redis_server import RedisServer, redis_server_binary
 
@@ -120,3 +125,59 @@ def spark() -> Iterator[Any]:
         yield session
     finally:
         session.stop()
+
+
+@pytest.fixture
+async def start_api() -> AsyncIterator[StartApi]:
+    """Starts InternalApis on free ports (or the given one); stops them after the test."""
+    apis: list[InternalApi] = []
+
+    async def start(*, port: int = 0, host: str = "127.0.0.1", **overrides: Any) -> InternalApi:
+        kwargs: dict[str, Any] = {
+            "instance_name": "server",
+            "secret": None,
+            "catch_up": no_streams,
+            "own_positions": dict,
+            "await_positions": already_seen,
+        }
+        kwargs.update(overrides)
+        api = InternalApi(**kwargs)
+        apis.append(api)
+        await api.start(host=host, port=port)
+        return api
+
+    yield start
+    for api in apis:
+        await api.stop()
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[MakeClient]:
+    """Makes InternalClients (instance "client" unless told); closes them after the test."""
+    clients: list[InternalClient] = []
+
+    def make(instance_map: dict[str, str], **overrides: Any) -> InternalClient:
+        kwargs: dict[str, Any] = {
+            "instance_name": "client",
+            "instance_map": instance_map,
+            "secret": None,
+            "own_positions": dict,
+            "await_positions": already_seen,
+            "retry_for": 2.0,
+            "request_timeout": 2.0,
+        }
+        kwargs.update(overrides)
+        client = InternalClient(**kwargs)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A plain HTTP session for requests the InternalClient would never send."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        yield session

@@ -32,6 +32,8 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from demo_helpers import chat, post
+from http_api_helpers import SECRET, Counter, MemoryStream, StartApi, raw_request
 from plait import ConfigError, Database, StreamSpec, StreamToken, TableSpec
 from plait.caches.invalidations import InvalidationRows
 from plait.config import MAX_CONFIG_BYTES, InstanceConfig
@@ -44,17 +46,7 @@ from plait.replication.http_api import PREFIX, InternalApi
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark import offsets
 from plait.spark.source import Options, Plan
-from test_demo_app import chat, post
-from test_http_api import (
-    SECRET,
-    Counter,
-    MemoryStream,
-    StartApi,
-    _raw_request,
-    http,  # noqa: F401 - a fixture
-    start_api,  # noqa: F401 - a fixture
-)
-from test_tokens import tokens
+from token_strategies import tokens
 
 T = TypeVar("T")
 E = TypeVar("E", bound=Exception)
@@ -828,7 +820,7 @@ def typing_rows() -> MemoryStream:
 
 @pytest.fixture
 async def api(
-    start_api: StartApi,  # noqa: F811 - the fixture
+    start_api: StartApi,
     typing_rows: MemoryStream,
 ) -> InternalApi:
     """An internal API with a secret, one in-memory stream and an echo endpoint."""
@@ -899,7 +891,7 @@ call_bodies = st.fixed_dictionaries(
 @example(body=b'{"caller": "c", "positions": {"s": 1e400}, "args": 1}', name="echo", txn="t1")
 async def test_internal_calls_answer_or_refuse_clearly(
     api: InternalApi,
-    http: aiohttp.ClientSession,  # noqa: F811 - the fixture
+    http: aiohttp.ClientSession,
     answered: dict[tuple[str, str], Any],
     body: bytes,
     name: str,
@@ -934,7 +926,7 @@ bounds = st.integers(-2, 12).map(str) | st.sampled_from(["-0", "10000"])
 async def test_catch_up_pages_answer_or_refuse_clearly(
     api: InternalApi,
     typing_rows: MemoryStream,
-    http: aiohttp.ClientSession,  # noqa: F811 - the fixture
+    http: aiohttp.ClientSession,
     stream: str,
     query: dict[str, str],
 ) -> None:
@@ -974,7 +966,7 @@ async def test_any_authorization_header_is_let_in_or_refused_with_a_401(
     api: InternalApi, header: bytes
 ) -> None:
     async with asyncio.timeout(10):
-        status, body = await _raw_request(api.port, _call_with(header))
+        status, body = await raw_request(api.port, _call_with(header))
     if SECRET.encode() not in header:
         assert status in (400, 401), body  # 400: aiohttp refuses some header bytes itself
     elif header == f"Bearer {SECRET}".encode():
@@ -994,7 +986,7 @@ ROUTES = {
     "/backfill": "backfill",
 }
 ROOMS = ["!room1:demo", "!room2:demo"]
-# A request may wait for positions (up to 5 s): more than test_http_api's `http` allows.
+# A request may wait for positions (up to 5 s): more than the `http` fixture allows.
 DEMO_TIMEOUT = aiohttp.ClientTimeout(total=10)
 hostile_text = st.sampled_from(["", "a b", "\x00", "a\x00b", "\ud800", "\x7f"]) | any_text
 hostile = hostile_text | json_values
@@ -1089,7 +1081,7 @@ async def demo(db: Database) -> AsyncIterator[str]:
 @example(request=("GET", "/backfill", {"room": "a", "since": "m0~9999999999999999999.1"}, None))
 async def test_the_demo_api_answers_or_refuses_clearly(
     demo: str,
-    http: aiohttp.ClientSession,  # noqa: F811 - the fixture
+    http: aiohttp.ClientSession,
     request: tuple[str, str, dict[str, str], bytes | None],
 ) -> None:
     method, path, query, body = request
@@ -1105,7 +1097,7 @@ async def test_the_demo_api_answers_or_refuses_clearly(
 
 async def test_an_after_token_from_the_future_is_clamped_not_waited_on(
     demo: str,
-    http: aiohttp.ClientSession,  # noqa: F811 - the fixture
+    http: aiohttp.ClientSession,
 ) -> None:
     """`/sync?after=` waits for the writes its token names; positions no writer has
     reached are clamped to what was handed out, and the writers are waited on together

@@ -9,131 +9,33 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from http_api_helpers import (
+    SECRET,
+    Counter,
+    MakeClient,
+    MemoryStream,
+    StartApi,
+    already_seen,
+    no_streams,
+    raw_request,
+)
 from plait.errors import ConfigError, RemoteCallError
 from plait.ports import free_port
-from plait.replication.http_api import CatchUpPage, InternalApi, InternalClient
+from plait.replication.http_api import CatchUpPage, InternalApi
 from plait.replication.metrics import ReplicationMetrics
 from replication_helpers import until
 
 pytestmark = pytest.mark.timeout(30)
 
-SECRET = "s3cret-token"
-StartApi = Callable[..., Awaitable[InternalApi]]
-MakeClient = Callable[..., InternalClient]
-
-
-async def _seen(instance: str, positions: dict[str, int]) -> None:
-    return None
-
-
-async def _no_streams(
-    stream: str, from_exclusive: int, to_inclusive: int, limit: int
-) -> CatchUpPage:
-    raise KeyError(stream)
-
-
-@pytest.fixture
-async def start_api() -> AsyncIterator[StartApi]:
-    """Starts InternalApis on free ports (or the given one); stops them after the test."""
-    apis: list[InternalApi] = []
-
-    async def start(*, port: int = 0, host: str = "127.0.0.1", **overrides: Any) -> InternalApi:
-        kwargs: dict[str, Any] = {
-            "instance_name": "server",
-            "secret": None,
-            "catch_up": _no_streams,
-            "own_positions": dict,
-            "await_positions": _seen,
-        }
-        kwargs.update(overrides)
-        api = InternalApi(**kwargs)
-        apis.append(api)
-        await api.start(host=host, port=port)
-        return api
-
-    yield start
-    for api in apis:
-        await api.stop()
-
-
-@pytest.fixture
-async def make_client() -> AsyncIterator[MakeClient]:
-    """Makes InternalClients (instance "client" unless told); closes them after the test."""
-    clients: list[InternalClient] = []
-
-    def make(instance_map: dict[str, str], **overrides: Any) -> InternalClient:
-        kwargs: dict[str, Any] = {
-            "instance_name": "client",
-            "instance_map": instance_map,
-            "secret": None,
-            "own_positions": dict,
-            "await_positions": _seen,
-            "retry_for": 2.0,
-            "request_timeout": 2.0,
-        }
-        kwargs.update(overrides)
-        client = InternalClient(**kwargs)
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        await client.close()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A plain HTTP session for requests the InternalClient would never send."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        yield session
-
-
-class Counter:
-    """An endpoint handler that counts its runs, can be held at a gate, and can take
-    `delay` seconds."""
-
-    def __init__(self, *, hold: bool = False, delay: float = 0.0) -> None:
-        self.runs = 0
-        self.delay = delay
-        self.gate = asyncio.Event()
-        self.started = asyncio.Event()
-        if not hold:
-            self.gate.set()
-
-    async def __call__(self, args: Any) -> Any:
-        self.runs += 1
-        self.started.set()
-        await self.gate.wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return {"echo": args, "run": self.runs}
-
 
 def _body(args: Any = None, caller: str = "client", positions: dict[str, int] | None = None) -> Any:
     return {"caller": caller, "positions": positions or {}, "args": args}
-
-
-async def _raw_request(port: int, request: bytes) -> tuple[int, bytes]:
-    """Sends bytes as they are (headers no HTTP library would send) and returns the
-    status and the body of the answer."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        answer = await reader.read()
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
 
 
 # -- 1. auth ---------------------------------------------------------------------------
@@ -173,7 +75,7 @@ async def test_with_a_secret_only_the_right_bearer_header_passes(
             assert "secret" in (await resp.json())["error"]
     # Bytes no client library would send: UTF-8, invalid UTF-8, nothing after the scheme.
     for value in ("Bearer é€😀".encode(), b"Bearer \xff\xfe\x80\xc3", b"\xc3\x28"):
-        status, body = await _raw_request(
+        status, body = await raw_request(
             api.port,
             b"GET /_plait/v1/streams/s/updates?from=0&to=1&limit=1 HTTP/1.1\r\n"
             b"Host: x\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n",
@@ -234,36 +136,13 @@ def test_secrets_that_cannot_travel_in_a_header_are_refused() -> None:
             InternalApi(
                 instance_name="a",
                 secret=secret,
-                catch_up=_no_streams,
+                catch_up=no_streams,
                 own_positions=dict,
-                await_positions=_seen,
+                await_positions=already_seen,
             )
 
 
 # -- 2. catch-up -----------------------------------------------------------------------
-
-
-class MemoryStream:
-    """A catch-up source over rows held in memory, like an in-memory stream's writer."""
-
-    def __init__(self, name: str, rows: dict[int, Any], *, lost_upto: int = 0) -> None:
-        self.name = name
-        self.rows = rows
-        self.lost_upto = lost_upto  # rows at or below this were lost in a restart
-        self.asked: list[tuple[str, int, int, int]] = []
-
-    async def __call__(self, stream: str, from_: int, to: int, limit: int) -> CatchUpPage:
-        self.asked.append((stream, from_, to, limit))
-        if stream != self.name:
-            raise KeyError(stream)
-        if from_ < self.lost_upto:
-            rows = sorted(self.rows.items())[:limit]
-            return CatchUpPage(rows=rows, upto=max(self.rows), limited=False, reset=True)
-        wanted = sorted((t, r) for t, r in self.rows.items() if from_ < t <= to)
-        if len(wanted) > limit:
-            page = wanted[:limit]
-            return CatchUpPage(rows=page, upto=page[-1][0], limited=True, reset=False)
-        return CatchUpPage(rows=wanted, upto=to, limited=False, reset=False)
 
 
 async def test_catch_up_pages_come_back_whole(start_api: StartApi, make_client: MakeClient) -> None:

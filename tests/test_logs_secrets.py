@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from http_api_helpers import Counter, MakeClient
 from plait import ConfigError, Database, DatabaseUnavailableError
 from plait.config import InstanceConfig
 from plait.core.redact import redact
@@ -24,12 +25,6 @@ from plait.instance import Instance
 from plait.ports import free_port
 from plait.replication.http_api import PREFIX
 from replication_helpers import until
-from test_http_api import (
-    Counter,
-    MakeClient,
-    http,  # noqa: F401 - a fixture
-    make_client,  # noqa: F401 - a fixture
-)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,8 +49,8 @@ def _with_password(redis_url: str) -> str:
 async def test_no_secret_reaches_the_logs_or_the_errors(
     dsn: str,
     redis_url: str,
-    make_client: MakeClient,  # noqa: F811 - the fixture
-    http: aiohttp.ClientSession,  # noqa: F811 - the fixture
+    make_client: MakeClient,
+    http: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)

@@ -27,9 +27,9 @@ from plait.errors import ConfigError
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_options import RedisTls, client_options
 from plait.replication.redis_transport import RedisTransport
+from redis_helpers import RecordingHandler, channel
 from redis_tls import Pki, TlsRedisServer, make_pki, start_tls_server
 from replication_helpers import Seen, cluster_of, start_connected, write
-from test_redis_transport import RecordingHandler, channel
 from transport_helpers import RecordingBackoff, eventually
 
 LOGGER = "plait.replication.redis_transport"

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,73 +19,13 @@ from redis.asyncio import Redis
 
 from plait.core.commands import MAX_LINE_BYTES
 from plait.ports import free_port
-from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
+from redis_helpers import RecordingHandler, channel
 from redis_server import RedisServer
 from transport_helpers import RecordingBackoff, eventually
 
 LOGGER = "plait.replication.redis_transport"
-
-
-class RecordingSession:
-    """What the transport did to one connection's session."""
-
-    def __init__(self, handler: RecordingHandler, link: Link, number: int) -> None:
-        self.link = link
-        self.number = number
-        self.raw: list[str | bytes] = []
-        self.closed_calls = 0
-        self.opened_at = time.monotonic()
-        self.closed_at: float | None = None
-        self._handler = handler
-
-    @property
-    def lines(self) -> list[str]:
-        return [x.decode() if isinstance(x, bytes) else x for x in self.raw]
-
-    def received(self, line: str | bytes) -> None:
-        self.raw.append(line)
-        if line in (b"BOOM", "BOOM"):  # a session bug, which the transport must survive
-            raise RuntimeError("boom")
-
-    async def wait_up(self) -> None:
-        await self._handler.may_be_up.wait()
-
-    def closed(self) -> None:
-        self.closed_calls += 1
-        self.closed_at = time.monotonic()
-
-
-class RecordingHandler:
-    """Opens a RecordingSession per connection and, like the real handler, sends
-    REPLICATE and a position of its own through the link at once."""
-
-    def __init__(self, name: str, *, up: bool = True) -> None:
-        self.name = name
-        self.sessions: list[RecordingSession] = []
-        self.may_be_up = asyncio.Event()  # wait_up() returns once this is set
-        if up:
-            self.may_be_up.set()
-
-    @property
-    def instance_name(self) -> str:
-        return self.name
-
-    def open(self, link: Link, *, reply_errors: bool) -> RecordingSession:
-        assert not reply_errors  # Redis: malformed lines are only logged
-        session = RecordingSession(self, link, len(self.sessions))
-        self.sessions.append(session)
-        link.send("REPLICATE")
-        link.send(self.open_line(session.number))
-        return session
-
-    def open_line(self, number: int) -> str:
-        return f"POSITION s {self.name} 0 {number}"
-
-    @property
-    def session(self) -> RecordingSession:
-        return self.sessions[-1]
 
 
 def gauge_up(metrics: ReplicationMetrics) -> float | None:
@@ -100,10 +39,6 @@ def reconnects(metrics: ReplicationMetrics) -> float:
 
 def rdata(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("RDATA")]
-
-
-def channel() -> str:
-    return f"plait-test-{uuid.uuid4().hex}"
 
 
 @pytest.fixture

@@ -19,24 +19,10 @@ from hypothesis import strategies as st
 
 from plait.core.tokens import MAX_TOKEN_TEXT, StreamToken, decode_text
 from plait.errors import TokenParseError
+from token_strategies import SMALL_NAMES, tokens
 
 BIGINT = 2**63 - 1
 UNLISTED = "nobody-lists-this-writer"
-# Few names and small numbers, so random tokens share writers and compare equal often.
-SMALL_NAMES = st.sampled_from(["a", "b", "c", "d"])
-
-
-@st.composite
-def tokens(
-    draw: st.DrawFn,
-    names: st.SearchStrategy[str] = SMALL_NAMES,
-    max_min: int = 6,
-    max_ahead: int = 6,
-) -> StreamToken:
-    low = draw(st.integers(0, max_min))
-    ahead = draw(st.dictionaries(names, st.integers(1, max_ahead), max_size=4))
-    return StreamToken(low, {w: low + d for w, d in ahead.items()})
-
 
 any_names = st.text(min_size=1, max_size=12)
 big_tokens = tokens(names=any_names, max_min=BIGINT // 2, max_ahead=BIGINT // 2)
