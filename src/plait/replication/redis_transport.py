@@ -137,7 +137,7 @@ class _Outbox:
         self._waiting.set()  # a publisher waiting for lines learns it is over
 
     async def until_closed(self) -> None:
-        """Raises once `close()` was called, ending the connection's task group."""
+        """Raises once `close()` was called, ending the connection."""
         await self._dropped.wait()
         raise ConnectionError("the handler closed the connection")
 
