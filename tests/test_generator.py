@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import psycopg
 import pytest
@@ -189,6 +190,23 @@ async def test_a_replicated_idle_writer_follows_stored_positions_while_it_hears_
     assert idle.get_current_token_for_writer("idle") == 21
     assert idle.get_positions()["busy"] == 1  # never heard of
     assert idle.get_current_token() == 1
+    # Once replication feeds it, it reads nothing more (one tick may be under way).
+    reads = 0
+    load = idle.store.load_positions
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await load(*args, **kwargs)
+
+    idle.store.load_positions = counted  # type: ignore[method-assign]
+    for _ in range(10):  # ten flush intervals, busy writing and replication delivering
+        async with busy.get_next() as later:
+            pass
+        idle.advance("busy", later)  # what a POSITION from busy does
+        await asyncio.sleep(0.1)
+    assert reads <= 1
+    assert idle.get_current_token_for_writer("idle") == later
 
 
 async def test_any_writer_mode_keeps_no_position_rows(db: Database) -> None:

@@ -364,8 +364,11 @@ class Checker:
         """Faults of `kind` so far; slow commits count once a writer began one (one
         asked of a writer killed before its next transaction is never made)."""
         if kind == "slow_commit":
-            self.faults.counts[kind] = sum(1 for _ in journal.read(self.plan.slow_made))
+            return self._slow_commits_made()
         return self.faults.counts[kind]
+
+    def _slow_commits_made(self) -> int:
+        return sum(1 for _ in journal.read(self.plan.slow_made))
 
     async def _fault(self, kind: str) -> bool:
         """Inject one fault of `kind`; False when nothing could take it just now."""
@@ -562,7 +565,7 @@ class Checker:
         kv_truth: dict[str, dict[int, str]],
         elapsed: float,
     ) -> Report:
-        self._done("slow_commit")  # the slow commits begun, from the writers' record
+        self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
         history = History(deaths=self.faults.deaths, stops=self.faults.stops)
         rolled_back = failed = 0
         for w in plan.writers:

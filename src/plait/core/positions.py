@@ -392,8 +392,9 @@ class PositionTracker:
 
     def learn_completed(self, stream_id: int) -> None:
         """A completed ID learned outside replication (another writer's stored position),
-        for the idle rule (R-ID-5) only: it moves no other writer's position and adds
-        nothing below persisted-up-to, which promise that rows reached this instance."""
+        for the idle rule (R-ID-5) only: it moves no other writer's position and is not
+        among the IDs persisted-up-to skips over; both promise that rows reached this
+        instance."""
         if stream_id > self._max_seen:
             self._max_seen = stream_id
             self._settle()

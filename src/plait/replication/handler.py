@@ -532,7 +532,8 @@ class _Session:
         self.link = link
         self._reply_errors = reply_errors
         self._inbound = Inbound(handler.instance_name)
-        self._own_bytes = handler.instance_name.encode()
+        self._own_name = handler.instance_name
+        self._own_bytes = self._own_name.encode()
         self._queues: dict[str, asyncio.Queue[Command]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._announced: set[tuple[str, str]] = set()
@@ -551,8 +552,11 @@ class _Session:
     def received(self, line: str | bytes) -> None:
         if self._closed:
             return
-        name = self._handler.instance_name
-        if rows_of(line, self._own_bytes) if isinstance(line, bytes) else rows_of(line, name):
+        if (
+            rows_of(line, self._own_bytes)
+            if isinstance(line, bytes)
+            else rows_of(line, self._own_name)
+        ):
             return  # Redis hands our own RDATA and POSITION back: drop them unparsed
         handler = self._handler
         try:

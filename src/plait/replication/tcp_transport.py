@@ -94,7 +94,6 @@ _MAX_HANDSHAKING = 64
 # burst past it (every client reconnecting at once, or a flood) leaves connections
 # established for the client but unseen by the hub, for seconds of SYN-ACK retries.
 _BACKLOG = 1024
-# Commands that name the instance whose rows or position they carry, third on the line.
 # The hub knows these: one its session refuses is bad. Any other well-formed name may be
 # an application's command the hub does not register: relayed for its receivers to
 # check (`CommandSet.register` allows only names of this form).

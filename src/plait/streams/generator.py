@@ -92,6 +92,7 @@ class MultiWriterIdGenerator:
                 name=f"{spec.name}/{instance_name}",
             )
         self._follow_database = follow_database
+        self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._capture: WriteCapture | None = None
@@ -554,13 +555,15 @@ class MultiWriterIdGenerator:
         the others; this keeps it moving while it hears nothing (Redis down, or out of
         its reach), or readers of the database alone would stall on it (R-ID-8)."""
         tracker = self._tracker
-        if not tracker.is_idle:
-            return
+        heard, self._heard_upto = self._heard_upto, tracker.max_seen
+        if not tracker.is_idle or tracker.max_seen > heard:
+            return  # busy, or replication moved it since the last look: no query
         stored = await self._store.load_positions(drop_others=False)
         others = [position for writer, position in stored.items() if writer != self._instance]
         if others:
             before = tracker.local_position
             tracker.learn_completed(max(others))
+            self._heard_upto = tracker.max_seen  # what it learned here is no news next time
             self._poke_if_moved(before)
 
     async def flush_position(self) -> None:
