@@ -144,6 +144,9 @@ class ReplicationConfig(_Model):
     catch_up_page_max: int = Field(10_000, ge=1, le=10_000)
     backoff_initial: float = Field(0.1, gt=0)
     backoff_cap: float = Field(30.0, gt=0)
+    # The deployment's replication secret: peers prove they hold it before anything but
+    # the handshake is accepted (TCP), and every published line is signed with it (Redis).
+    secret: SecretStr | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ReplicationConfig:
