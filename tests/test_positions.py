@@ -836,3 +836,18 @@ def test_unfinished_id_set_is_a_set_with_its_minimum(ops: list[tuple[str, list[i
         assert ids.min() == min(model, default=None)
         assert len(ids) == len(model)
         assert ids.sorted() == sorted(model)
+
+
+@given(
+    stored=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(1, 50), min_size=1),
+    completed=st.lists(st.integers(1, 60), max_size=5),
+)
+def test_starting_writer_reads_agree(stored: dict[str, int], completed: list[int]) -> None:
+    """A writer that just started has nothing pending: `positions()` and `position_of`
+    say the same of it (issue 18, finding 9: Synapse's restart test gave 3 and 5)."""
+    floor = min(stored.values())
+    tracker = PositionTracker(
+        "a", writers=["a", "b", "c"], floor=floor, positions=stored, completed=completed
+    )
+    assert tracker.positions()["a"] == tracker.position_of("a") == tracker.local_position
+    assert tracker.positions()["a"] >= stored.get("a", floor)

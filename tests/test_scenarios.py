@@ -93,6 +93,25 @@ async def test_reader_persisted_upto_with_gaps(db: Database) -> None:
     assert reader.get_persisted_upto_position() == 11
 
 
+async def test_restarted_writer_reads_agree(db: Database) -> None:
+    """Synapse's test_get_persisted_upto_position_get_next, ported: a restarted writer
+    whose sequence head is known complete is at that head, in every read."""
+    await create_table(db)
+    await insert_row_with_id(db, "first", 3)
+    await insert_row_with_id(db, "second", 5)
+    gen = await create_generator(db, ["first", "second"], "first")
+    assert gen.get_positions() == {"first": 5, "second": 5}
+    assert gen.get_current_token_for_writer("first") == 5
+    assert gen.get_persisted_upto_position() == 5
+    async with gen.get_next() as stream_id:
+        assert stream_id == 6
+        assert gen.get_persisted_upto_position() == 5
+        assert gen.get_positions() == {"first": 5, "second": 5}
+    assert gen.get_persisted_upto_position() == 6
+    assert gen.get_positions() == {"first": 6, "second": 5}
+    assert gen.get_minimal_local_current_token() == 6
+
+
 async def test_two_writers_after_replication(db: Database) -> None:
     await create_table(db)
     await insert_rows(db, "first", 3)  # IDs 1..3
@@ -240,7 +259,8 @@ async def test_two_tables_row_missing_from_positions(db: Database) -> None:
     first = await create_generator(db, ["first", "second"], "first", tables=tables)
     second = await create_generator(db, ["first", "second"], "second", tables=tables)
 
-    assert first.get_positions() == {"first": 3, "second": 7}
+    # "first" starts at 8 (row 8 found, nothing of its own pending), in every read.
+    assert first.get_positions() == {"first": 8, "second": 7}
     assert first.get_persisted_upto_position() == 8  # row 8 was found in second_table
     assert first.get_current_token_for_writer("first") == 8
     assert first.get_current_token_for_writer("second") == 8

@@ -307,7 +307,11 @@ class PositionTracker:
             return
         self._seated = True
         if self._is_writer:
-            self._positions.setdefault(self._instance, self._local)
+            # Nothing of ours is pending at start: our position is the largest ID we
+            # know completed, even when the row stored for us is older (a restart),
+            # so `positions()` and `position_of` start out agreeing, as in Synapse.
+            stored = self._positions.get(self._instance, self._local)
+            self._positions[self._instance] = max(stored, self._local)
         if self._writers is not None:
             for writer in sorted(self._writers):
                 self._positions.setdefault(writer, self._persisted)
