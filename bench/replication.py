@@ -35,7 +35,8 @@ from plait import Database
 # The tests' redis-server helper: a server of our own, stopped and started at will.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from plait.instance import Instance
-from redis_server import RedisServer, free_port, redis_server_binary
+from plait.ports import free_port
+from redis_server import RedisServer, redis_server_binary
 
 REDIS_URL = os.environ.get("PLAIT_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 STREAM = {"name": "events", "tables": [{"name": "events"}], "writers": ["w1"]}

@@ -13,6 +13,7 @@ from plait import (
     Database,
     MultiWriterIdGenerator,
     NotAWriterError,
+    PositionAboveHeadError,
     StreamSpec,
     StreamToken,
     TableSpec,
@@ -508,3 +509,34 @@ async def test_oldest_unfinished_age_counts_from_when_the_held_id_was_taken(
         assert age is not None
         assert age < 0.3
     assert gen.oldest_unfinished_age() is None
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+async def test_a_position_above_the_sequence_head_is_never_stored(
+    db: Database, backwards: bool
+) -> None:
+    """Issue 18, finding 1: a writer stored 10^9 while the sequence stood at 407, and
+    every later write and restart failed. The statement itself refuses it (R-ID-14)."""
+    await create_table(db)
+    gen = await create_generator(db, ["first", "second"], "first", backwards=backwards)
+    sign = -1 if backwards else 1
+    async with gen.get_next():
+        pass
+    await gen.flush_position()
+    before = await stored_positions(db)
+    with pytest.raises(PositionAboveHeadError, match="names no ID"):
+        await gen.store.upsert_position("second", 1_000_000_000, durable=False)
+    with pytest.raises(PositionAboveHeadError):
+        await gen.store.upsert_position("first", 3, durable=True)  # the head is 2
+    assert await stored_positions(db) == before
+    await gen.store.upsert_position("second", 2, durable=False)  # at the head: stored
+    assert (await stored_positions(db))["second"] == sign * 2
+    # A peer's forged claim reaches the tracker only through `advance` (trusted
+    # input); the replication handler checks claims first (`is_allocated`).
+    assert not await gen.is_allocated(sign * 3)
+    assert await gen.is_allocated(sign * 2)
+    gen.advance("second", sign * 1_000_000_000)  # as a buggy caller would
+    with pytest.raises(PositionAboveHeadError):
+        await gen.flush_position()
+    assert max(abs(p) for p in (await stored_positions(db)).values()) == 2
+    await gen.close()

@@ -31,6 +31,7 @@ from replication_helpers import (
     write,
     write_many,
 )
+from stream_helpers import stored_positions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,15 +297,24 @@ async def test_wait_for_stream_position_and_read_your_writes(cluster: Cluster) -
     sid = await write(w1, "mine")
     assert await r.wait_for_stream_position("w1", "events", sid, timeout=5)
     assert await r.wait_for_stream_position("r", "events", 10**9)  # self: at once
+    # Above the sequence head no write can ever reach it: refused, not waited for.
     started_at = time.monotonic()
-    assert not await r.wait_for_stream_position("w1", "events", sid + 1000, timeout=0.2)
-    assert 0.2 <= time.monotonic() - started_at < 1
-    assert metric(r, "plait_wait_timeouts_total", stream="events") == 1
-    # Positions on several streams are awaited together: one timeout in all.
-    started_at = time.monotonic()
-    await r.await_positions("w1", {"events": sid + 1000, "notes": 10**6}, timeout=0.3)
-    assert 0.3 <= time.monotonic() - started_at < 0.55
-    assert metric(r, "plait_wait_timeouts_total", stream="notes") == 1
+    assert not await r.wait_for_stream_position("w1", "events", sid + 1000, timeout=30)
+    assert time.monotonic() - started_at < 30
+    assert metric(r, "plait_refused_positions_total", stream="events") == 1
+    assert metric(r, "plait_wait_timeouts_total", stream="events") == 0
+    # IDs handed out and not written yet are waited for, up to the timeout.
+    events, notes = w1.generator("events"), w1.generator("notes")
+    async with events.get_next() as pending, notes.get_next() as pending_note:
+        started_at = time.monotonic()
+        assert not await r.wait_for_stream_position("w1", "events", pending, timeout=0.2)
+        assert 0.2 <= time.monotonic() - started_at < 1
+        assert metric(r, "plait_wait_timeouts_total", stream="events") == 1
+        # Positions on several streams are awaited together: one timeout in all.
+        started_at = time.monotonic()
+        await r.await_positions("w1", {"events": pending, "notes": pending_note}, timeout=0.3)
+        assert 0.3 <= time.monotonic() - started_at < 0.55
+        assert metric(r, "plait_wait_timeouts_total", stream="notes") == 1
 
     for i in range(5):  # each call sees the write just before it
         await write(w1, f"ryw{i}")
@@ -745,3 +755,67 @@ async def test_a_shared_secret_guards_the_internal_api_of_instances(cluster: Clu
 
 async def _echo(args: Any) -> Any:
     return args
+
+
+async def _forge(cluster: Cluster, channel: str, lines: list[str]) -> None:
+    """Send `lines` as a rogue peer: one PUBLISH each on the deployment's Redis channel,
+    or a raw TCP client of the hub that names itself `evil`."""
+    if cluster.transport == "redis":
+        publisher = aioredis.Redis.from_url(cluster.redis_url)
+        try:
+            for line in lines:
+                await publisher.publish(channel, line)
+        finally:
+            await publisher.aclose()
+        return
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.hub_port)
+    try:
+        writer.write(b"NAME evil\n")
+        await writer.drain()
+        await reader.readline()  # SERVER
+        for line in lines:
+            writer.write(line.encode() + b"\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def test_a_forged_position_above_the_sequence_head_is_refused(cluster: Cluster) -> None:
+    """Issue 18, finding 1: one line from any peer made a writer adopt 10^9 as its own
+    position, store it and stop writing. A position (or row) above the sequence head
+    is impossible: refused wherever it arrives, stored nowhere (R-ID-14)."""
+    if cluster.transport == "tcp":
+        await started(cluster, "hub")
+    seen = Seen()
+    w1 = await started(cluster, "w1")
+    w2 = await started(cluster, "w2")
+    r = await started(cluster, "r", seen)
+    await connected(w1, w2, r)
+    first = await write(w1, "before")
+    await seen.wait(1)
+    huge = 1_000_000_000
+    await _forge(
+        cluster,
+        r.config.channel,
+        [
+            f"POSITION events w2 0 {huge}",
+            f"POSITION events w2 {huge} {huge}",  # as a fence announces it
+            f'RDATA events w1 {huge - 1} ["events",{huge - 1},"w1","forged"]',
+        ],
+    )
+    await asyncio.sleep(3 * 0.2)  # announce and flush intervals: a stored claim shows
+    for instance in (w1, w2, r):
+        gen = instance.generator("events")
+        assert max(gen.get_positions().values()) < huge, instance.name
+        assert gen.get_persisted_upto_position() < huge, instance.name
+    assert w1.generator("events").get_current_token_for_writer("w1") < huge
+    assert max((await stored_positions(cluster.db)).values()) < huge
+    assert metric(r, "plait_refused_positions_total", stream="events") >= 1
+    # Writing goes on, and every row reaches the reader; the forged one never does.
+    later = [await write(w1, "after"), await write(w2, "after")]
+    await seen.wait(3)
+    assert sorted(row[1] for row in seen.rows) == sorted([first, *later])
+    assert all(row[3] != "forged" for row in seen.rows)

@@ -32,6 +32,11 @@ class SequenceBehindError(PlaitError):
     """The stream's sequence is behind what plait has recorded; starting would reuse IDs."""
 
 
+class PositionAboveHeadError(PlaitError):
+    """A position names an ID the stream's sequence has not handed out: it was forged,
+    corrupted, or comes from another database. It is refused, never stored."""
+
+
 class NotAWriterError(PlaitError):
     """This instance tried to allocate stream IDs on a stream it is not configured to write."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +30,7 @@ from plait.caches.start import fenced
 from plait.config import InstanceConfig, StreamConfig
 from plait.core.backoff import Backoff
 from plait.core.commands import Command, CommandSet
+from plait.core.throttle import Throttle
 from plait.errors import ConfigError
 from plait.replication.handler import (
     CommandListener,
@@ -85,6 +87,7 @@ class Instance:
         self._generators: dict[str, MultiWriterIdGenerator] = {}
         self.metrics = ReplicationMetrics()
         self._waiters = PositionWaiters()
+        self._refused_waits = Throttle(10.0)  # one warning per stream this often
         self._handler: ReplicationHandler | None = None
         self._transport: RedisTransport | TcpHub | TcpClient | None = None
         self._api: InternalApi | None = None
@@ -273,6 +276,22 @@ class Instance:
         internal = replicated.sign * position
         if replicated.seen(instance) >= internal:
             return True
+        if not replicated.is_known_allocated(internal) and not await replicated.is_allocated(
+            internal
+        ):
+            # No write can ever reach it: waiting would only stall the caller (R-ID-14).
+            self.metrics.refused_positions.labels(stream).inc()
+            if (held := self._refused_waits.allow(stream, time.monotonic())) is not None:
+                logger.warning(
+                    "instance %s: not waiting for %s to reach %d on %s: no ID that high "
+                    "was handed out yet (a forged or corrupted position)%s",
+                    self.name,
+                    instance,
+                    position,
+                    stream,
+                    f"; {held} more refused since the last warning" if held else "",
+                )
+            return False
         future = self._waiters.add(stream, instance, internal)
         try:
             async with asyncio.timeout(timeout):

@@ -53,6 +53,7 @@ from plait.core.commands import (
 from plait.core.inbound import Inbound
 from plait.core.outbound import Outbound
 from plait.core.progress import Progress
+from plait.core.throttle import Throttle
 from plait.errors import CommandParseError
 from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
@@ -75,6 +76,9 @@ DEFAULT_CATCH_UP_PAGE_MAX = 10_000
 # The queue key of application commands (stream names are SQL names: never this).
 _APP_QUEUE = "\x00commands"
 _TRANSPORT_COMMANDS = (Name, Server, Ping)
+# One warning per (connection, stream, writer) this often about refused claims; the
+# metric counts every one.
+_REFUSALS_LOGGED_EVERY = 10.0
 
 
 @dataclass
@@ -181,6 +185,7 @@ class ReplicationHandler:
         # and a connection's RDATA or POSITION for that writer never interleave.
         self._delivering: dict[tuple[str, str], asyncio.Lock] = {}
         self._fence_tasks: set[asyncio.Task[None]] = set()
+        self._refusals = Throttle(_REFUSALS_LOGGED_EVERY)
         for stream in self.streams.values():
             stream.add_fence_listener(functools.partial(self._fenced, stream))
         metrics.watch_streams(self._snapshots)
@@ -230,8 +235,8 @@ class ReplicationHandler:
 
     # -- connections --------------------------------------------------------------------
 
-    def open(self, link: Link, *, reply_errors: bool) -> _Session:
-        session = _Session(self, link, reply_errors)
+    def open(self, link: Link, *, reply_errors: bool, authenticated: bool = False) -> _Session:
+        session = _Session(self, link, reply_errors, authenticated)
         self._sessions.append(session)
         self._send(link, Replicate())
         self.answer_replicate(link)
@@ -406,6 +411,26 @@ class ReplicationHandler:
         for listener in self.listeners.departures:
             await _call(listener, instance)
 
+    def refuse(self, stream: ReplicatedStream, command: Rdata | Position, link: str) -> None:
+        """A row or position claims an ID the stream's sequence has not handed out: it
+        is dropped, counted and logged (rate-limited), never adopted (R-ID-14)."""
+        self.metrics.refused_positions.labels(stream.name).inc()
+        held = self._refusals.allow((link, stream.name, command.instance), time.monotonic())
+        if held is None:
+            return
+        claim = command.token if isinstance(command, Rdata) else command.new
+        logger.warning(
+            "replication: refused %s of %s for %s on %s: %s names no ID yet (above the "
+            "sequence head), so it is forged or comes from another database; every "
+            "instance must use the same database%s",
+            command.NAME,
+            command.instance,
+            stream.name,
+            link,
+            claim,
+            f" ({held} more refused since the last warning)" if held else "",
+        )
+
     def stream(self, name: str) -> ReplicatedStream | None:
         stream = self.streams.get(name)
         if stream is None and name not in self._unknown_streams:
@@ -527,10 +552,17 @@ class _Sender:
 class _Session:
     """One connection: its inbound state and its per-stream queues."""
 
-    def __init__(self, handler: ReplicationHandler, link: Link, reply_errors: bool) -> None:
+    def __init__(
+        self, handler: ReplicationHandler, link: Link, reply_errors: bool, authenticated: bool
+    ) -> None:
         self._handler = handler
         self.link = link
         self._reply_errors = reply_errors
+        # Unauthenticated lines may come from anyone: every claim above the sequence
+        # head known here is checked against the sequence before it counts (R-ID-14).
+        # Authenticated ones carry a writer's word about its own IDs, which it took
+        # from the sequence: only positions sent on another's behalf are checked.
+        self._check_every_claim = not authenticated
         self._inbound = Inbound(handler.instance_name)
         self._own_name = handler.instance_name
         self._own_bytes = self._own_name.encode()
@@ -604,6 +636,11 @@ class _Session:
                 and command.stream not in self._busy
                 and not self.queue_length(command.stream)
                 and not handler.is_delivering(command.stream, command.instance)
+                and (
+                    command.token is None
+                    or not self._check_every_claim
+                    or stream.is_known_allocated(stream.sign * command.token)
+                )
             ):
                 self._rdata_now(stream, command)  # nothing queued before it: no task switch
                 return
@@ -684,6 +721,13 @@ class _Session:
 
     async def _rdata(self, command: Rdata) -> None:
         stream = self._handler.streams[command.stream]
+        if (
+            self._check_every_claim
+            and command.token is not None
+            and not await stream.is_allocated(stream.sign * command.token)
+        ):
+            self._handler.refuse(stream, command, self.link.label)
+            return
         accepted = self._accept(stream, command)
         if accepted is not None:
             await self._handler.deliver(stream, command.instance, *accepted)
@@ -708,6 +752,12 @@ class _Session:
         stream = handler.streams[command.stream]
         internal = _signed(command, stream.sign)
         assert isinstance(internal, Position)
+        # prev == new: a fence (or a REPLICATE answer), possibly on another's behalf.
+        if (
+            self._check_every_claim or internal.prev == internal.new
+        ) and not await stream.is_allocated(max(internal.prev, internal.new)):
+            handler.refuse(stream, command, self.link.label)
+            return
         plan = self._inbound.position(internal, stream.seen(command.instance))
         if plan is None:
             return

@@ -61,10 +61,14 @@ class Handler(Protocol):
     @property
     def instance_name(self) -> str: ...
 
-    def open(self, link: Link, *, reply_errors: bool) -> Session:
+    def open(self, link: Link, *, reply_errors: bool, authenticated: bool = False) -> Session:
         """A connection is established. The handler at once sends REPLICATE and its own
         positions through `link` (R-RP-4). `reply_errors`: answer malformed lines with
-        ERROR on the link (TCP) rather than only logging them (Redis)."""
+        ERROR on the link (TCP) rather than only logging them (Redis).
+        `authenticated`: every line on it comes from a peer that proved it holds the
+        deployment's secret, and a writer's rows and positions only from that writer
+        (R-RP-9); the handler then takes a writer's word about its own IDs and checks
+        the sequence only for positions announced on another's behalf (fences)."""
         ...
 
 

@@ -132,6 +132,13 @@ class ReplicationMetrics:
         self.bad_lines = Counter(
             "plait_bad_command_lines", "Malformed command lines received.", ["link"], registry=r
         )
+        self.refused_positions = Counter(
+            "plait_refused_positions",
+            "Positions and rows refused because they claim an ID above the stream's "
+            "sequence head (a forged or corrupted line: see the log).",
+            ["stream"],
+            registry=r,
+        )
         self.rdata_rows = Counter(
             "plait_rdata_rows", "Rows received live (RDATA) and delivered.", ["stream"], registry=r
         )

@@ -61,6 +61,15 @@ class ReplicatedStream(Protocol):
         """How far this process has seen `writer`'s rows."""
         ...
 
+    def is_known_allocated(self, token: int) -> bool:
+        """Whether `token` is known to name an ID that exists (no I/O): a position
+        claimed above the stream's head is a lie or a bug, never a fact (R-ID-14)."""
+        ...
+
+    async def is_allocated(self, token: int) -> bool:
+        """`is_known_allocated`, asking the source of truth when it is not known."""
+        ...
+
     def advance(self, writer: str, token: int) -> None:
         """This process has seen every row of `writer` up to `token` (never backwards)."""
         ...
@@ -174,6 +183,12 @@ class DatabaseStream:
 
     def seen(self, writer: str) -> int:
         return self._seen.get(writer, self._start)
+
+    def is_known_allocated(self, token: int) -> bool:
+        return self._gen.is_known_allocated(self._sign * token)
+
+    async def is_allocated(self, token: int) -> bool:
+        return await self._gen.is_allocated(self._sign * token)
 
     def advance(self, writer: str, token: int) -> None:
         if token <= self._seen.get(writer, self._start):
@@ -327,6 +342,14 @@ class InMemoryStream:
         if writer == self._own and self.memory is not None:
             return self.memory.position
         return self._seen.get(writer, 0)
+
+    # In-memory streams have no sequence: positions are counters of their writer,
+    # whose catch-up over HTTP serves only rows it has (a claim past them fails it).
+    def is_known_allocated(self, token: int) -> bool:
+        return True
+
+    async def is_allocated(self, token: int) -> bool:
+        return True
 
     def advance(self, writer: str, token: int) -> None:
         if token > self._seen.get(writer, 0):

@@ -20,7 +20,7 @@ from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.rows import TupleRow
 
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
-from plait.errors import SchemaError, SequenceBehindError
+from plait.errors import PositionAboveHeadError, SchemaError, SequenceBehindError
 from plait.storage.database import Database, Transaction
 from plait.storage.incarnation import name_prefix
 from plait.streams.spec import StreamSpec, TableSpec
@@ -566,16 +566,40 @@ class StreamStore:
             if not durable
             else "(SELECT 1) AS durable_commit"
         )
-        query = (
-            "INSERT INTO stream_positions (stream_name, instance_name, stream_id)"
-            f" SELECT %s, %s, %s FROM {source}"
+        # The sequence head is read in the same statement, and a position above it is
+        # never written (R-ID-14): a corrupted in-memory position cannot reach the table.
+        query = sql.SQL(
+            "WITH head AS (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END"
+            " AS id FROM {seq}), moved AS ("
+            " INSERT INTO stream_positions (stream_name, instance_name, stream_id)"
+            " SELECT %(stream)s, %(inst)s, %(stored)s FROM {source}, head"
+            " WHERE %(internal)s <= head.id"
             " ON CONFLICT (stream_name, instance_name)"
             " DO UPDATE SET stream_id = EXCLUDED.stream_id, updated_at = now()"
-            " WHERE stream_positions.stream_id "
-            + ("> EXCLUDED.stream_id" if self.spec.backwards else "< EXCLUDED.stream_id")
+            " WHERE stream_positions.stream_id {keep} EXCLUDED.stream_id RETURNING 1)"
+            " SELECT id FROM head"
+        ).format(
+            seq=self._seq,
+            source=sql.SQL(source),
+            keep=sql.SQL(">" if self.spec.backwards else "<"),
         )
+        names = {
+            "stream": self.spec.name,
+            "inst": instance,
+            "stored": self._sign * position,
+            "internal": position,
+        }
         async with self.db.cursor() as cur:
-            await cur.execute(query, (self.spec.name, instance, self._sign * position))
+            await cur.execute(query, names)
+            row = await cur.fetchone()
+        head = None if row is None else int(row)
+        if head is None or position > head:
+            raise PositionAboveHeadError(
+                f"stream {self.spec.name!r}: not storing {instance}'s position "
+                f"{self._sign * position}: the sequence {self.spec.sequence!r} has handed out "
+                f"IDs up to {self._sign * (head or 0)} only, so that position names no ID (a "
+                "forged or corrupted position, or the sequence was reset)"
+            )
 
     async def register(self, instance: str, position: int, epoch: int | None) -> None:
         """This writer's row before its first allocation: its position (forwards only)

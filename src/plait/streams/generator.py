@@ -93,6 +93,11 @@ class MultiWriterIdGenerator:
             )
         self._follow_database = follow_database
         self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
+        # The largest ID known handed out by the sequence (internal; start-up refused
+        # positions above the head, so every one loaded is below it). Another process's
+        # claim above it counts only once the sequence confirms it (R-ID-14).
+        self._head = tracker.max_seen
+        self._head_lock = asyncio.Lock()
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._capture: WriteCapture | None = None
@@ -163,6 +168,7 @@ class MultiWriterIdGenerator:
             follow_database=follow_database,
             fence_after=fence_after,
         )
+        gen._head = max(gen._head, survey.head)
         if gen._keeps_rows and tracker.is_writer:
             # Registered before the first allocation, so database-only readers know
             # every live writer, and a fence of an earlier run cannot claim new IDs.
@@ -539,7 +545,28 @@ class MultiWriterIdGenerator:
 
     async def get_max_allocated_token(self) -> int:
         """The largest ID the sequence has handed out (signed)."""
-        return self._sign * await self._store.sequence_head()
+        head = await self._store.sequence_head()
+        self._head = max(self._head, head)
+        return self._sign * head
+
+    def is_known_allocated(self, position: int) -> bool:
+        """Whether `position` (signed) is at or below the largest ID this process knows
+        the sequence handed out; no query. False says only "not known yet": ask
+        `is_allocated`."""
+        return self._sign * position <= self._head
+
+    async def is_allocated(self, position: int) -> bool:
+        """Whether the sequence has handed out `position` (signed). A position above
+        the head names no ID and is never to be adopted, stored or waited on (R-ID-14).
+        Reads the head only when the one known is below `position`; callers that ask
+        meanwhile share that read."""
+        internal = self._sign * position
+        if internal <= self._head:
+            return True
+        async with self._head_lock:
+            if internal > self._head:
+                self._head = max(self._head, await self._store.sequence_head())
+        return internal <= self._head
 
     async def refresh_positions(self) -> None:
         """Learn the other writers' positions from `stream_positions`."""
