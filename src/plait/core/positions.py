@@ -436,6 +436,11 @@ class PositionTracker:
         return max(self._last_completed, self.last_local_write)
 
     @property
+    def holds_ids(self) -> bool:
+        """Whether IDs were handed out here and not finished (fetches in flight aside)."""
+        return bool(self._unfinished._live)
+
+    @property
     def is_idle(self) -> bool:
         # The sets' insides, not len(): this runs several times per write.
         return not self._unfinished._live and not self._in_flight._size

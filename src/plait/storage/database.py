@@ -24,7 +24,12 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from plait.core.redact import redact
 from plait.errors import DatabaseUnavailableError, FencedError
 from plait.storage.embedded import EmbeddedPostgres
-from plait.storage.incarnation import Incarnation, refuse_if_fenced
+from plait.storage.incarnation import (
+    Incarnation,
+    name_connection,
+    refuse_if_fenced,
+    renew_incarnation,
+)
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
 
 logger = logging.getLogger(__name__)
@@ -205,23 +210,63 @@ def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:
 
 
 class _Identity:
-    """Who a pool's connections say they are, and whether a new one found that run
-    fenced (then every later lease fails at once instead of waiting for the pool)."""
+    """Who a pool's connections say they are, and what happens when a new one finds
+    that run fenced.
 
-    __slots__ = ("fenced", "incarnation")
+    With `renew` (the default), the instance goes on as a new incarnation: a fence
+    proved that none of the old one's connections was alive, so everything it did is
+    committed or rolled back. The new connection takes a new epoch's name and moves
+    the fenced rows to that epoch before it is handed out, under their row locks, so no
+    allocation happens before the writer is registered again and a fence in progress
+    is waited out. But only once nothing of the old run is pending (`holds`): an ID it
+    took before the fence, still held by a `get_next` block, could otherwise be
+    written on a new connection below the position the fence moved readers past.
+    Until then, and always without `renew`, every lease fails at once (`FencedError`)."""
 
-    def __init__(self, incarnation: Incarnation | None = None) -> None:
+    __slots__ = ("fenced", "holds", "incarnation", "renew", "renewed")
+
+    def __init__(self, incarnation: Incarnation | None = None, *, renew: bool = True) -> None:
         self.incarnation = incarnation
         self.fenced: FencedError | None = None
+        self.renew = renew
+        # Each says whether IDs of this run are still pending (the writers' trackers).
+        self.holds: list[Callable[[], bool]] = []
+        # Called with the new incarnation (the pool names later connections after it).
+        self.renewed: Callable[[Incarnation], None] | None = None
+
+    def may_renew(self) -> bool:
+        return self.renew and not any(pending() for pending in self.holds)
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
         """The pool's hook for each new connection."""
-        assert self.incarnation is not None
+        checked = self.incarnation
+        assert checked is not None
         try:
-            await refuse_if_fenced(conn, self.incarnation)
+            await refuse_if_fenced(conn, checked)
         except FencedError as err:
-            self.fenced = err
-            raise
+            if not self.may_renew():
+                self.fenced = err
+                raise
+            self.fenced = None
+            renewed = self.incarnation
+            if renewed is checked or renewed is None:  # else another connection did it
+                renewed = self.incarnation = Incarnation.new(checked.instance)
+                logger.warning(
+                    "%s; continuing as a new incarnation (epoch %d): its writers are "
+                    "registered again before they allocate",
+                    str(err).split(": another instance", 1)[0],
+                    renewed.epoch,
+                )
+                if self.renewed is not None:
+                    self.renewed(renewed)
+            await renew_incarnation(conn, checked, renewed)
+            return
+        current = self.incarnation
+        assert current is not None
+        if conn.info.parameter_status("application_name") != current.application_name:
+            # Made under the old name while another connection renewed: a fence
+            # counts only connections carrying the registered epoch's name.
+            await name_connection(conn, current)
 
 
 class _Lease:
@@ -244,7 +289,7 @@ class _Lease:
     async def __aenter__(self) -> AsyncConnection[TupleRow]:
         db = self._db
         identity = db._identity
-        if identity.fenced is not None:
+        if identity.fenced is not None and not identity.may_renew():
             raise identity.fenced
         try:
             if db._hot_busy or db._closed:
@@ -365,17 +410,21 @@ class Database:
         identity = _Identity(incarnation)
         if incarnation is not None:
             application_name = incarnation.application_name
+        kwargs: dict[str, Any] = {"autocommit": True, "application_name": application_name}
         try:
             await _probe(dsn)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
-                kwargs={"autocommit": True, "application_name": application_name},
+                kwargs=kwargs,
                 configure=None if incarnation is None else identity.configure,
                 open=False,
                 name="plait",
             )
+            # A renewed incarnation names every later connection (the pool reads its
+            # kwargs for each one it makes).
+            identity.renewed = lambda new: kwargs.update(application_name=new.application_name)
             await pool.open(wait=True, timeout=30)
         except BaseException:
             if embedded is not None:
@@ -571,6 +620,15 @@ class Database:
             self._instance_names[instance_id] = name
 
     # -- lifetime ------------------------------------------------------------------------
+
+    def hold_renewal(self, pending: Callable[[], bool]) -> None:
+        """While `pending()` is true (IDs of this run not finished), a fenced run does
+        not go on as a new incarnation (see `_Identity`)."""
+        self._identity.holds.append(pending)
+
+    def release_renewal(self, pending: Callable[[], bool]) -> None:
+        if pending in self._identity.holds:
+            self._identity.holds.remove(pending)
 
     def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Run `closer` when the database closes (generators stop their tasks this way)."""

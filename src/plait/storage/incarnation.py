@@ -46,6 +46,28 @@ def name_prefix(epoch: int) -> str:
     return f"{PREFIX}{epoch} "
 
 
+async def name_connection(conn: psycopg.AsyncConnection[Any], incarnation: Incarnation) -> None:
+    """Give `conn` the incarnation's `application_name` (what a fence counts)."""
+    await conn.execute(
+        "SELECT set_config('application_name', %s, false)", (incarnation.application_name,)
+    )
+
+
+async def renew_incarnation(
+    conn: psycopg.AsyncConnection[Any], old: Incarnation, new: Incarnation
+) -> None:
+    """Make `conn` the new incarnation's: its name, and every position row the fenced
+    `old` one had, moved to `new`'s epoch and no longer fenced (positions stay where
+    the fence left them: forwards only). Under the rows' locks, so a fence in progress
+    is waited out, and one that comes later finds this connection alive."""
+    await name_connection(conn, new)
+    await conn.execute(
+        "UPDATE stream_positions SET epoch = %s, fenced_at = NULL, updated_at = now()"
+        " WHERE epoch = %s",
+        (new.epoch, old.epoch),
+    )
+
+
 async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Incarnation) -> None:
     """Run on every new (autocommit) connection of a writer: raise `FencedError` if its epoch was
     fenced. The row lock (KEY SHARE) waits out a fence in progress, which holds the row

@@ -622,7 +622,15 @@ class MultiWriterIdGenerator:
 
     # -- lifetime ----------------------------------------------------------------------------
 
+    def _pending(self) -> bool:
+        # IDs handed to the caller and not finished. A fetch in flight is no danger: if
+        # its connection died, its IDs reach nobody; and a new write's own fetch is in
+        # flight while it waits for the connection that renews.
+        return self._tracker.holds_ids
+
     def _start(self) -> None:
+        if self._tracker.is_writer:
+            self._db.hold_renewal(self._pending)
         if self._position_writer is not None:
             self._position_writer.start()
         if self._fencer is not None and self._follow_database:
@@ -671,6 +679,7 @@ class MultiWriterIdGenerator:
             return
         self._closed = True
         self._db.forget_on_close(self.close)
+        self._db.release_renewal(self._pending)
         for task in list(self._settling):
             task.cancel()
         if self._fencer is not None:
