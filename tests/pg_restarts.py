@@ -1,0 +1,236 @@
+"""A PostgreSQL server a test owns and may restart, and the checker's processes run
+against it as the orchestrator runs them (`python -m plait.check.roles ROLE NAME PLAN`).
+
+`RestartablePostgres` is the embedded server in a directory of the test's own, on a
+fixed port, so that every process reconnects to the same address after a restart:
+`restart()` is a fast shutdown then a start, `crash()` a kill -9 of the postmaster then
+a start (what an OOM kill or a power cut of the database host looks like).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
+from plait.check.journal import Line, read
+from plait.check.plan import KV_KEYS, Plan, write_control
+from plait.storage.database import Database
+from plait.storage.embedded import EmbeddedPostgres, _run, _running_port
+from plait.errors import EmbeddedServerError
+
+
+class RestartablePostgres:
+    """The embedded server on `data_dir`, which only this test uses."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._handle = EmbeddedPostgres.acquire(data_dir)
+        self.port = self._handle.port
+        self.dsn = self._handle.dsn
+
+    def restart(self) -> None:
+        """Fast shutdown (every backend ends with `AdminShutdown`), then start."""
+        _run(["pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "30", "stop"])
+        self._start()
+
+    def crash(self) -> None:
+        """kill -9 of the postmaster; its backends die when they notice; then start."""
+        pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        self._start()
+
+    def _start(self) -> None:
+        # After a crash the new postmaster refuses to start while a backend of the old
+        # one still holds the shared memory: try again until they are gone.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _run(
+                    [
+                        "pg_ctl",
+                        "-D",
+                        str(self.data_dir),
+                        "-w",
+                        "-t",
+                        "30",
+                        "-l",
+                        str(self.data_dir / "server.log"),
+                        "-o",
+                        f"-p {self.port}",
+                        "start",
+                    ]
+                )
+            except EmbeddedServerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            if _running_port(self.data_dir) == self.port:
+                return
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError(f"PostgreSQL did not come back on port {self.port}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if _running_port(self.data_dir) is None:
+            # Crashed and not restarted (a failed test): start it so release() stops it.
+            with contextlib.suppress(EmbeddedServerError):
+                self._start()
+        self._handle.release()
+
+
+async def prepare_plan(server_dsn: str, run_dir: Path, redis_url: str, **changes: Any) -> Plan:
+    """The checker's schema in a fresh schema of `server_dsn`, and a plan on it (as
+    `Checker._prepare` makes them): one writer `w1`, two streams, the Redis transport.
+    No one fences (`fence_after` is long): fencing after a crash is not tested here."""
+    async with await psycopg.AsyncConnection.connect(server_dsn, autocommit=True) as conn:
+        await conn.execute('CREATE SCHEMA "check"')
+    dsn = make_conninfo(server_dsn, options="-c search_path=check")
+    plan = Plan(
+        dsn=dsn,
+        transport="redis",
+        run_dir=run_dir,
+        writers=("w1",),
+        streams=2,
+        fence_after=600.0,
+        redis_url=redis_url,
+        **changes,
+    )
+    db = await Database.connect(dsn, max_size=2)
+    try:
+        await db.migrate()
+        async with db.transaction() as txn:
+            for s in plan.stream_names:
+                await txn.execute(
+                    f"CREATE TABLE {plan.table(s)} (stream_id bigint NOT NULL,"
+                    " instance_name text NOT NULL, payload text NOT NULL)"
+                )
+                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (instance_name, stream_id)")
+                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (stream_id)")
+            await txn.execute(
+                "CREATE TABLE check_kv (s int, k int, version bigint NOT NULL DEFAULT 0,"
+                " PRIMARY KEY (s, k))"
+            )
+            await txn.execute(
+                "INSERT INTO check_kv (s, k) SELECT s, k FROM generate_series(0, %s) s,"
+                " generate_series(0, %s) k",
+                (plan.streams - 1, KV_KEYS - 1),
+            )
+    finally:
+        await db.close()
+    return plan
+
+
+async def targets(plan: Plan) -> dict[str, Any]:
+    """What the readers must reach: the linear position of each stream, and every
+    writer's last row of the caches stream (as `Checker._truth` computes them)."""
+    async with await psycopg.AsyncConnection.connect(plan.dsn, autocommit=True) as conn:
+        linear = {}
+        for s in plan.stream_names:
+            cur = await conn.execute(f"SELECT COALESCE(max(stream_id), 0) FROM {plan.table(s)}")
+            row = await cur.fetchone()
+            linear[s] = {"*": int(row[0]) if row else 0}
+        cur = await conn.execute(
+            f"SELECT instance_name, max(stream_id) FROM {CACHES_TABLE} GROUP BY 1"
+        )
+        caches = {str(w): int(m) for w, m in await cur.fetchall()}
+    return {"linear": linear, "caches": {CACHES_STREAM: caches}}
+
+
+class Role:
+    """One checker process, its standard output watched for the words it says."""
+
+    def __init__(self, role: str, name: str, plan: Plan) -> None:
+        self.role, self.name, self.plan = role, name, plan
+        self.log = plan.run_dir / f"{name}.log"
+        self.said: set[str] = set()
+        self.proc: asyncio.subprocess.Process | None = None
+        self._listener: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "plait.check.roles",
+                self.role,
+                self.name,
+                self.plan.to_json(),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+            )
+        self._listener = asyncio.create_task(self._listen())
+        await self.until("started", 30)
+
+    async def _listen(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            self.said.add(line.decode().strip())
+
+    async def until(self, word: str, within: float) -> None:
+        deadline = time.monotonic() + within
+        while word not in self.said:
+            assert self.proc is not None
+            if self.proc.returncode is not None:
+                raise AssertionError(
+                    f"{self.name} exited ({self.proc.returncode}) before saying {word!r}:\n"
+                    f"{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.dump_tasks()
+                raise AssertionError(
+                    f"{self.name} did not say {word!r} within {within:g} s:\n{self.log_tail()}"
+                )
+            await asyncio.sleep(0.05)
+
+    async def exit_code(self, within: float) -> int:
+        """The process's exit status once it ended; fails when it is still running
+        after `within` seconds (it hangs: its tasks are logged first)."""
+        assert self.proc is not None
+        try:
+            async with asyncio.timeout(within):
+                code = await self.proc.wait()
+        except TimeoutError:
+            self.dump_tasks()
+            await asyncio.sleep(1)
+            self.kill()
+            raise AssertionError(
+                f"{self.name} still running {within:g} s after it was told to stop:\n"
+                f"{self.log_tail(60)}"
+            ) from None
+        if self._listener is not None:
+            await self._listener
+        return code
+
+    def dump_tasks(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    def journal(self) -> list[Line]:
+        return list(read(self.plan.journal(self.name)))
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def control(plan: Plan, **value: Any) -> None:
+    write_control(plan.control, value)
