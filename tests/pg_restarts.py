@@ -24,9 +24,9 @@ from psycopg.conninfo import make_conninfo
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check.journal import Line, read
 from plait.check.plan import KV_KEYS, Plan, write_control
+from plait.errors import EmbeddedServerError
 from plait.storage.database import Database
 from plait.storage.embedded import EmbeddedPostgres, _run, _running_port
-from plait.errors import EmbeddedServerError
 
 
 class RestartablePostgres:
@@ -40,16 +40,19 @@ class RestartablePostgres:
 
     def restart(self) -> None:
         """Fast shutdown (every backend ends with `AdminShutdown`), then start."""
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
         _run(["pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "30", "stop"])
-        self._start()
 
     def crash(self) -> None:
         """kill -9 of the postmaster; its backends die when they notice; then start."""
         pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
         os.kill(pid, signal.SIGKILL)
-        self._start()
+        self.start()
 
-    def _start(self) -> None:
+    def start(self) -> None:
         # After a crash the new postmaster refuses to start while a backend of the old
         # one still holds the shared memory: try again until they are gone.
         deadline = time.monotonic() + 30
@@ -85,7 +88,7 @@ class RestartablePostgres:
         if _running_port(self.data_dir) is None:
             # Crashed and not restarted (a failed test): start it so release() stops it.
             with contextlib.suppress(EmbeddedServerError):
-                self._start()
+                self.start()
         self._handle.release()
 
 
@@ -173,7 +176,8 @@ class Role:
         await self.until("started", 30)
 
     async def _listen(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc is not None
+        assert self.proc.stdout is not None
         while line := await self.proc.stdout.readline():
             self.said.add(line.decode().strip())
 

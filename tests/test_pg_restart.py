@@ -13,30 +13,55 @@ died on its first failed load.
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from pg_restarts import RestartablePostgres, Role, control, prepare_plan, targets
+from plait import Database
 from plait.check.plan import DB_LINEAR, LINEAR, WORKER
+from plait.errors import DatabaseUnavailableError
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
+# A reader of the user's own: a query a tenth of a second, no retry. When PostgreSQL goes
+# away the query fails, and the process must end with that error printed.
+OWN_READER = """
+import asyncio, sys
+from plait import Database
+
+async def main() -> None:
+    db = await Database.connect(sys.argv[1], max_size=4)
+    print("started", flush=True)
+    while True:
+        async with db.connection() as conn:
+            await conn.execute("SELECT 1")
+        await asyncio.sleep(0.1)
+
+asyncio.run(main())
+"""
+
 
 @pytest.fixture
-async def pg(tmp_path: Path) -> AsyncIterator[RestartablePostgres]:
-    base = tmp_path / "server"
-    base.mkdir()
-    base.chmod(0o755)  # the server's user (when run as root) must reach its data dir
-    tmp_path.chmod(0o755)
+async def pg() -> AsyncIterator[RestartablePostgres]:
+    # Not under pytest's tmp_path: its parents are private to root, and the server's
+    # user (when run as root) must reach its data directory.
+    base = Path(tempfile.mkdtemp(prefix="plait-pg-restart-"))
+    os.chmod(base, 0o755)
     server = await asyncio.to_thread(RestartablePostgres, base / "pg")
     try:
         yield server
     finally:
         await asyncio.to_thread(server.close)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("outage", ["restart", "crash"])
@@ -83,3 +108,97 @@ async def test_readers_and_the_cache_worker_resume_after_postgresql_goes_away(
     finally:
         for process in everyone:
             process.kill()
+
+
+async def test_a_reader_whose_query_fails_in_a_restart_ends_with_the_error_printed(
+    pg: RestartablePostgres,
+) -> None:
+    # Its Database is never closed: the event loop's shutdown must end the pool's tasks.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        OWN_READER,
+        pg.dsn,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            assert await process.stdout.readline() == b"started\n"
+        await asyncio.to_thread(pg.restart)
+        try:
+            async with asyncio.timeout(20):
+                code = await process.wait()
+        except TimeoutError:
+            raise AssertionError(
+                "the reader still runs 20 s after its query failed: it hangs"
+            ) from None
+        stderr = (await process.stderr.read()).decode()
+        assert code == 1, stderr
+        assert "psycopg.errors.AdminShutdown: terminating connection" in stderr, stderr
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_after_a_restart_one_statement_fails_not_one_per_pooled_connection(
+    pg: RestartablePostgres,
+) -> None:
+    db = await Database.connect(pg.dsn, max_size=6)
+    try:
+
+        async def hold() -> None:
+            async with db.connection() as conn:
+                await conn.execute("SELECT pg_sleep(0.2)")
+
+        await asyncio.gather(*(hold() for _ in range(6)))  # six connections, idle now
+        await asyncio.to_thread(pg.restart)
+        failures = 0
+        for _ in range(6):
+            try:
+                async with db.connection() as conn:
+                    await conn.execute("SELECT 1")
+            except psycopg.OperationalError:
+                failures += 1
+        # The first finds its connection dead; the pool's others are tested (and
+        # replaced) before the next statement runs.
+        assert failures == 1
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize("outage", ["restart", "crash"])
+async def test_plaits_reads_outlast_a_restart(outage: str, pg: RestartablePostgres) -> None:
+    db = await Database.connect(pg.dsn, max_size=4)
+    try:
+
+        async def read() -> int:
+            async with db.connection() as conn:
+                row = await (await conn.execute("SELECT 42")).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        assert await db.retry_read("the answer", read) == 42
+        await asyncio.to_thread(pg.restart if outage == "restart" else pg.crash)
+        assert await db.retry_read("the answer", read) == 42
+    finally:
+        await db.close()
+
+
+async def test_a_read_gives_up_after_retry_reads_for(pg: RestartablePostgres) -> None:
+    db = await Database.connect(pg.dsn, max_size=2, retry_reads_for=1.0)
+    try:
+        await asyncio.to_thread(pg.stop)
+
+        async def read() -> None:
+            async with db.connection() as conn:
+                await conn.execute("SELECT 1")
+
+        with pytest.raises(DatabaseUnavailableError, match="could not read the answer"):
+            await db.retry_read("the answer", read)
+    finally:
+        await asyncio.to_thread(pg.start)
+        await db.close()
