@@ -255,7 +255,7 @@ class _Lease:
         identity = db._identity
         if identity.fenced is not None:
             raise identity.fenced
-        if db._lost_one:
+        if db._lost_one and not db._closed:
             await db._replace_lost()
         try:
             if db._hot_busy or db._closed:
