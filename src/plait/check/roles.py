@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+import psycopg
+
 from plait.caches.invalidations import CACHES_STREAM, Invalidation
 from plait.check.journal import Journal
 from plait.check.plan import (
@@ -40,7 +42,7 @@ from plait.check.plan import (
 )
 from plait.check.seen import Seen
 from plait.config import InstanceConfig
-from plait.errors import FencedError
+from plait.errors import DatabaseUnavailableError, FencedError
 from plait.instance import Instance
 from plait.storage.database import Database
 from plait.streams.generator import MultiWriterIdGenerator
@@ -292,16 +294,20 @@ async def linear(plan: Plan, name: str) -> None:
         seen.token(s, "*", position)
     while not read.done():
         moved.clear()  # before reading: a move meanwhile wakes the next round at once
-        if db is not None:
-            for gen in gens.values():
-                await gen.refresh_positions()
-        for s, gen in gens.items():
-            target = gen.get_current_token()
-            while positions[s] < target:
-                rows, upto, _ = await gen.get_updates_since(None, positions[s], target, PAGE)
-                seen.rows(s, "*", (r.stream_id for r in rows))
-                positions[s] = upto
-                seen.token(s, "*", upto)
+        try:
+            if db is not None:
+                for gen in gens.values():
+                    await gen.refresh_positions()
+            for s, gen in gens.items():
+                target = gen.get_current_token()
+                while positions[s] < target:
+                    rows, upto, _ = await gen.get_updates_since(None, positions[s], target, PAGE)
+                    seen.rows(s, "*", (r.stream_id for r in rows))
+                    positions[s] = upto
+                    seen.token(s, "*", upto)
+        except DatabaseUnavailableError as err:
+            # Reads outlast a restart by themselves; a longer outage: go on trying.
+            logger.warning("%s: %s", name, err)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(POLL):
                 await moved.wait()
@@ -351,18 +357,27 @@ async def worker(plan: Plan, name: str) -> None:
 
     async def serve() -> None:
         rng = random.Random()
-        served = stale = 0
+        served = stale = failed = 0
         while control.phase != "stop":
             index, key = rng.randrange(plan.streams), rng.randrange(KV_KEYS)
             floor = required.get((index, key), 0)
-            value = await kv(index, key)
+            try:
+                value = await kv(index, key)
+            except psycopg.OperationalError as err:
+                # PostgreSQL went away (a failed load stores nothing): serve on once
+                # it is back, as an application would answer its next request.
+                failed += 1
+                if failed == 1 or failed % 100 == 0:
+                    logger.warning("%s: loading a value failed (%d so far): %s", name, failed, err)
+                await asyncio.sleep(0.1)
+                continue
             served += 1
             if value < floor:
                 stale += 1
                 seen.journal.write("V", "stale", f"s{index}", key, f"{value}<{floor}")
             await asyncio.sleep(0.002)
         cache = kv.cache
-        seen.journal.write("S", "served", served, cache.hits, cache.misses, stale)
+        seen.journal.write("S", "served", served, cache.hits, cache.misses, stale, failed)
 
     await _run_reader(instance, seen, control, "caches", serve)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -18,11 +19,13 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor, pq
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow, scalar_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from plait.core.backoff import Backoff
 from plait.core.redact import redact
-from plait.errors import DatabaseUnavailableError, FencedError
+from plait.errors import ConfigError, DatabaseUnavailableError, FencedError
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.incarnation import (
     Incarnation,
@@ -35,6 +38,12 @@ from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
 logger = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = 140000
+# How long plait's own reads wait for a server that went away (a restart takes seconds,
+# a crash's recovery tens of them) before they fail with DatabaseUnavailableError.
+DEFAULT_RETRY_READS_FOR = 60.0
+# SQLSTATEs of a server that ended the session: shut down by an administrator, crashed,
+# or not accepting connections yet (starting up, shutting down, recovering).
+_SERVER_WENT_AWAY = frozenset({"57P01", "57P02", "57P03"})
 T = TypeVar("T")
 _IDLE = pq.TransactionStatus.IDLE
 Params = Sequence[Any] | Mapping[str, Any] | None
@@ -291,6 +300,8 @@ class _Lease:
         identity = db._identity
         if identity.fenced is not None and not identity.may_renew():
             raise identity.fenced
+        if db._lost_one and not db._closed:
+            await db._replace_lost()
         try:
             if db._hot_busy or db._closed:
                 self._pooled = db._pool.connection()
@@ -316,10 +327,13 @@ class _Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        db = self._db
+        if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
+            db._lost_one = True  # its idle neighbours are most likely gone too
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return
-        db, hot = self._db, self._hot
+        hot = self._hot
         assert hot is not None
         try:
             if db._closed:
@@ -371,6 +385,8 @@ class Database:
         dsn: str,
         embedded: EmbeddedPostgres | None,
         identity: _Identity | None = None,
+        *,
+        retry_reads_for: float = DEFAULT_RETRY_READS_FOR,
     ) -> None:
         self._pool = pool
         # One connection kept out of the pool and lent to whoever needs a connection
@@ -386,6 +402,13 @@ class Database:
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
         self._identity = identity or _Identity()
+        self._retry_reads_for = retry_reads_for
+        # Set when a statement failed because its connection died: the next lease first
+        # tests the idle connections (`_replace_lost`).
+        self._lost_one = False
+        self._replacing: asyncio.Task[None] | None = None
+        self._unreachable_since: float | None = None  # for `retry_read`'s log lines
+        self._guard = asyncio.create_task(self._close_on_shutdown(), name="plait-pool-guard")
 
     @classmethod
     async def connect(
@@ -397,12 +420,17 @@ class Database:
         max_size: int = 10,
         application_name: str = "plait",
         incarnation: Incarnation | None = None,
+        retry_reads_for: float = DEFAULT_RETRY_READS_FOR,
     ) -> Database:
         """Connect to `dsn`, or start (or reuse) the embedded server when it is None.
 
         With an `incarnation` (what `Instance` passes) every connection carries its
         name, so that the instance's writers can be fenced when it dies, and a new
-        connection is refused once they were (`FencedError`)."""
+        connection is refused once they were (`FencedError`). plait's reads of
+        positions and rows outlast a server restart or crash of up to
+        `retry_reads_for` seconds (`retry_read`)."""
+        if retry_reads_for < 0:
+            raise ConfigError("retry_reads_for must be zero or more (seconds)")
         embedded = None
         if dsn is None:
             embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
@@ -430,7 +458,7 @@ class Database:
             if embedded is not None:
                 await asyncio.to_thread(embedded.release)
             raise
-        return cls(pool, dsn, embedded, identity)
+        return cls(pool, dsn, embedded, identity, retry_reads_for=retry_reads_for)
 
     @property
     def dsn(self) -> str:
@@ -525,6 +553,109 @@ class Database:
                 pass
             await asyncio.sleep(0.05)
         logger.error("%s still running after %.0f s; giving up waiting", what, patience)
+
+    async def retry_read(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
+        """`await read()`, again on new connections (with backoff) while it fails
+        because the server went away (restarted, crashed, failed over, or not yet
+        accepting connections), for up to `retry_reads_for` seconds; then
+        `DatabaseUnavailableError`. For reads only: a write whose connection died may
+        have committed. `what` names the read in the log lines and the error."""
+        loop = asyncio.get_running_loop()
+        backoff = Backoff(initial=0.05, cap=2.0)
+        first_failure: float | None = None
+        last: psycopg.OperationalError | None = None
+        while True:
+            try:
+                if first_failure is None:
+                    result = await read()
+                else:
+                    # A lease may wait for the pool's timeout (30 s) for a connection
+                    # the pool cannot make: the patience left bounds each attempt.
+                    left = first_failure + self._retry_reads_for - loop.time()
+                    async with asyncio.timeout(max(left, 0.0)):
+                        result = await read()
+            except psycopg.OperationalError as err:
+                if not connection_lost(err):
+                    raise
+                last = err
+            except TimeoutError:
+                if first_failure is None:
+                    raise  # the read's own, not the patience's
+            else:
+                since, self._unreachable_since = self._unreachable_since, None
+                if since is not None:
+                    logger.warning(
+                        "PostgreSQL at %s is back after %.1f s", self._server, loop.time() - since
+                    )
+                return result
+            now = loop.time()
+            reason = "no connection" if last is None else _reason(last)
+            if first_failure is None:
+                first_failure = now
+            if self._unreachable_since is None:  # one line per outage, not per reader
+                self._unreachable_since = now
+                logger.warning(
+                    "lost PostgreSQL at %s while reading %s (%s); reconnecting",
+                    self._server,
+                    what,
+                    reason,
+                )
+            if now - first_failure >= self._retry_reads_for:
+                raise DatabaseUnavailableError(
+                    f"could not read {what}: PostgreSQL at {self._server} has been unreachable "
+                    f"for {now - first_failure:.0f} s ({reason}); check that the server is up"
+                ) from last
+            await asyncio.sleep(backoff.next_delay())
+
+    @functools.cached_property
+    def _server(self) -> str:
+        """Where the server is, for log lines: host, port and database, no secrets."""
+        try:
+            params = conninfo_to_dict(self._dsn)
+        except psycopg.ProgrammingError:
+            return redact(self._dsn)
+        host = params.get("host") or params.get("hostaddr") or "localhost"
+        return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+
+    async def _replace_lost(self) -> None:
+        """A connection died under a statement: the server restarted, crashed or failed
+        over, and the pool's idle connections (and the hot one) died with it. Test them
+        all now (a round trip each) and replace the dead ones, so that after a restart
+        one statement fails, not one per connection the pool kept. One test at a time;
+        leases meanwhile wait for it."""
+        task = self._replacing
+        if task is None or task.done():
+            self._lost_one = False
+            task = self._replacing = asyncio.create_task(
+                self._test_idle_connections(), name="plait-pool-check"
+            )
+        await asyncio.shield(task)
+
+    async def _test_idle_connections(self) -> None:
+        hot = self._hot
+        if hot is not None and not self._hot_busy:
+            self._hot = None
+            await self._pool.putconn(hot)  # tested with the pool's own
+        try:
+            await self._pool.check()
+        except Exception as err:  # the leases find out for themselves
+            logger.debug("testing the pool's idle connections failed: %s", err)
+
+    async def _close_on_shutdown(self) -> None:
+        """Wait until cancelled; then close the pool unless `close()` did.
+
+        `asyncio.run` cancels every task left when its coroutine ends (also when it
+        raised, or on Ctrl-C) and waits for all of them. A psycopg-pool worker that is
+        reconnecting when cancelled swallows the cancellation and then waits on its
+        queue forever, so the process would never exit and never print its error
+        (seen after a PostgreSQL restart). Closing the pool sends each worker its stop
+        message. A Database left unclosed thus still ends with its event loop."""
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            if not self._closed:
+                self._closed = True
+                await self._pool.close()
 
     async def run_schema(self, statements: str) -> None:
         """An application's own idempotent DDL (`CREATE TABLE IF NOT EXISTS ...`), under
@@ -649,10 +780,18 @@ class Database:
             except Exception:
                 logger.exception("error while closing %r", closer)
         self._closers.clear()
+        replacing = self._replacing
+        if replacing is not None and not replacing.done():
+            # psycopg-pool's check may swallow the cancellation: it then ends after
+            # testing the connections it holds, a round trip each.
+            replacing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await replacing
         hot, self._hot = self._hot, None
         if hot is not None and not self._hot_busy:
             await self._pool.putconn(hot)
         await self._pool.close()
+        self._guard.cancel()
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.release)
 
@@ -706,3 +845,20 @@ async def _probe(dsn: str) -> None:
         raise DatabaseUnavailableError(
             f"PostgreSQL {version // 10000} at {redact(dsn)} is too old: plait needs 14 or newer"
         )
+
+
+def connection_lost(err: psycopg.OperationalError) -> bool:
+    """Whether `err` says the connection or the server went away (and a read may be
+    tried again on a new connection), not that the statement itself failed."""
+    if isinstance(err, PoolTimeout):
+        return True  # no connection to be had within the pool's timeout
+    sqlstate = err.sqlstate
+    # No SQLSTATE: libpq's own errors (the server closed the connection, connection
+    # refused, the connection is closed). Class 08: connection exceptions.
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _SERVER_WENT_AWAY
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an error: libpq's messages go on with hints over lines."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

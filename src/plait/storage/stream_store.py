@@ -530,9 +530,15 @@ class StreamStore:
 
     async def load_positions(self, drop_others: bool) -> dict[str, int]:
         """Writer positions from `stream_positions`; with `drop_others`, rows of writers
-        no longer configured are deleted first (a writer added back starts afresh)."""
-        async with self.db.connection() as conn:
-            return await self._positions_from(await self._load_positions_in(conn, drop_others))
+        no longer configured are deleted first (a writer added back starts afresh).
+        Outlasts a server restart (`Database.retry_read`: the delete is idempotent)."""
+
+        async def load() -> dict[str, int]:
+            async with self.db.connection() as conn:
+                cursor = await self._load_positions_in(conn, drop_others)
+                return await self._positions_from(cursor)
+
+        return await self.db.retry_read(f"the positions of stream {self.spec.name}", load)
 
     async def _load_positions_in(
         self, conn: AsyncConnection[TupleRow], drop_others: bool
@@ -752,7 +758,16 @@ class StreamStore:
     async def read_page(
         self, writer: str | None, from_exclusive: int, to_inclusive: int, limit: int
     ) -> Page[StreamRow]:
-        """Rows with IDs in (from, to] (internal domain), of one writer or of all."""
+        """Rows with IDs in (from, to] (internal domain), of one writer or of all.
+        Outlasts a server restart (`Database.retry_read`)."""
+        return await self.db.retry_read(
+            f"rows of stream {self.spec.name}",
+            lambda: self._read_page(writer, from_exclusive, to_inclusive, limit),
+        )
+
+    async def _read_page(
+        self, writer: str | None, from_exclusive: int, to_inclusive: int, limit: int
+    ) -> Page[StreamRow]:
         by_writer = writer is not None
         sign = self._sign
         pages: list[TablePage[StreamRow]] = []

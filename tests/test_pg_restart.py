@@ -1,0 +1,204 @@
+"""PostgreSQL restarts and crashes heal without an operator (R-OP-5), for the readers
+that follow the database and for the cache worker: each reconnects with backoff and
+resumes, and none hangs. The checker's own processes are the readers, run against a
+server the test owns: a fast restart (every backend ends with `AdminShutdown`), and a
+kill -9 of the postmaster followed by a start.
+
+Before: a database-only reader (`dblinear`) and the `linear` reader raised
+`AdminShutdown` out of their loop, then never exited (a psycopg-pool worker swallowed
+the shutdown's cancellation and waited forever), and the cache worker's serving task
+died on its first failed load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pg_restarts import RestartablePostgres, Role, control, prepare_plan, targets
+from plait import Database
+from plait.check.plan import DB_LINEAR, LINEAR, WORKER
+from plait.errors import DatabaseUnavailableError
+from redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(120)
+
+# A reader of the user's own: a query a tenth of a second, no retry. When PostgreSQL goes
+# away the query fails, and the process must end with that error printed.
+OWN_READER = """
+import asyncio, sys
+from plait import Database
+
+async def main() -> None:
+    db = await Database.connect(sys.argv[1], max_size=4)
+    print("started", flush=True)
+    while True:
+        async with db.connection() as conn:
+            await conn.execute("SELECT 1")
+        await asyncio.sleep(0.1)
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+async def pg() -> AsyncIterator[RestartablePostgres]:
+    # Not under pytest's tmp_path: its parents are private to root, and the server's
+    # user (when run as root) must reach its data directory.
+    base = Path(tempfile.mkdtemp(prefix="plait-pg-restart-"))
+    os.chmod(base, 0o755)
+    server = await asyncio.to_thread(RestartablePostgres, base / "pg")
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.close)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("outage", ["restart", "crash"])
+async def test_readers_and_the_cache_worker_resume_after_postgresql_goes_away(
+    outage: str, pg: RestartablePostgres, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = await prepare_plan(pg.dsn, run_dir, redis_server.url)
+    control(plan, phase="run")
+    readers = {name: Role(name, name, plan) for name in (LINEAR, DB_LINEAR, WORKER)}
+    writer = Role("writer", "w1", plan)
+    everyone = [*readers.values(), writer]
+    try:
+        for reader in readers.values():
+            await reader.start()
+        await writer.start()
+        await asyncio.sleep(1.0)  # rows and invalidations flow
+        await asyncio.to_thread(pg.restart if outage == "restart" else pg.crash)
+        back = time.time()
+        # The writer commits again (it retries its failed transactions) ...
+        deadline = time.monotonic() + 20
+        while not any(line.kind == "C" and line.t > back for line in writer.journal()):
+            assert time.monotonic() < deadline, (
+                f"the writer committed nothing within 20 s of the {outage}:\n{writer.log_tail()}"
+            )
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        control(plan, phase="idle")
+        await writer.until("idle", 20)
+        # ... and every reader reads what it committed after the outage.
+        control(plan, phase="idle", targets=await targets(plan))
+        for reader in readers.values():
+            await reader.until("caught-up", 20)
+        control(plan, phase="stop", targets=await targets(plan))
+        for process in everyone:
+            code = await process.exit_code(20)
+            assert code == 0, f"{process.name} exited with {code}:\n{process.log_tail()}"
+        worker = readers[WORKER].journal()
+        served = [line.fields for line in worker if line.kind == "S" and line.fields[0] == "served"]
+        assert served, f"the cache worker's serving task died:\n{readers[WORKER].log_tail()}"
+        stale = [line.fields for line in worker if line.kind == "V"]
+        assert not stale, f"the cache worker served stale values: {stale[:5]}"
+    finally:
+        for process in everyone:
+            process.kill()
+
+
+async def test_a_reader_whose_query_fails_in_a_restart_ends_with_the_error_printed(
+    pg: RestartablePostgres,
+) -> None:
+    # Its Database is never closed: the event loop's shutdown must end the pool's tasks.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        OWN_READER,
+        pg.dsn,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            assert await process.stdout.readline() == b"started\n"
+        await asyncio.to_thread(pg.restart)
+        try:
+            async with asyncio.timeout(20):
+                code = await process.wait()
+        except TimeoutError:
+            raise AssertionError(
+                "the reader still runs 20 s after its query failed: it hangs"
+            ) from None
+        stderr = (await process.stderr.read()).decode()
+        assert code == 1, stderr
+        assert "psycopg.errors.AdminShutdown: terminating connection" in stderr, stderr
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_after_a_restart_one_statement_fails_not_one_per_pooled_connection(
+    pg: RestartablePostgres,
+) -> None:
+    db = await Database.connect(pg.dsn, max_size=6)
+    try:
+
+        async def hold() -> None:
+            async with db.connection() as conn:
+                await conn.execute("SELECT pg_sleep(0.2)")
+
+        await asyncio.gather(*(hold() for _ in range(6)))  # six connections, idle now
+        await asyncio.to_thread(pg.restart)
+        failures = 0
+        for _ in range(6):
+            try:
+                async with db.connection() as conn:
+                    await conn.execute("SELECT 1")
+            except psycopg.OperationalError:
+                failures += 1
+        # The first finds its connection dead; the pool's others are tested (and
+        # replaced) before the next statement runs.
+        assert failures == 1
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize("outage", ["restart", "crash"])
+async def test_plaits_reads_outlast_a_restart(outage: str, pg: RestartablePostgres) -> None:
+    db = await Database.connect(pg.dsn, max_size=4)
+    try:
+
+        async def read() -> int:
+            async with db.connection() as conn:
+                row = await (await conn.execute("SELECT 42")).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        assert await db.retry_read("the answer", read) == 42
+        await asyncio.to_thread(pg.restart if outage == "restart" else pg.crash)
+        assert await db.retry_read("the answer", read) == 42
+    finally:
+        await db.close()
+
+
+async def test_a_read_gives_up_after_retry_reads_for(pg: RestartablePostgres) -> None:
+    db = await Database.connect(pg.dsn, max_size=2, retry_reads_for=1.0)
+    try:
+        await asyncio.to_thread(pg.stop)
+
+        async def read() -> None:
+            async with db.connection() as conn:
+                await conn.execute("SELECT 1")
+
+        with pytest.raises(DatabaseUnavailableError, match="could not read the answer"):
+            await db.retry_read("the answer", read)
+    finally:
+        await asyncio.to_thread(pg.start)
+        await db.close()
