@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import psycopg
-from psycopg import AsyncConnection, AsyncCursor, pq
+from psycopg import AsyncConnection, AsyncCursor, pq, sql
 from psycopg.rows import TupleRow, scalar_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
@@ -26,6 +26,7 @@ from plait.errors import DatabaseUnavailableError, FencedError
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
+from plait.storage.timeouts import DEFAULT_TIMEOUTS, DatabaseTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,11 @@ class Transaction:
             return
         if not self._begun:
             return
+        if command == "ROLLBACK" and self._conn.closed:
+            # The session is gone (the server ended it: idle_in_transaction_session_timeout,
+            # a terminated backend), and its transaction with it. Sending ROLLBACK would
+            # only replace the error that says why with "the connection is closed".
+            return
         cursor = await self._conn.execute(command)
         if command == "COMMIT" and cursor.statusmessage != "COMMIT":
             raise _rolled_back_at_commit()
@@ -205,23 +211,41 @@ def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:
 
 
 class _Identity:
-    """Who a pool's connections say they are, and whether a new one found that run
-    fenced (then every later lease fails at once instead of waiting for the pool)."""
+    """Who a pool's connections say they are, the server settings each one starts with,
+    and whether a new one found that run fenced (then every later lease fails at once
+    instead of waiting for the pool)."""
 
-    __slots__ = ("fenced", "incarnation")
+    __slots__ = ("fenced", "incarnation", "settings")
 
-    def __init__(self, incarnation: Incarnation | None = None) -> None:
+    def __init__(
+        self, incarnation: Incarnation | None = None, settings: Mapping[str, str] | None = None
+    ) -> None:
         self.incarnation = incarnation
+        self.settings = dict(settings or {})
         self.fenced: FencedError | None = None
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
         """The pool's hook for each new connection."""
-        assert self.incarnation is not None
+        if self.settings:
+            # SET after connecting rather than `options` in the startup packet, which
+            # PgBouncer refuses: one round trip per new connection.
+            await conn.execute(_set_query(self.settings))
+        if self.incarnation is None:
+            return
         try:
             await refuse_if_fenced(conn, self.incarnation)
         except FencedError as err:
             self.fenced = err
             raise
+
+
+def _set_query(settings: Mapping[str, str]) -> sql.Composed:
+    return sql.SQL("SELECT {}").format(
+        sql.SQL(", ").join(
+            sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
+            for name, value in settings.items()
+        )
+    )
 
 
 class _Lease:
@@ -352,27 +376,33 @@ class Database:
         max_size: int = 10,
         application_name: str = "plait",
         incarnation: Incarnation | None = None,
+        timeouts: DatabaseTimeouts | None = None,
     ) -> Database:
         """Connect to `dsn`, or start (or reuse) the embedded server when it is None.
 
         With an `incarnation` (what `Instance` passes) every connection carries its
         name, so that the instance's writers can be fenced when it dies, and a new
-        connection is refused once they were (`FencedError`)."""
+        connection is refused once they were (`FencedError`). `timeouts` (default:
+        `DatabaseTimeouts()`) bound how long a silent peer keeps a connection, on both
+        ends, so that a partitioned writer's server processes end and it can be fenced;
+        what `dsn` sets itself wins."""
         embedded = None
         if dsn is None:
             embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
             dsn = embedded.dsn
-        identity = _Identity(incarnation)
+        timeouts = timeouts or DEFAULT_TIMEOUTS
+        identity = _Identity(incarnation, timeouts.session_settings(dsn))
         if incarnation is not None:
             application_name = incarnation.application_name
+        client = timeouts.client_params(dsn)
         try:
-            await _probe(dsn)
+            await _probe(dsn, client)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
-                kwargs={"autocommit": True, "application_name": application_name},
-                configure=None if incarnation is None else identity.configure,
+                kwargs={"autocommit": True, "application_name": application_name, **client},
+                configure=identity.configure,
                 open=False,
                 name="plait",
             )
@@ -624,10 +654,12 @@ async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
                 return task.result(), True  # the step's outcome (or its exception)
 
 
-async def _probe(dsn: str) -> None:
+async def _probe(dsn: str, client: Mapping[str, Any]) -> None:
     """Connect once to turn a bad DSN or old server into one clear error."""
     try:
-        conn = await AsyncConnection.connect(dsn, connect_timeout=10, autocommit=True)
+        conn = await AsyncConnection.connect(
+            dsn, **{**client, "connect_timeout": 10, "autocommit": True}
+        )
     except psycopg.ProgrammingError as err:
         # libpq's message may quote the DSN back, password and all.
         raise DatabaseUnavailableError(
