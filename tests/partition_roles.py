@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -35,13 +36,19 @@ async def main(args: dict[str, Any]) -> None:
     gen = await MultiWriterIdGenerator.create(
         db, spec, name, position_flush_interval=3600.0, fence_after=None
     )
-    async with db.transaction() as txn:
-        stream_id = await gen.get_next_txn(txn)
-        await txn.execute(INSERT, (stream_id, name, f"{name}:held"))
-        print(f"holding {stream_id} {run.epoch}", flush=True)
-        while True:
-            await asyncio.sleep(float(args["every"]))
-            await txn.execute("SELECT 1")
+    try:
+        async with db.transaction() as txn:
+            stream_id = await gen.get_next_txn(txn)
+            await txn.execute(INSERT, (stream_id, name, f"{name}:held"))
+            print(f"holding {stream_id} {run.epoch}", flush=True)
+            while True:
+                await asyncio.sleep(float(args["every"]))
+                await txn.execute("SELECT 1")
+    except Exception as err:
+        # What the writer learned; then out at once: its pool would go on trying to
+        # reconnect (a fenced run may not), which is not what this test is about.
+        print(f"ended {type(err).__name__}: {err}", flush=True)
+        os._exit(1)
 
 
 if __name__ == "__main__":

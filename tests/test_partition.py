@@ -6,21 +6,29 @@ proxy that stops forwarding both ways and closes nothing (`CutProxy.black_hole`)
 proxy's kernel still acknowledges every packet, so TCP keepalives (the server's and the
 client's) and `tcp_user_timeout` never fire through it; what ends the writer's server
 process there is `idle_in_transaction_session_timeout`. Keepalives bound a partition of
-a direct connection, where nothing answers the server's probes.
+a direct connection, where nothing answers the server's probes: the second test cuts
+one in the kernel (a veth pair between two network namespaces, as root), with plait's
+default settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pg_proxy import proxy_in_front
 from plait import Database
 from plait.storage.incarnation import Incarnation, name_prefix
+from plait.storage.timeouts import DatabaseTimeouts
 from stream_helpers import create_generator, create_table
 
 ROLE = Path(__file__).with_name("partition_roles.py")
@@ -129,6 +137,19 @@ async def test_a_writer_partitioned_in_a_transaction_is_fenced_within_the_bound(
             )
             assert reader.fences == 1
             assert holder.returncode is None  # the writer lives on, cut off
+
+            # Healed, the writer hears its session was ended, and its row was never
+            # committed: the fence claimed nothing it could still write.
+            proxy.heal()
+            assert holder.stdout is not None
+            async with asyncio.timeout(30):
+                ended = await holder.stdout.readline()
+            assert ended.startswith(b"ended IdleInTransactionSessionTimeout: "), ended
+            async with db.connection() as conn:
+                cursor = await conn.execute(
+                    "SELECT count(*) FROM events WHERE stream_id = %s", (held,)
+                )
+                assert await cursor.fetchone() == (0,)
     finally:
         if holder is not None and holder.returncode is None:
             holder.kill()
@@ -144,3 +165,44 @@ async def _none(count: Any) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _can_cut_cables() -> bool:
+    """Root, with network namespaces and veth pairs (the kernel partition needs them)."""
+    if os.geteuid() != 0 or not all(shutil.which(c) for c in ("unshare", "nsenter", "ip")):
+        return False
+    probe = ["unshare", "--net", "ip", "link", "add", "va", "type", "veth", "peer", "name", "vb"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_cut_cables(), reason="needs root, network namespaces and veth")
+def test_a_writer_cut_off_by_the_network_is_fenced_within_the_default_bound() -> None:
+    """Every connection of the writer, idle ones too, ends by the server's keepalives
+    (or tcp_user_timeout, for an unacknowledged answer) within `dead_after`; the reader
+    passes it `fence_after` later. With the defaults: 6 s, and 1 s more."""
+    dead_after = DatabaseTimeouts().dead_after
+    assert dead_after is not None
+    fence_after = 1.0
+    bound = dead_after + fence_after
+    driver = str(ROLE.with_name("partition_kernel.py"))
+    args = json.dumps({"within": 3 * bound, "fence_after": fence_after})
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, driver, args],
+        capture_output=True,
+        check=False,
+        timeout=120 + 3 * bound,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    lines = done.stdout.decode().splitlines()
+    assert done.returncode == 0
+    assert lines, done.stderr.decode()[-3000:]
+    result = json.loads(lines[-1])
+    print(f"kernel partition: {result}")
+    assert result["connections"] >= 2  # idle pooled connections too, not only transactions
+    assert result["gone"] is not None, (
+        f"w1's {result['connections']} server processes still alive {3 * bound:.0f} s after the cut"
+    )
+    assert result["passed"] is not None, (
+        f"the reader's linear position did not pass w1 within {3 * bound:.0f} s of the cut"
+    )
