@@ -16,6 +16,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from plait import Database
 from plait.config import InstanceConfig
 from plait.errors import ConfigError
+from plait.instance import Instance
 from plait.storage.timeouts import DatabaseTimeouts, connect_sync, options_set
 
 SERVER = (
@@ -184,3 +185,22 @@ def test_options_set_reads_every_form_libpq_sends(settings: list[tuple[str, str,
         for name, value, form in settings
     )
     assert options_set(options) == {name for name, _, _ in settings}
+
+
+async def test_an_instance_connects_with_its_configured_timeouts(dsn: str) -> None:
+    instance = Instance(
+        {
+            "instance_name": "w1",
+            "database": dsn,
+            "http": {"enabled": False},
+            "caches": {"enabled": False},
+            "database_timeouts": {"keepalives_idle": 11, "idle_in_transaction_session_timeout": 7},
+        }
+    )
+    await instance.start()
+    try:
+        server = await server_side(instance.db)
+        assert server["tcp_keepalives_idle"] == "11"
+        assert server["idle_in_transaction_session_timeout"] == "7000"
+    finally:
+        await instance.stop()
