@@ -346,6 +346,7 @@ def status(
     import psycopg
 
     from plait.ops import status as ops
+    from plait.storage.timeouts import connect_sync
 
     instances: dict[str, str] = {}
     if config_file is not None:
@@ -363,7 +364,7 @@ def status(
         streams = ops.read(conn)
         return streams, [ops.assess(s, stall_after, pending) for s in streams], failed
 
-    with dsn_or_embedded(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+    with dsn_or_embedded(dsn) as url, connect_sync(url, autocommit=True) as conn:
         ops.check_schema(conn)
         if not watch:
             _, found, failed = look(conn)
@@ -419,11 +420,10 @@ def tail(
 ) -> None:
     """A stream's rows as JSON lines: {"token", "table", "row"}. Each token resumes
     right after its row (`--from TOKEN`); rows are only ever ones their writer persisted."""
-    import psycopg
-
     from plait.ops.tail import Tail
+    from plait.storage.timeouts import connect_sync
 
-    with dsn_or_embedded(dsn) as url, psycopg.connect(url, autocommit=True) as conn:
+    with dsn_or_embedded(dsn) as url, connect_sync(url, autocommit=True) as conn:
         reader = Tail(conn, stream, writer)
 
         def emit(line: Any) -> None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from plait.caches.invalidations import CACHES_STREAM
 from plait.errors import ConfigError
 from plait.replication.redis_options import CertReqs, RedisTls, client_options
+from plait.storage.timeouts import DatabaseTimeouts
 from plait.streams.spec import StreamSpec, TableSpec
 
 _NAME_PATTERN = r"^[^\s]+$"
@@ -187,6 +188,10 @@ class InstanceConfig(_Model):
     deployment: str = Field("plait", pattern=_NAME_PATTERN)
     # PostgreSQL DSN; None starts (or reuses) the embedded server.
     database: str | None = None
+    # How long a silent peer keeps a database connection, on both ends (TCP keepalives,
+    # tcp_user_timeout, idle_in_transaction_session_timeout): a partitioned writer is
+    # fenced only once its server processes end. What the DSN sets itself wins.
+    database_timeouts: DatabaseTimeouts = Field(default_factory=DatabaseTimeouts)
     streams: list[StreamConfig] = Field(default_factory=list)
     # Base URL of each instance's internal HTTP API, e.g. {"worker1": "http://127.0.0.1:8081"}.
     instance_map: dict[str, str] = Field(default_factory=dict)

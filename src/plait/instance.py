@@ -167,7 +167,9 @@ class Instance:
                 # Its connections carry this run's name, so that its writers can be
                 # fenced should it die with IDs in flight.
                 self._db = await Database.connect(
-                    config.database, incarnation=Incarnation.new(self.name)
+                    config.database,
+                    incarnation=Incarnation.new(self.name),
+                    timeouts=config.database_timeouts,
                 )
                 await self._db.migrate()
             for statements in self._schema:

@@ -5,7 +5,12 @@ answer.
 Every client connects to the proxy, which opens one connection to the target for each;
 `cut()` aborts a pair (a reset both ways, as a failed network would), and
 `lose_next_answer()` aborts the pair whose target speaks next, dropping what it said:
-the server did the work, the client never hears of it.
+the server did the work, the client never hears of it. `black_hole()` stops forwarding
+in both directions, closing nothing, as a network partition would: whatever either side
+sends (an end of stream too) waits in the proxy until `heal()`. Unlike a real partition,
+the proxy's kernel still acknowledges both sides' packets, so neither side's TCP
+keepalives or `tcp_user_timeout` notice it: only time-based limits do
+(`idle_in_transaction_session_timeout`).
 """
 
 from __future__ import annotations
@@ -31,8 +36,14 @@ class CutProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._lose_answer = False
         self.answers_lost = 0
+        # Set while traffic flows; cleared by `black_hole()`.
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._stopped = False
 
     async def start(self) -> None:
+        """Listen (again, after `stop()`: a proxy can be stopped and started)."""
+        self._stopped = False
         self._server = await asyncio.start_server(self._accept, self._host, self._listen)
 
     @property
@@ -53,7 +64,18 @@ class CutProxy:
             writer.transport.abort()
         return True
 
+    def black_hole(self) -> None:
+        """Forward nothing more, either way, on any connection (new ones too), and close
+        nothing, until `heal()`."""
+        self._flowing.clear()
+
+    def heal(self) -> None:
+        """Forward again, in order, what was held since `black_hole()`."""
+        self._flowing.set()
+
     async def stop(self) -> None:
+        self._stopped = True
+        self._flowing.set()  # connections accepted during a black hole end below
         if self._server is not None:
             self._server.close()
         for a, b in self._pairs:
@@ -65,6 +87,10 @@ class CutProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._flowing.wait()  # a partition: the target hears of nobody new
+        if self._stopped:
+            writer.transport.abort()
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
@@ -93,8 +119,12 @@ class CutProxy:
         answers_of: tuple[asyncio.StreamWriter, asyncio.StreamWriter] | None = None,
     ) -> None:
         """Copy one way; `answers_of` is the pair when this is the target's side."""
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await reader.read(65536):
+        try:
+            while True:
+                data = await reader.read(65536)
+                await self._flowing.wait()  # held, not lost, during a black hole
+                if not data:
+                    return
                 if answers_of is not None and self._lose_answer:
                     self._lose_answer = False
                     self.answers_lost += 1
@@ -103,3 +133,5 @@ class CutProxy:
                     return
                 writer.write(data)
                 await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            await self._flowing.wait()  # a reset crosses no black hole either

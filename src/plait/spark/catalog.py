@@ -17,6 +17,7 @@ from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
 from plait.spark.offsets import Slice, WriterRange
 from plait.storage.stream_store import ident
+from plait.storage.timeouts import connect_sync
 from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
@@ -29,8 +30,11 @@ class Column:
 
 
 def connect(dsn: str) -> psycopg.Connection[Any]:
+    """A connection for the driver's and planners' questions; a partition ends it
+    within the default `DatabaseTimeouts` instead of leaving Spark waiting for hours
+    (what the DSN sets itself wins)."""
     try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+        return connect_sync(dsn, autocommit=True, connect_timeout=10)
     except psycopg.Error as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         # libpq quotes a DSN it cannot parse back, password and all.

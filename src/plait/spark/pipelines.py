@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
-import psycopg
 from psycopg import sql
 
 import plait.spark
 from plait.errors import ConfigError
 from plait.storage.stream_store import ident
+from plait.storage.timeouts import connect_sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +193,7 @@ class Derived:
                 "CREATE TABLE IF NOT EXISTS {} (key TEXT NOT NULL, hour TIMESTAMPTZ NOT NULL,"
                 " count BIGINT NOT NULL, PRIMARY KEY (key, hour))"
             ).format(name)
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
+        with connect_sync(self.dsn, autocommit=True) as conn:
             conn.execute(ddl)
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {MARKERS} (job TEXT NOT NULL,"
@@ -230,7 +230,7 @@ class Derived:
         """Apply one batch's rows with its marker, in one transaction; False when the
         marker was there already (a replayed batch)."""
         name = ident(self.table)
-        with psycopg.connect(self.dsn) as conn, conn.transaction():
+        with connect_sync(self.dsn) as conn, conn.transaction():
             fresh = conn.execute(
                 f"INSERT INTO {MARKERS} (job, batch_id) VALUES (%s, %s)"
                 " ON CONFLICT DO NOTHING RETURNING 1",

@@ -46,6 +46,7 @@ from plait.errors import ConfigError
 from plait.spark import catalog, offsets, workers
 from plait.spark.schema import infer, text_columns
 from plait.storage.stream_store import ident
+from plait.storage.timeouts import DEFAULT_TIMEOUTS
 from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
@@ -219,7 +220,8 @@ def _forget(kind: str, dsn: str) -> None:
 def _adbc(dsn: str) -> Any:
     import adbc_driver_postgresql.dbapi as adbc
 
-    return adbc.connect(dsn, autocommit=True)
+    # ADBC takes a DSN only: the keepalives go in it (what the DSN sets itself wins).
+    return adbc.connect(DEFAULT_TIMEOUTS.client_dsn(dsn), autocommit=True)
 
 
 def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import psycopg
-from psycopg import AsyncConnection, AsyncCursor, pq
+from psycopg import AsyncConnection, AsyncCursor, pq, sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow, scalar_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -34,6 +34,7 @@ from plait.storage.incarnation import (
     renew_incarnation,
 )
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
+from plait.storage.timeouts import DEFAULT_TIMEOUTS, DatabaseTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,11 @@ class Transaction:
             return
         if not self._begun:
             return
+        if command == "ROLLBACK" and self._conn.closed:
+            # The session is gone (the server ended it: idle_in_transaction_session_timeout,
+            # a terminated backend), and its transaction with it. Sending ROLLBACK would
+            # only replace the error that says why with "the connection is closed".
+            return
         cursor = await self._conn.execute(command)
         if command == "COMMIT" and cursor.statusmessage != "COMMIT":
             raise _rolled_back_at_commit()
@@ -219,8 +225,8 @@ def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:
 
 
 class _Identity:
-    """Who a pool's connections say they are, and what happens when a new one finds
-    that run fenced.
+    """Who a pool's connections say they are, the server settings each one starts
+    with, and what happens when a new one finds that run fenced.
 
     With `renew` (the default), the instance goes on as a new incarnation: a fence
     proved that none of the old one's connections was alive, so everything it did is
@@ -232,10 +238,17 @@ class _Identity:
     written on a new connection below the position the fence moved readers past.
     Until then, and always without `renew`, every lease fails at once (`FencedError`)."""
 
-    __slots__ = ("fenced", "holds", "incarnation", "renew", "renewed")
+    __slots__ = ("fenced", "holds", "incarnation", "renew", "renewed", "settings")
 
-    def __init__(self, incarnation: Incarnation | None = None, *, renew: bool = True) -> None:
+    def __init__(
+        self,
+        incarnation: Incarnation | None = None,
+        settings: Mapping[str, str] | None = None,
+        *,
+        renew: bool = True,
+    ) -> None:
         self.incarnation = incarnation
+        self.settings = dict(settings or {})
         self.fenced: FencedError | None = None
         self.renew = renew
         # Each says whether IDs of this run are still pending (the writers' trackers).
@@ -248,8 +261,13 @@ class _Identity:
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
         """The pool's hook for each new connection."""
+        if self.settings:
+            # SET after connecting rather than `options` in the startup packet, which
+            # PgBouncer refuses: one round trip per new connection.
+            await conn.execute(_set_query(self.settings))
         checked = self.incarnation
-        assert checked is not None
+        if checked is None:
+            return
         try:
             await refuse_if_fenced(conn, checked)
         except FencedError as err:
@@ -278,6 +296,15 @@ class _Identity:
             await name_connection(conn, current)
 
 
+def _set_query(settings: Mapping[str, str]) -> sql.Composed:
+    return sql.SQL("SELECT {}").format(
+        sql.SQL(", ").join(
+            sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
+            for name, value in settings.items()
+        )
+    )
+
+
 class _Lease:
     """`Database.connection()`: the hot connection while it is free, else a pooled one.
 
@@ -302,21 +329,15 @@ class _Lease:
             raise identity.fenced
         if db._lost_one and not db._closed:
             await db._replace_lost()
+        if db._hot_busy or db._closed:
+            return await _pooled_connection(db, self)
+        db._hot_busy = True
         try:
-            if db._hot_busy or db._closed:
-                self._pooled = db._pool.connection()
-                return await self._pooled.__aenter__()
-            db._hot_busy = True
-            try:
-                hot = db._hot
-                if hot is None or hot.closed:
-                    hot = db._hot = await db._pool.getconn()
-            except BaseException:
-                db._hot_busy = False
-                raise
-        except PoolTimeout:  # waiting for a connection the pool refused to make?
-            if identity.fenced is not None:
-                raise identity.fenced from None
+            hot = db._hot
+            if hot is None or hot.closed:
+                hot = db._hot = await _waiting(db, db._pool.getconn)
+        except BaseException:
+            db._hot_busy = False
             raise
         self._hot = hot
         return hot
@@ -344,6 +365,42 @@ class _Lease:
                 await db._pool.putconn(hot)
         finally:
             db._hot_busy = False
+
+
+# psycopg_pool retries a failed connection with a doubling delay for up to this long,
+# then gives up until a client waits again. Its default (5 min) let the delay grow to
+# a minute or more during an outage, so a process found the server back that late; a
+# short chain starts over at once for a waiting lease (`_waiting` waits in short steps).
+_RECONNECT_CHAIN = 5.0
+# While waiting for the pool, how often a lease looks whether the pool's connection
+# attempts found this run fenced: then it fails at once, not after the pool's timeout.
+_FENCE_LOOK_EVERY = 1.0
+
+
+async def _waiting(db: Database, get: Callable[[float], Awaitable[T]]) -> T:
+    """`get(timeout)` from the pool, up to the pool's own timeout, failing with
+    `FencedError` as soon as a connection attempt found this run fenced."""
+    identity, pool = db._identity, db._pool
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + pool.timeout
+    while True:
+        try:
+            return await get(max(0.001, min(_FENCE_LOOK_EVERY, deadline - loop.time())))
+        except PoolTimeout:
+            if identity.fenced is not None and not identity.may_renew():
+                raise identity.fenced from None
+            if loop.time() >= deadline:
+                raise
+
+
+async def _pooled_connection(db: Database, lease: _Lease) -> AsyncConnection[TupleRow]:
+    async def enter(wait: float) -> AsyncConnection[TupleRow]:
+        pooled = db._pool.connection(timeout=wait)
+        conn = await pooled.__aenter__()
+        lease._pooled = pooled
+        return conn
+
+    return await _waiting(db, enter)
 
 
 class _CursorLease:
@@ -421,6 +478,7 @@ class Database:
         application_name: str = "plait",
         incarnation: Incarnation | None = None,
         retry_reads_for: float = DEFAULT_RETRY_READS_FOR,
+        timeouts: DatabaseTimeouts | None = None,
     ) -> Database:
         """Connect to `dsn`, or start (or reuse) the embedded server when it is None.
 
@@ -428,27 +486,37 @@ class Database:
         name, so that the instance's writers can be fenced when it dies, and a new
         connection is refused once they were (`FencedError`). plait's reads of
         positions and rows outlast a server restart or crash of up to
-        `retry_reads_for` seconds (`retry_read`)."""
+        `retry_reads_for` seconds (`retry_read`). `timeouts` (default:
+        `DatabaseTimeouts()`) bound how long a silent peer keeps a connection, on both
+        ends, so that a partitioned writer's server processes end and it can be fenced;
+        what `dsn` sets itself wins."""
         if retry_reads_for < 0:
             raise ConfigError("retry_reads_for must be zero or more (seconds)")
         embedded = None
         if dsn is None:
             embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
             dsn = embedded.dsn
-        identity = _Identity(incarnation)
+        timeouts = timeouts or DEFAULT_TIMEOUTS
+        identity = _Identity(incarnation, timeouts.session_settings(dsn))
         if incarnation is not None:
             application_name = incarnation.application_name
-        kwargs: dict[str, Any] = {"autocommit": True, "application_name": application_name}
+        client = timeouts.client_params(dsn)
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "application_name": application_name,
+            **client,
+        }
         try:
-            await _probe(dsn)
+            await _probe(dsn, client)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
                 kwargs=kwargs,
-                configure=None if incarnation is None else identity.configure,
+                configure=identity.configure,
                 open=False,
                 name="plait",
+                reconnect_timeout=_RECONNECT_CHAIN,
             )
             # A renewed incarnation names every later connection (the pool reads its
             # kwargs for each one it makes).
@@ -821,10 +889,12 @@ async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
                 return task.result(), True  # the step's outcome (or its exception)
 
 
-async def _probe(dsn: str) -> None:
+async def _probe(dsn: str, client: Mapping[str, Any]) -> None:
     """Connect once to turn a bad DSN or old server into one clear error."""
     try:
-        conn = await AsyncConnection.connect(dsn, connect_timeout=10, autocommit=True)
+        conn = await AsyncConnection.connect(
+            dsn, **{**client, "connect_timeout": 10, "autocommit": True}
+        )
     except psycopg.ProgrammingError as err:
         # libpq's message may quote the DSN back, password and all.
         raise DatabaseUnavailableError(
