@@ -17,10 +17,12 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plait.core.backoff import Backoff
-from plait.core.commands import MAX_LINE_BYTES
-from plait.errors import ConfigError
+from plait.core.commands import MAX_LINE_BYTES, CommandSet, Depart, Position, Rdata, rows_of
+from plait.errors import CommandParseError, ConfigError
 from plait.replication import tcp_transport
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
@@ -841,6 +843,42 @@ async def test_a_client_cannot_speak_for_another_instance() -> None:
         assert all(re.match(r"ERROR (RDATA|POSITION|DEPART) of \w+ refused", e) for e in errors)
         assert at_hub.closed_calls == 0  # a few bad lines are within the budget
         await peer.close()
+
+
+# Lines of a command name and fields, apart by a space mostly, else by two, by other
+# whitespace or by nothing; each field mostly of the kind its place takes, names that
+# share a prefix, and a field too many or too few now and then.
+_ARITY = {"RDATA": 4, "POSITION": 4, "DEPART": 1}
+_separators = st.sampled_from([" "] * 12 + ["  ", "\t", "\u00a0", ""])
+_names = st.sampled_from(["w2", "w2x", "evil", "{}"])
+_numbers = st.sampled_from(["1", "-1", "5", "5", "batch"])
+
+
+@st.composite
+def _lines(draw: st.DrawFn) -> str:
+    name = draw(st.sampled_from(sorted(_ARITY)))
+    count = draw(st.sampled_from([_ARITY[name]] * 4 + [0, 1, 2, 3, 4, 5]))
+    kinds = [_names, _names, _numbers, _numbers | st.just("[1]"), _names | _numbers]
+    fields = [draw(kinds[i] if name != "DEPART" else _names) for i in range(count)]
+    return name + "".join(draw(_separators) + field for field in fields)
+
+
+@given(_lines())
+def test_the_hub_reads_the_name_of_a_line_as_receivers_parse_it(line: str) -> None:
+    """The hub checks the instance name of a line without parsing it (a row may be a
+    MiB); whenever receivers parse the line, they must find the same name, or a line
+    could pass the hub as the sender's own and arrive as another writer's."""
+    try:
+        command = CommandSet().parse(line)
+    except CommandParseError:
+        return  # refused by every receiver (and by the hub's session: never relayed)
+    if isinstance(command, Rdata | Position):
+        assert tcp_transport._field(line, 2) == command.instance
+        assert rows_of(line, command.instance)
+        if isinstance(command, Position):  # the hub asks only of POSITION lines
+            assert tcp_transport._is_fence(line) == (command.prev == command.new)
+    elif isinstance(command, Depart):
+        assert tcp_transport._field(line, 1) == command.name
 
 
 async def test_a_second_connection_under_a_name_in_use_replaces_the_first() -> None:
