@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from plait.core.commands import (
     MAX_LINE_BYTES,
+    Challenge,
     Command,
     CommandParseError,
     CommandSet,
@@ -21,6 +22,7 @@ from plait.core.commands import (
     Name,
     Ping,
     Position,
+    Proof,
     Rdata,
     Replicate,
     Server,
@@ -48,12 +50,15 @@ json_values = st.recursive(
     ),
     max_leaves=12,
 )
+hex_text = st.text("0123456789abcdef", min_size=1, max_size=128)
 commands = st.one_of(
     st.builds(Rdata, names, names, st.none() | integers, json_values),
     st.builds(Position, names, names, integers, integers),
     st.just(Replicate()),
     st.builds(Name, names),
-    st.builds(Server, names),
+    st.builds(Server, names, st.none() | hex_text),
+    st.builds(Challenge, names, hex_text),
+    st.builds(Proof, hex_text, hex_text),
     st.builds(Depart, names),
     st.builds(Ping, integers),
     st.builds(
@@ -107,6 +112,10 @@ def test_wire_text_is_exact() -> None:
     assert to_line(Replicate()) == "REPLICATE"
     assert to_line(Ping(1700000000000)) == "PING 1700000000000"
     assert to_line(Error("bad\nthing")) == "ERROR bad thing"
+    assert to_line(Server("hub")) == "SERVER hub"
+    assert to_line(Server("hub", "00ff")) == "SERVER hub 00ff"
+    assert to_line(Challenge("hub", "ab")) == "CHALLENGE hub ab"
+    assert to_line(Proof("ab", "cd")) == "PROOF ab cd"
     assert COMMANDS.parse("RDATA events w1 batch [1]") == Rdata("events", "w1", None, [1])
 
 
@@ -132,6 +141,13 @@ def test_wire_text_is_exact() -> None:
         "PING soon",
         "NAME",
         "NAME a b",
+        "SERVER hub XYZ",
+        "SERVER hub ab cd",
+        "CHALLENGE hub",
+        "CHALLENGE hub AB",
+        "PROOF ab",
+        "PROOF ab cd ef",
+        "PROOF " + "a" * 129 + " cd",
         "REPLICATE now",
         "ERROR a\nb",
         "A" * (MAX_LINE_BYTES + 1),

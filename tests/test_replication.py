@@ -474,7 +474,7 @@ async def test_a_malformed_line_on_tcp_gets_error_and_the_connection_lives_on(
         try:
             writer.write(b"NAME raw\n")
             assert (await reader.readline()).startswith(b"SERVER w1")
-            writer.write(b"POSITION events w2 not-a-number 3\nREPLICATE\n")
+            writer.write(b"POSITION events raw not-a-number 3\nREPLICATE\n")
             lines: list[bytes] = []
             async with asyncio.timeout(5):
                 while not any(line.startswith(b"ERROR") for line in lines):

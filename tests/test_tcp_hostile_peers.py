@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import socket
@@ -24,6 +25,7 @@ import pytest
 
 from plait import Database
 from plait.core.commands import MAX_LINE_BYTES
+from plait.errors import ConfigError
 from plait.instance import Instance
 from plait.replication import tcp_transport
 from plait.replication.tcp_transport import TcpHub
@@ -121,12 +123,15 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def replicating(db: Database, **tcp_settings: Any) -> AsyncIterator[Pair]:
+async def replicating(
+    db: Database, *, secret: str | None = None, **tcp_settings: Any
+) -> AsyncIterator[Pair]:
     async with cluster_of(db, "tcp", hub="w1") as cluster:
         tcp = {"hub": "w1", "port": cluster.hub_port, "send_queue": SEND_QUEUE, **tcp_settings}
         at_w1, at_w2 = Arrivals(), Arrivals()
         arrivals = {"w1": at_w1, "w2": at_w2}
-        w1, w2 = await start_connected(cluster, arrivals, replication={"tcp": tcp})
+        replication = {"tcp": tcp, "secret": secret}
+        w1, w2 = await start_connected(cluster, arrivals, replication=replication)
         yield Pair(cluster, w1, w2, at_w1, at_w2)
 
 
@@ -309,7 +314,7 @@ def misbehaving_flood() -> bytes:
         b"REPLICATE\n",
         b"ERROR you are wrong\n",
         b"PING 1\n",
-        b"POSITION events nobody 0 1\n",
+        b"POSITION events hostile 0 1\n",
     ]
     return b"".join(lines * 200)
 
@@ -336,7 +341,7 @@ def replicates_at(instance: Instance) -> float:
 
 
 async def test_a_flood_of_valid_lines_does_not_starve_the_others(db: Database) -> None:
-    """Lines the hub must relay (a writer nobody follows moving on): not bad in
+    """Lines the hub must relay (the peer, a writer nobody follows, moving on): not bad in
     themselves, so the peer is not cut off; the hub's reader yields to the others."""
     async with replicating(db) as pair:
         w1_before, w2_before = position_lines_at(pair.w1), position_lines_at(pair.w2)
@@ -350,7 +355,7 @@ async def test_a_flood_of_valid_lines_does_not_starve_the_others(db: Database) -
             position = 0
             while time.monotonic() < deadline:
                 chunk = b"".join(
-                    b"POSITION events nobody %d %d\n" % (position + i, position + i + 1)
+                    b"POSITION events hostile %d %d\n" % (position + i, position + i + 1)
                     for i in range(500)
                 )
                 position += 500
@@ -453,3 +458,88 @@ async def test_many_connections_that_half_close_or_never_say_name_are_all_cut_of
         await under_attack(pair, attack, memory_bound=8 << 20)
         assert pair.hub._handshaking == 0
         assert {p.label for p in pair.hub._peers} == {"tcp:w2"}
+
+
+# -- 5. a peer speaking for others ---------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["no secret", "with a secret"])
+async def test_a_peer_cannot_move_another_writers_position_or_send_its_rows(
+    db: Database, secret: str | None
+) -> None:
+    """The issue's attack: a peer says NAME evil, then sends a position and a row of w2.
+    Neither reaches w1 (the hub) nor w2: without a secret the hub refuses lines in any
+    name but the connection's; with one, the peer never gets past the handshake."""
+    async with replicating(db, secret=secret) as pair:
+
+        async def attack(port: int) -> float:
+            reader, writer = await asyncio.open_connection(HOST, port)
+            try:
+                writer.write(b"NAME evil\n")
+                first = await reader.readline()
+                assert first.startswith(b"CHALLENGE w1 " if secret else b"SERVER w1"), first
+                row = b'["events", 1000000000, "w2", "forged"]'
+                writer.write(
+                    b"POSITION events w2 0 1000000000\n"
+                    b"RDATA events w2 1000000000 " + row + b"\n"
+                    b"POSITION notes w2 0 1000000000\n"
+                )
+                errors: list[bytes] = []
+                async with asyncio.timeout(CUT_OFF_BOUND):
+                    while len(errors) < 3 and (line := await reader.readline()):
+                        if line.startswith(b"ERROR"):
+                            errors.append(line)
+                if secret:
+                    assert errors == [b"ERROR expected PROOF <nonce> <proof>, got POSITION\n"]
+                else:
+                    assert all(b" of w2 refused: this connection is evil" in e for e in errors)
+                    assert len(errors) == 3
+                return 0.0
+            finally:
+                writer.transport.abort()
+
+        await under_attack(pair, attack, memory_bound=8 << 20)
+        for stream in ("events", "notes"):
+            seen = metric(pair.w1, "plait_stream_position", stream=stream, writer="w2")
+            assert seen < 1_000_000, f"w1 took w2's position on {stream} to be {seen}"
+        refused = "auth" if secret else "impersonation"
+        assert metric(pair.w1, "plait_tcp_hub_refused_total", reason=refused) >= 1
+
+
+async def test_a_hub_listening_off_loopback_without_a_secret_refuses_to_start(
+    db: Database,
+) -> None:
+    async with cluster_of(db, "tcp", hub="w1") as cluster:
+        tcp = {"hub": "w1", "host": "0.0.0.0", "port": cluster.hub_port}
+        instance = cluster.instance("w1", replication={"tcp": tcp})
+        try:
+            with pytest.raises(ConfigError, match=r"replication\.secret"):
+                await instance.start()
+        finally:
+            await instance.stop()
+
+
+async def test_a_reconnecting_peer_sending_garbage_does_not_flood_the_log(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 6: every bad line was a warning; now one line per interval per address."""
+    caplog.set_level(logging.WARNING, logger="plait")
+    async with replicating(db) as pair:
+
+        async def attack(port: int) -> float:
+            for _ in range(20):
+                peer = await Hostile.connect(port)
+                peer.writer.write(b"POSITION events hostile x y\n" * 20)
+                await peer.writer.drain()
+                async with asyncio.timeout(CUT_OFF_BOUND):
+                    while len(errors_of(peer)) < 20:
+                        chunk = await peer.reader.read(1 << 16)
+                        assert chunk, "the hub hung up"
+                        peer.received += chunk
+                peer.close()
+            return 0.0
+
+        caplog.clear()
+        await under_attack(pair, attack, memory_bound=8 << 20)
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) <= 5, warnings[:10]

@@ -6,6 +6,10 @@ test); misbehaving peers are bare sockets speaking the protocol by hand."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -13,9 +17,12 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plait.core.backoff import Backoff
-from plait.core.commands import MAX_LINE_BYTES
+from plait.core.commands import MAX_LINE_BYTES, CommandSet, Depart, Position, Rdata, rows_of
+from plait.errors import CommandParseError, ConfigError
 from plait.replication import tcp_transport
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
@@ -124,8 +131,11 @@ class RawPeer:
         self.writer = writer
 
     @classmethod
-    async def connect(cls, port: int) -> RawPeer:
-        reader, writer = await asyncio.open_connection(HOST, port, limit=4 * MAX_LINE_BYTES)
+    async def connect(cls, port: int, source: str = HOST) -> RawPeer:
+        """Connected from the loopback address `source` (any of 127/8)."""
+        reader, writer = await asyncio.open_connection(
+            HOST, port, limit=4 * MAX_LINE_BYTES, local_addr=(source, 0)
+        )
         return cls(reader, writer)
 
     async def send(self, data: bytes) -> None:
@@ -307,15 +317,14 @@ async def test_hub_relays_to_every_other_client_in_order_and_never_back() -> Non
         )
         for session in others:
             assert session.matching("POSITION s a") == lines  # verbatim, in order
-        # Not relayed: the transport's own commands (never handed on at all) and ERROR
-        # (for the hub's session only); a marker line shows the rest has arrived.
+        # Not relayed, nor handed on at all: the transport's own commands, and ERROR (it
+        # answers one line, and goes to the hub's log); a marker shows the rest arrived.
         for line in ("PING 1", "NAME z", "SERVER z", "ERROR oops", "POSITION s a 1000 1001"):
             a_session.link.send(line)
         await eventually(lambda: all("POSITION s a 1000 1001" in s.lines for s in others), "mark")
         for session in others:
-            for prefix in ("PING", "NAME", "SERVER"):
+            for prefix in ("PING", "NAME", "SERVER", "ERROR"):
                 assert session.matching(prefix) == []
-        assert [s.matching("ERROR") for s in others] == [[], [], ["ERROR oops"]]
 
         # the hub's handler sends its own commands through each link
         hub_handler.send_all("POSITION s hub 0 7")
@@ -706,7 +715,7 @@ async def test_a_line_the_hub_refuses_is_never_relayed_and_reactions_follow_the_
         peer = await connected_trio(hub, hub_handler, other)
         at_other = other.sessions[0]
         await peer.send(
-            b"RDATA bad line\nRDATA \xff\nno command\nAPP_UNKNOWN 1\nREACT 1\nPOSITION s raw 0 1\n"
+            b"RDATA bad raw\nRDATA \xff\nno command\nAPP_UNKNOWN 1\nREACT 1\nPOSITION s raw 0 1\n"
         )
         assert (await peer.line()).startswith("ERROR cannot parse RDATA bad")
         assert (await peer.line()).startswith("ERROR cannot parse RDATA")
@@ -728,7 +737,8 @@ async def test_a_line_the_hub_refuses_is_never_relayed_and_reactions_follow_the_
 @pytest.mark.parametrize(
     "bad",
     [
-        pytest.param(b"RDATA bad line\n", id="refused by the session"),
+        pytest.param(b"RDATA bad raw\n", id="refused by the session"),
+        pytest.param(b"POSITION s other 0 1\n", id="in another instance's name"),
         pytest.param(b"no command here\n", id="no command name"),
         pytest.param(b"NAME again\n", id="NAME after the handshake"),
         pytest.param(b"REPLICATE\n", id="REPLICATE over and over"),
@@ -760,9 +770,13 @@ async def test_bad_lines_past_the_budget_close_the_peer_and_only_it(bad: bytes) 
         await peer.close()
 
 
-async def test_errors_from_a_peer_past_the_budget_are_dropped_not_fatal() -> None:
+async def test_errors_from_a_peer_are_logged_never_fatal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """An ERROR may answer a line that was fine for the hub (another version), so it
-    never closes a connection; past the budget, ERRORs no longer reach the session."""
+    never closes a connection; it goes to the hub's log (one line per interval and
+    address, whatever their number), never to the session."""
+    caplog.set_level(logging.WARNING, logger="plait")
     hub_handler = RecordingHandler("hub")
     async with running_hub(hub_handler) as hub:
         peer = await RawPeer.connect(hub.port)
@@ -771,32 +785,12 @@ async def test_errors_from_a_peer_past_the_budget_are_dropped_not_fatal() -> Non
         at_hub = hub_handler.sessions[0]
         await peer.send(b"ERROR you are wrong\n" * 500 + b"POSITION s raw 0 1\n")
         await eventually(lambda: "POSITION s raw 0 1" in at_hub.lines, "the marker")
-        assert 100 <= len(at_hub.matching("ERROR")) < 110
+        assert at_hub.lines == ["POSITION s raw 0 1"]
         assert at_hub.closed_calls == 0
-        await peer.close()
-
-
-async def test_connections_past_the_handshake_limit_are_refused_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(tcp_transport, "_MAX_HANDSHAKING", 5)
-    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
-    async with running_hub(hub_handler, handshake_timeout=0.5) as hub:
-        waiting = [await RawPeer.connect(hub.port) for _ in range(5)]  # never say NAME
-        await eventually(lambda: hub._handshaking == 5, "five in the handshake at the hub")
-        started = time.monotonic()
-        refused = await RawPeer.connect(hub.port)
-        assert await refused.rest() == [
-            "ERROR too many connections in the handshake; try again later"
+        assert [r.getMessage() for r in caplog.records] == [
+            "tcp hub: 127.0.0.1: tcp:raw says: you are wrong"
         ]
-        assert time.monotonic() - started < 0.3
-        # once the silent ones are cut off at the handshake timeout, clients get in
-        for peer in waiting:
-            assert (await peer.rest())[0].startswith("ERROR expected NAME <name> within")
-        async with running_client(handler, hub.port) as client:
-            assert await client.wait_open(WAIT)
-        for peer in (*waiting, refused):
-            await peer.close()
+        await peer.close()
 
 
 async def test_a_slow_peer_is_closed_at_the_byte_limit_before_the_line_limit(
@@ -813,3 +807,378 @@ async def test_a_slow_peer_is_closed_at_the_byte_limit_before_the_line_limit(
             assert await peer.last_line() == (
                 "ERROR send queue full (1 MiB): closing; reconnect and catch up"
             )
+
+
+# -- 9. lines carry the sender's name ----------------------------------------------------
+
+
+async def test_a_client_cannot_speak_for_another_instance() -> None:
+    """The issue's attack: a peer that said NAME evil sends positions and rows of other
+    writers. None reaches the hub's session or another client; of another writer's
+    lines only the fence announcement (POSITION with prev == new) is relayed."""
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("w2")
+    async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
+        assert await client.wait_open(WAIT)
+        peer = await connected_trio(hub, hub_handler, other, "evil")
+        at_hub, at_other = hub_handler.session_of("tcp:evil"), other.sessions[0]
+        attack = [
+            "POSITION notes w2 0 1000000000",
+            'RDATA notes w1 32 {"body":"forged"}',
+            "RDATA notes w2 batch {}",
+            "POSITION notes w1 5 9",
+            "POSITION notes hub 3 3",  # the hub's own: never from a client, fence or not
+            "DEPART w2",
+        ]
+        allowed = ["POSITION notes w1 7 7", "POSITION notes evil 0 1", "DEPART evil"]
+        await peer.send(("\n".join(attack + allowed) + "\n").encode())
+        await eventually(lambda: "DEPART evil" in at_other.lines, "the allowed lines relayed")
+        await eventually(lambda: "DEPART evil" in at_hub.lines, "the allowed lines at the hub")
+        assert at_hub.lines == allowed
+        assert at_other.lines == ["REPLICATE", *allowed]
+        errors = [await peer.line() for _ in attack]
+        assert errors[0] == (
+            "ERROR POSITION of w2 refused: this connection is evil, and only w2 sends its "
+            "own (another writer's position only as a fence: POSITION <stream> <writer> p p)"
+        )
+        assert all(re.match(r"ERROR (RDATA|POSITION|DEPART) of \w+ refused", e) for e in errors)
+        assert at_hub.closed_calls == 0  # a few bad lines are within the budget
+        await peer.close()
+
+
+# Lines of a command name and fields, apart by a space mostly, else by two, by other
+# whitespace or by nothing; each field mostly of the kind its place takes, names that
+# share a prefix, and a field too many or too few now and then.
+_ARITY = {"RDATA": 4, "POSITION": 4, "DEPART": 1}
+_separators = st.sampled_from([" "] * 12 + ["  ", "\t", "\u00a0", ""])
+_names = st.sampled_from(["w2", "w2x", "evil", "{}"])
+_numbers = st.sampled_from(["1", "-1", "5", "5", "batch"])
+
+
+@st.composite
+def _lines(draw: st.DrawFn) -> str:
+    name = draw(st.sampled_from(sorted(_ARITY)))
+    count = draw(st.sampled_from([_ARITY[name]] * 4 + [0, 1, 2, 3, 4, 5]))
+    kinds = [_names, _names, _numbers, _numbers | st.just("[1]"), _names | _numbers]
+    fields = [draw(kinds[i] if name != "DEPART" else _names) for i in range(count)]
+    return name + "".join(draw(_separators) + field for field in fields)
+
+
+@given(_lines())
+def test_the_hub_reads_the_name_of_a_line_as_receivers_parse_it(line: str) -> None:
+    """The hub checks the instance name of a line without parsing it (a row may be a
+    MiB); whenever receivers parse the line, they must find the same name, or a line
+    could pass the hub as the sender's own and arrive as another writer's."""
+    try:
+        command = CommandSet().parse(line)
+    except CommandParseError:
+        return  # refused by every receiver (and by the hub's session: never relayed)
+    if isinstance(command, Rdata | Position):
+        assert tcp_transport._field(line, 2) == command.instance
+        assert rows_of(line, command.instance)
+        if isinstance(command, Position):  # the hub asks only of POSITION lines
+            assert tcp_transport._is_fence(line) == (command.prev == command.new)
+    elif isinstance(command, Depart):
+        assert tcp_transport._field(line, 1) == command.name
+
+
+async def test_a_second_connection_under_a_name_in_use_replaces_the_first() -> None:
+    """A name is held by one connection at a time: the newer one (the instance has
+    reconnected before the hub noticed the old connection died)."""
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler) as hub:
+        first = await RawPeer.connect(hub.port)
+        await first.handshake("w2")
+        assert await first.line() == "REPLICATE"
+        second = await RawPeer.connect(hub.port)
+        await second.handshake("w2")
+        assert await second.line() == "REPLICATE"
+        assert await first.rest() == ["ERROR replaced by a newer connection named w2"]
+        await eventually(lambda: hub_handler.sessions[0].closed_calls == 1, "the first closed")
+        await second.send(b"POSITION s w2 0 1\n")
+        await eventually(lambda: hub_handler.sessions[1].lines == ["POSITION s w2 0 1"], "second")
+        assert [s.link.label for s in hub_handler.live()] == ["tcp:w2"]
+        await first.close()
+        await second.close()
+
+
+async def test_a_client_may_not_take_the_hubs_own_name() -> None:
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler) as hub:
+        peer = await RawPeer.connect(hub.port)
+        await peer.send(b"NAME hub\n")
+        assert await peer.rest() == [
+            "ERROR NAME hub is the hub's own name: name every instance differently"
+        ]
+        assert hub_handler.sessions == []
+        await peer.close()
+
+
+# -- 10. authentication with the replication secret ----------------------------------
+
+
+SECRET = "correct horse battery staple"
+
+
+def proof(secret: str, role: str, client: str, hub: str, hub_nonce: str, nonce: str) -> str:
+    """The proof as the protocol defines it, written out again here to pin it down:
+    HMAC-SHA256 under the secret of the role, both names and both nonces."""
+    message = f"plait-tcp-1 {role} {client} {hub} {hub_nonce} {nonce}"
+    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+async def test_with_a_secret_the_hub_and_client_prove_it_to_each_other() -> None:
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+    async with (
+        running_hub(hub_handler, secret=SECRET) as hub,
+        running_client(handler, hub.port, secret=SECRET) as client,
+    ):
+        assert await client.wait_open(WAIT)
+        await eventually(lambda: len(hub_handler.live()) == 1, "open at the hub")
+        assert hub_handler.sessions[0].link.label == "tcp:c1"
+        await eventually(lambda: handler.sessions[0].lines == ["REPLICATE"], "the hub's line")
+        await eventually(lambda: hub_handler.sessions[0].lines == ["REPLICATE"], "the client's")
+
+
+async def test_the_handshake_with_a_secret_on_the_wire_and_no_replay() -> None:
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler, secret=SECRET) as hub:
+        peer = await RawPeer.connect(hub.port)
+        await peer.send(b"NAME raw\n")
+        challenge = (await peer.line()).split(" ")
+        assert challenge[:2] == ["CHALLENGE", "hub"]
+        hub_nonce = challenge[2]
+        assert re.fullmatch("[0-9a-f]{32}", hub_nonce)
+        nonce = "0123456789abcdef" * 2
+        mine = proof(SECRET, "client", "raw", "hub", hub_nonce, nonce)
+        await peer.send(f"PROOF {nonce} {mine}\n".encode())
+        theirs = proof(SECRET, "hub", "raw", "hub", hub_nonce, nonce)
+        assert await peer.line() == f"SERVER hub {theirs}"
+        assert await peer.line() == "REPLICATE"
+        assert [s.link.label for s in hub_handler.live()] == ["tcp:raw"]
+
+        # The same proof again on a new connection: the hub's nonce is new, so it fails.
+        again = await RawPeer.connect(hub.port)
+        await again.send(b"NAME raw\n")
+        assert (await again.line()).startswith("CHALLENGE hub ")
+        await again.send(f"PROOF {nonce} {mine}\n".encode())
+        assert await again.rest() == [
+            "ERROR authentication failed: the proof does not match this hub's "
+            "replication.secret; set the same replication.secret on every instance"
+        ]
+        assert len(hub_handler.sessions) == 1
+        await peer.close()
+        await again.close()
+
+
+async def test_without_the_secret_nothing_gets_past_the_handshake() -> None:
+    """The issue's attack at a hub with a secret: no line but the handshake is taken."""
+    hub_handler, other = RecordingHandler("hub"), RecordingHandler("w2")
+    async with (
+        running_hub(hub_handler, secret=SECRET) as hub,
+        running_client(other, hub.port, secret=SECRET) as client,
+    ):
+        assert await client.wait_open(WAIT)
+        peer = await RawPeer.connect(hub.port)
+        await peer.send(b"NAME evil\n")
+        assert (await peer.line()).startswith("CHALLENGE hub ")
+        await peer.send(b"POSITION notes w2 0 1000000000\nRDATA notes w1 32 {}\n")
+        assert await peer.rest() == ["ERROR expected PROOF <nonce> <proof>, got POSITION"]
+        assert [s.link.label for s in hub_handler.sessions] == ["tcp:w2"]
+        assert other.sessions[0].lines == ["REPLICATE"]
+        await peer.close()
+
+
+async def test_the_client_checks_the_hubs_proof() -> None:
+    """A fake hub without the secret: reflecting the client's own proof back, or sending
+    any other, gets it nowhere; the client opens only on the true proof."""
+    handler = RecordingHandler("c1")
+    backoff = RecordingBackoff([], initial=0.02, cap=0.1)
+    async with (
+        FakeHub() as fake,
+        running_client(handler, fake.port, secret=SECRET, backoff=backoff),
+    ):
+        for answer in ("reflect", "random", "true"):
+            hub_end = await fake.accept()
+            assert await hub_end.line() == "NAME c1"
+            hub_nonce = "fe" * 16
+            await hub_end.send(f"CHALLENGE fake {hub_nonce}\n".encode())
+            _, nonce, mine = (await hub_end.line()).split(" ")
+            assert mine == proof(SECRET, "client", "c1", "fake", hub_nonce, nonce)
+            theirs = {
+                "reflect": mine,
+                "random": "ab" * 32,
+                "true": proof(SECRET, "hub", "c1", "fake", hub_nonce, nonce),
+            }[answer]
+            await hub_end.send(f"SERVER fake {theirs}\n".encode())
+            if answer != "true":
+                assert (await hub_end.rest())[0].startswith("ERROR the hub's proof")
+                assert handler.sessions == []
+        await eventually(lambda: len(handler.sessions) == 1, "the client opened")
+
+
+@pytest.mark.parametrize(
+    ("hub_secret", "client_secret", "client_says", "hub_says"),
+    [
+        pytest.param(
+            SECRET,
+            "another secret",
+            "the hub refused the connection: authentication failed: the proof does not "
+            "match this hub's replication.secret",
+            "authentication failed",
+            id="different secrets",
+        ),
+        pytest.param(
+            SECRET,
+            None,
+            "the hub asks for proof of the replication secret and this instance has "
+            "none: set replication.secret",
+            "has no replication.secret",
+            id="only the hub has one",
+        ),
+        pytest.param(
+            None,
+            SECRET,
+            "the hub hub did not ask for proof of the replication secret: it has none, "
+            "and this instance has one: set the same replication.secret",
+            "did not ask for proof",
+            id="only the client has one",
+        ),
+    ],
+)
+async def test_secrets_that_differ_fail_clearly_on_both_ends(
+    caplog: pytest.LogCaptureFixture,
+    hub_secret: str | None,
+    client_secret: str | None,
+    client_says: str,
+    hub_says: str,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="plait")
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+
+    def said(who: str, text: str) -> bool:
+        return any(
+            r.levelno >= logging.WARNING
+            and r.getMessage().startswith(who)
+            and text in r.getMessage()
+            for r in caplog.records
+        )
+
+    async with (
+        running_hub(hub_handler, secret=hub_secret) as hub,
+        running_client(handler, hub.port, secret=client_secret) as client,
+    ):
+        await eventually(lambda: said("tcp client:", client_says), "the client's warning")
+        await eventually(lambda: said("tcp hub:", hub_says), "the hub's warning")
+        assert not await client.wait_open(0.01)
+        assert handler.sessions == []
+    secrets = {SECRET, "another secret"}
+    assert not [r for r in caplog.records if any(s in r.getMessage() for s in secrets)]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", ""])
+async def test_a_hub_off_loopback_needs_a_secret(host: str) -> None:
+    hub = TcpHub(RecordingHandler("hub"), host=host, port=0)
+    with pytest.raises(ConfigError, match=r"without a secret.*set replication\.secret"):
+        await hub.start()
+    await hub.stop()
+
+
+async def test_a_hub_with_a_secret_may_listen_everywhere() -> None:
+    async with running_hub(RecordingHandler("hub"), secret=SECRET) as hub:
+        assert hub.port > 0
+
+
+# -- 11. handshake slots per address, and logs that cannot be flooded ----------------
+
+
+async def test_idle_sockets_from_one_address_do_not_lock_out_another() -> None:
+    """Finding 6: 70 sockets that never say NAME, from one address, used to take every
+    handshake slot. The listening socket's queue is first in, first out: by the time
+    the hub takes the peer from 127.0.0.2, it has taken (or refused) all 70."""
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler, handshake_timeout=30) as hub:
+        idle = [await RawPeer.connect(hub.port) for _ in range(70)]
+        peer = await RawPeer.connect(hub.port, source="127.0.0.2")
+        await peer.handshake("legit")
+        assert hub._handshaking == tcp_transport._MAX_HANDSHAKING_PER_ADDRESS
+        refused = idle[tcp_transport._MAX_HANDSHAKING_PER_ADDRESS :]
+        for one in refused:
+            assert await one.rest() == [
+                "ERROR too many connections from your address in the handshake; try again later"
+            ]
+        for one in (*idle, peer):
+            await one.close()
+
+
+async def test_connections_past_the_global_handshake_limit_are_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp_transport, "_MAX_HANDSHAKING", 5)
+    monkeypatch.setattr(tcp_transport, "_MAX_HANDSHAKING_PER_ADDRESS", 3)
+    hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
+    async with running_hub(hub_handler, handshake_timeout=0.5) as hub:
+        sources = ["127.0.0.2"] * 3 + ["127.0.0.3"] * 2
+        waiting = [await RawPeer.connect(hub.port, source) for source in sources]  # silent
+        await eventually(lambda: hub._handshaking == 5, "five in the handshake at the hub")
+        started = time.monotonic()
+        refused = await RawPeer.connect(hub.port, source="127.0.0.4")
+        assert await refused.rest() == [
+            "ERROR too many connections in the handshake; try again later"
+        ]
+        assert time.monotonic() - started < 0.3
+        # once the silent ones are cut off at the handshake timeout, clients get in
+        for peer in waiting:
+            assert (await peer.rest())[0].startswith("ERROR expected NAME <name> within")
+        async with running_client(handler, hub.port) as client:
+            assert await client.wait_open(WAIT)
+        for peer in (*waiting, refused):
+            await peer.close()
+
+
+def _counted(records: list[logging.LogRecord], address: str) -> tuple[int, int]:
+    """Warning lines about `address`, and how many events they stand for (a summary
+    line says how many more it covers)."""
+    lines = events = 0
+    for record in records:
+        text = record.getMessage()
+        if record.levelno < logging.WARNING or f" {address}: " not in text:
+            continue
+        lines += 1
+        more = re.search(r": (\d+) more in the last", text)
+        events += int(more.group(1)) if more else 1
+    return lines, events
+
+
+async def test_warnings_about_a_peer_are_one_line_per_interval_with_a_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer reconnecting with a bad handshake, or sending bad lines, costs the log one
+    line per interval per address: the first at once, then a count."""
+    interval = 1.0
+    monkeypatch.setattr(tcp_transport, "_LOG_INTERVAL", interval)
+    caplog.set_level(logging.DEBUG, logger="plait")
+    hub_handler = RecordingHandler("hub")
+    async with running_hub(hub_handler) as hub:
+        started = time.monotonic()
+        for _ in range(30):  # reconnecting, with a bad first line each time
+            peer = await RawPeer.connect(hub.port)
+            await peer.send(b"HELLO there\n")
+            assert (await peer.rest())[0].startswith("ERROR expected NAME")
+            await peer.close()
+        peer = await RawPeer.connect(hub.port)
+        await peer.handshake("bad")
+        await peer.send(b"RDATA bad bad\n" * 50 + b"POSITION s bad 0 1\n")  # 50 answered
+        await eventually(lambda: "POSITION s bad 0 1" in hub_handler.live()[0].lines, "marker")
+        other = await RawPeer.connect(hub.port, source="127.0.0.2")
+        await other.send(b"HELLO there\n")
+        assert (await other.rest())[0].startswith("ERROR expected NAME")
+        # Another address is not held back by the first one's flood.
+        await eventually(lambda: _counted(caplog.records, "127.0.0.2") == (1, 1), "at once")
+        # Every event is counted in the end, in a few lines.
+        await eventually(
+            lambda: _counted(caplog.records, "127.0.0.1")[1] == 80, "summed up", within=5.0
+        )
+        lines, _ = _counted(caplog.records, "127.0.0.1")
+        assert lines <= 2 + (time.monotonic() - started) / interval
+        await peer.close()
+        await other.close()

@@ -131,8 +131,9 @@ class TcpConfig(_Model):
     ping_interval: float = Field(5.0, gt=0)
     dead_after: float = Field(25.0, gt=0)
     send_queue: int = Field(10_000, ge=1)
-    # The hub closes a connection that has not sent NAME within this many seconds.
-    handshake_timeout: float = Field(10.0, gt=0)
+    # The hub closes a connection that has not finished the handshake (NAME, and with
+    # replication.secret the proof) within this many seconds.
+    handshake_timeout: float = Field(3.0, gt=0)
 
 
 class ReplicationConfig(_Model):

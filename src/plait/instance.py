@@ -67,6 +67,7 @@ class _TcpOptions(TypedDict):
     ping_interval: float
     dead_after: float
     send_queue: int
+    secret: str | None
     metrics: ReplicationMetrics
 
 
@@ -493,12 +494,14 @@ class Instance:
         else:
             tcp = config.tcp
             assert tcp is not None
+            secret = None if config.secret is None else config.secret.get_secret_value()
             common = _TcpOptions(
                 host=tcp.host,
                 port=tcp.port,
                 ping_interval=tcp.ping_interval,
                 dead_after=tcp.dead_after,
                 send_queue=tcp.send_queue,
+                secret=secret,
                 metrics=self.metrics,
             )
             if tcp.hub == self.name:

@@ -6,7 +6,9 @@ A line is a command name, and for most commands a space and arguments:
     POSITION <stream> <instance> <prev> <new>
     REPLICATE
     NAME <name>
-    SERVER <name>
+    CHALLENGE <name> <nonce>
+    PROOF <nonce> <proof>
+    SERVER <name> [<proof>]
     PING <ms>
     ERROR <text>
     DEPART <instance>
@@ -18,7 +20,7 @@ one ERROR (TCP) or one log line (Redis), never a connection loop.
 
 Names (streams, instances) are non-empty and hold no whitespace. Tokens and positions
 are integers, negative on backwards streams. `RDATA` rows are compact JSON, which never
-holds a raw line break.
+holds a raw line break. Nonces and proofs (the TCP handshake's) are lowercase hex.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from plait.errors import CommandParseError
 MAX_LINE_BYTES = 1 << 20
 
 _NAME = re.compile(r"[^\s]+")
+_HEX = re.compile(r"[0-9a-f]{1,128}")
 _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
 COMMAND_NAME = re.compile(r"[A-Z][A-Z0-9_]*")  # what a command name may be
 _BATCH = "batch"
@@ -203,10 +206,58 @@ class Name(Named):
 
 
 @dataclass(frozen=True, slots=True)
-class Server(Named):
-    """The hub tells a client its instance name."""
+class Server:
+    """The hub tells a client its instance name, and that the handshake is over. A hub
+    with a secret adds its proof of it (see `Challenge`)."""
 
     NAME: ClassVar[str] = "SERVER"
+    name: str
+    proof: str | None = None
+
+    @classmethod
+    def from_args(cls, args: str) -> Server:
+        name, _, proof = args.partition(" ")
+        return cls(parse_name(name, "name"), parse_hex(proof, "proof") if proof else None)
+
+    def to_args(self) -> str:
+        name = _checked(self.name)
+        return name if self.proof is None else f"{name} {_checked_hex(self.proof)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """A hub with a secret answers NAME with its name and a fresh nonce: the client must
+    prove it holds the secret (`Proof`) before anything else is taken from it."""
+
+    NAME: ClassVar[str] = "CHALLENGE"
+    name: str
+    nonce: str
+
+    @classmethod
+    def from_args(cls, args: str) -> Challenge:
+        name, nonce = split_args(args, 2, "CHALLENGE <name> <nonce>")
+        return cls(parse_name(name, "name"), parse_hex(nonce, "nonce"))
+
+    def to_args(self) -> str:
+        return f"{_checked(self.name)} {_checked_hex(self.nonce)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    """A client's answer to `Challenge`: a fresh nonce of its own (the hub's proof in
+    `Server` must cover it) and its proof of the secret."""
+
+    NAME: ClassVar[str] = "PROOF"
+    nonce: str
+    proof: str
+
+    @classmethod
+    def from_args(cls, args: str) -> Proof:
+        nonce, proof = split_args(args, 2, "PROOF <nonce> <proof>")
+        return cls(parse_hex(nonce, "nonce"), parse_hex(proof, "proof"))
+
+    def to_args(self) -> str:
+        return f"{_checked_hex(self.nonce)} {_checked_hex(self.proof)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +305,8 @@ BUILTIN: tuple[type[Command], ...] = (
     Replicate,
     Name,
     Server,
+    Challenge,
+    Proof,
     Depart,
     Ping,
     Error,
@@ -311,6 +364,18 @@ def _checked(name: str) -> str:
     if not _NAME.fullmatch(name):
         raise ValueError(f"name {name!r}: must be non-empty, without whitespace")
     return name
+
+
+def parse_hex(text: str, what: str) -> str:
+    if not _HEX.fullmatch(text):
+        raise CommandParseError(f"bad {what} {_shorten(text)!r}: expected lowercase hex")
+    return text
+
+
+def _checked_hex(text: str) -> str:
+    if not _HEX.fullmatch(text):
+        raise ValueError(f"{text!r}: must be 1 to 128 lowercase hex digits")
+    return text
 
 
 def parse_integer(text: str, what: str) -> int:

@@ -595,7 +595,10 @@ class _Session:
             command = handler.commands.parse(line)
         except CommandParseError as err:
             handler.metrics.bad_lines.labels(self.link.label).inc()
-            logger.warning("replication: bad line on %s: %s", self.link.label, err)
+            # Answered with ERROR (TCP), the transport logs it, at most a line per peer
+            # address and interval: one warning per line would let a peer flood the log.
+            level = logging.DEBUG if self._reply_errors else logging.WARNING
+            logger.log(level, "replication: bad line on %s: %s", self.link.label, err)
             if self._reply_errors:
                 handler._send(self.link, Error(str(err)))
             return

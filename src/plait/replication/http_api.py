@@ -74,7 +74,7 @@ _SECRET = re.compile(r"[!-~]+")
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """Whether `host` (an address or a name) only listens on this machine. Names other
     than localhost may resolve anywhere, and an empty host means every interface."""
     if host == "localhost":
@@ -232,7 +232,7 @@ class InternalApi:
         runs endpoints for whoever reaches it."""
         if self._runner is not None:
             raise RuntimeError("InternalApi is already started")
-        if self._secret is None and not _is_loopback(host):
+        if self._secret is None and not is_loopback(host):
             raise ConfigError(
                 f"the internal HTTP API would listen on {host!r} without a secret, so "
                 "anyone who reaches it could read streams and call endpoints: set "

@@ -1,10 +1,11 @@
 """The seam between the transports (Redis, TCP) and the command handler.
 
 A transport owns sockets, framing, pings, timeouts and reconnects. For every connection
-that is fully established (Redis: SUBSCRIBE confirmed; TCP: NAME/SERVER exchanged) it
+that is fully established (Redis: SUBSCRIBE confirmed; TCP: the handshake done) it
 calls `Handler.open(link)` once and feeds the returned `Session` every command line it
-receives that is not its own business (PING, NAME, SERVER are the transport's). When
-the connection ends it calls `Session.closed()` and, after a backoff delay, tries again.
+receives that is not its own business (PING and the handshake's are the transport's; TCP
+logs an ERROR received itself, rate-limited). When the connection ends it calls
+`Session.closed()` and, after a backoff delay, tries again.
 
 The handler never touches a socket: it writes lines through `Link.send`, which queues
 and returns at once, so a slow peer can never block the handler.
@@ -73,7 +74,7 @@ class Handler(Protocol):
 
 
 # Commands a transport handles itself and never relays or hands to the handler.
-CONNECTION_COMMANDS = frozenset({"PING", "NAME", "SERVER"})
+CONNECTION_COMMANDS = frozenset({"PING", "NAME", "SERVER", "CHALLENGE", "PROOF"})
 
 
 def command_name(line: str) -> str:

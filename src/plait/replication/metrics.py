@@ -173,6 +173,15 @@ class ReplicationMetrics:
             "received but not read (a slow or hostile peer shows here first).",
             registry=r,
         )
+        self.tcp_hub_refused = Counter(
+            "plait_tcp_hub_refused",
+            "What the TCP hub refused, by reason: connections (busy: no handshake slot for "
+            "their address; handshake: no or a malformed handshake; auth: no or a wrong "
+            "proof of replication.secret; name: the hub's own) and lines (impersonation: "
+            "rows or positions not in the sender's name; bad: any other bad line).",
+            ["reason"],
+            registry=r,
+        )
         self.reconnects = Counter(
             "plait_reconnects",
             "Replication connection attempts after a failure.",

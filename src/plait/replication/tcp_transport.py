@@ -3,58 +3,89 @@
 The rules this module keeps:
 - Framing: a command is one UTF-8 line ending in "\\n" ("\\r\\n" is accepted) of at most
   MAX_LINE_BYTES; a longer line is answered with ERROR and the connection closes.
-- Handshake: the client sends NAME, the hub answers SERVER; only then does either end
-  call `Handler.open`. A hub that gets anything else first, or nothing within its
-  handshake timeout, answers ERROR and closes.
-- PING, NAME and SERVER belong to the transport: never relayed, never given to a session.
+- Handshake: the client sends NAME; only once it is over does either end call
+  `Handler.open`, and nothing but the handshake is taken before. Without a secret the
+  hub answers SERVER. With `replication.secret` the two prove to each other that they
+  hold it: the hub answers CHALLENGE <hub> <hub-nonce>, the client PROOF <nonce> <proof>,
+  the hub SERVER <hub> <proof>. A proof is HMAC-SHA256 under the secret of its role
+  ("client" or "hub", so neither can be reflected back), both names (so the name proven
+  is the connection's) and both fresh random nonces (so no old handshake replays). The
+  client proves first: the hub computes nothing with the secret for whoever connects.
+  A hub with a secret refuses a client without one, a client with a secret refuses a
+  hub that did not ask for its proof, and either end refuses a wrong proof: ERROR, a
+  hang-up, and a warning that says to set the same replication.secret everywhere. A hub
+  refuses to listen off loopback without a secret. So does a hub that gets anything else
+  first, or no finished handshake within its handshake timeout: ERROR and close.
+- Names: a connection speaks for the instance it named (and proved, with a secret). The
+  hub refuses RDATA, POSITION and DEPART in any other instance's name (ERROR, a bad
+  line, taken by no session and relayed to nobody), but for a fence announcement, a
+  POSITION with prev == new, which receivers check against the sequence head. Nobody
+  but the hub sends in the hub's name. One connection holds a name at a time: a newer
+  one replaces the older (the instance reconnected before the hub noticed).
+- PING, ERROR and the handshake's commands (NAME, CHALLENGE, PROOF, SERVER) belong to
+  the transport: never relayed, never given to a session (an ERROR received is logged).
   The hub hands every other line from a client to its own session and relays it,
   verbatim, to every other client unless the session answered it with ERROR: a line
   that is not UTF-8, has no well-formed command name, or is a built-in command with bad
   arguments reaches no other peer. Application commands (other well-formed names) are
   relayed whatever the hub's session said, as the hub need not register them. The
   relay goes out before anything the hub's handler sent while taking the line, so all
-  of them see the hub's order. ERROR is not relayed (it answers one peer).
+  of them see the hub's order.
 - A hostile or broken client costs the others a bounded share: the hub's reader yields
   every `_YIELD_EVERY` lines (a flood must not starve the other connections); bad lines
-  (those not relayed above, NAME or SERVER again, RDATA or POSITION in the hub's own
-  name, REPLICATEs past the first few) draw on a budget of `_BAD_LINES_BURST` plus
-  `_BAD_LINES_PER_SECOND`, past which the client gets ERROR and is closed; ERRORs it
-  sends past a budget as large are dropped unseen; at most `_MAX_HANDSHAKING`
-  connections wait in the handshake at once, more are refused on the spot.
+  (those not relayed above, handshake commands again, REPLICATEs past the first few)
+  draw on a budget of `_BAD_LINES_BURST` plus `_BAD_LINES_PER_SECOND`, past which the
+  client gets ERROR and is closed. At most `_MAX_HANDSHAKING_PER_ADDRESS` connections
+  from one address, and `_MAX_HANDSHAKING` in all, wait in the handshake at once; more
+  are refused on the spot, so one address cannot lock the others out. Warnings about a
+  peer (bad lines, ERRORs, failed handshakes) take at most one log line per
+  `_LOG_INTERVAL` per address: the first at once, then a count.
 - `Link.send` never waits: a connection queues at most `send_queue` lines (and
   `_MAX_BUFFERED_BYTES`) for its writer task. A peer too slow to keep up gets ERROR and
   is closed (it catches up after reconnecting); lines sent to a closed connection are
   dropped. With the reader's limit of two lines, what the hub holds for one peer stays
   bounded whatever it sends or fails to read.
 - Each end sends PING every `ping_interval` and closes a peer silent for `dead_after`.
-- Every task is owned: a connection's reader, writer, pinger and wait_up watcher end
-  when it closes; the hub and the client end their connections in `stop()`.
+- Every task and timer is owned: a connection's reader, writer, pinger and wait_up
+  watcher end when it closes; the hub and the client end their connections, and their
+  log timers, in `stop()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
+import ipaddress
 import logging
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.core.backoff import Backoff
 from plait.core.commands import (
     BUILTIN,
     COMMAND_NAME,
     MAX_LINE_BYTES,
+    Challenge,
+    Command,
     CommandSet,
+    Depart,
     Error,
     Name,
     Ping,
+    Position,
+    Proof,
+    Rdata,
     Replicate,
     Server,
     rows_of,
     to_line,
 )
 from plait.errors import CommandParseError, ConfigError
+from plait.replication.http_api import is_loopback
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,
@@ -87,9 +118,22 @@ _REPLICATE_FREE = 3
 # Bytes held for one peer (queued lines and bytes not yet sent) past which it counts as
 # too slow, whatever `send_queue` allows: lines can be up to MAX_LINE_BYTES each.
 _MAX_BUFFERED_BYTES = 64 << 20
-# Connections in the handshake at once; more are refused on the spot, so that sockets
-# that never send NAME cannot pile up (each is also cut at the handshake timeout).
-_MAX_HANDSHAKING = 64
+# Connections in the handshake at once, from one address and from all; more are refused
+# on the spot, so that sockets that never finish the handshake cannot pile up (each is
+# also cut at the handshake timeout), and one address cannot take every slot.
+_MAX_HANDSHAKING_PER_ADDRESS = 8
+_MAX_HANDSHAKING = 256
+# Warnings about one peer address: one log line per this many seconds at most.
+_LOG_INTERVAL = 10.0
+# Peer addresses whose warnings are counted apart; past this many, the rest share one.
+_MAX_LOGGED_ADDRESSES = 1024
+# The longest text of a peer's that goes into a log line.
+_LOGGED_CHARS = 200
+# Random bytes in each nonce of the handshake.
+_NONCE_BYTES = 16
+# Proofs cover this first: another protocol's (or version's) HMAC can never pass.
+_PROOF_LABEL = "plait-tcp-1"
+_SAME_SECRET = "set the same replication.secret on every instance"
 # Connections the kernel may hold for the hub to accept (asyncio's default is 100): a
 # burst past it (every client reconnecting at once, or a flood) leaves connections
 # established for the client but unseen by the hub, for seconds of SYN-ACK retries.
@@ -153,6 +197,106 @@ def _check_options(**values: float) -> None:
             raise ConfigError(f"tcp transport: {name} must be positive, got {value!r}")
 
 
+def _check_secret(secret: str | None) -> bytes | None:
+    if secret is None:
+        return None
+    if not isinstance(secret, str) or not secret:
+        raise ConfigError(
+            "tcp transport: replication.secret must be a non-empty string; leave it out to "
+            "turn authentication off (the hub then listens on loopback only)"
+        )
+    return secret.encode()
+
+
+def _proof(key: bytes, role: str, client: str, hub: str, hub_nonce: str, nonce: str) -> str:
+    """What the `role` end ("client" or "hub") of the connection between `client` and
+    `hub` shows to prove it holds the secret `key`. Names hold no spaces, nonces are hex:
+    the message is unambiguous."""
+    message = f"{_PROOF_LABEL} {role} {client} {hub} {hub_nonce} {nonce}"
+    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
+
+
+def _source_of(peer: object) -> str:
+    """The address a connection came from, as its handshake slots and warnings are
+    counted: the IP address, or for IPv6 its /64 (one host may own all of it)."""
+    host = peer[0] if isinstance(peer, tuple) and peer else peer
+    try:
+        address = ipaddress.ip_address(str(host))
+    except ValueError:
+        return str(host)
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:  # an IPv4 peer of a dual-stack socket
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _LOGGED_CHARS else text[:_LOGGED_CHARS] + "..."
+
+
+@dataclass(slots=True)
+class _Window:
+    """Warnings about one address since the first one was logged."""
+
+    timer: asyncio.TimerHandle
+    since: float
+    count: int = 0  # not logged yet
+    last: str = ""
+
+
+@dataclass
+class _PeerLog:
+    """Warnings about peers, one log line per `_LOG_INTERVAL` per peer address at most:
+    the first at once; those after it within the interval are counted (each logged at
+    DEBUG only) and summed up in one line when it ends. A peer that floods bad lines,
+    or reconnects to fail its handshake over and over, cannot flood the log."""
+
+    what: str  # "tcp hub", "tcp client"
+    _windows: dict[str, _Window] = field(default_factory=dict)
+
+    def warn(self, address: str, text: str) -> None:
+        if address not in self._windows and len(self._windows) >= _MAX_LOGGED_ADDRESSES:
+            address = "other addresses"
+        window = self._windows.get(address)
+        if window is None:
+            log.warning("%s: %s: %s", self.what, address, text)
+            self._open(address)
+            return
+        window.count += 1
+        window.last = text
+        log.debug("%s: %s: %s", self.what, address, text)
+
+    def close(self) -> None:
+        """Stop every timer, logging the counts not logged yet."""
+        windows, self._windows = self._windows, {}
+        for address, window in windows.items():
+            window.timer.cancel()
+            self._summary(address, window)
+
+    def _open(self, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(_LOG_INTERVAL, self._end, address)
+        self._windows[address] = _Window(timer, loop.time())
+
+    def _end(self, address: str) -> None:
+        window = self._windows.pop(address)
+        if window.count:
+            self._summary(address, window)
+            self._open(address)  # the next line waits for the end of this window too
+
+    def _summary(self, address: str, window: _Window) -> None:
+        if window.count:
+            log.warning(
+                "%s: %s: %d more in the last %.1fs; the last: %s",
+                self.what,
+                address,
+                window.count,
+                asyncio.get_running_loop().time() - window.since,
+                window.last,
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class _Options:
     """What every connection of the hub and of a client is run with."""
@@ -191,6 +335,10 @@ class _Budget:
 _Deliver = Callable[[str | bytes], None]
 # The hub's hook in `send`: True when it took the line, to send it a moment later.
 _Hold = Callable[["_Connection", str], bool]
+# Where warnings about a peer go (a `_PeerLog`, with the peer's address).
+_Complain = Callable[[str], None]
+# Counts what the hub refused, by reason (the `plait_tcp_hub_refused` metric).
+_Refused = Callable[[str], None]
 
 
 class _Connection:
@@ -203,14 +351,18 @@ class _Connection:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         *,
+        name: str,
         label: str,
         options: _Options,
+        complain: _Complain,
         hold: _Hold | None = None,
-        strict: bool = False,
+        refused: _Refused | None = None,
     ) -> None:
+        self.name = name  # the peer's instance name (the hub's: "hub")
         self._reader = reader
         self._writer = writer
         self._label = label
+        self._complain = complain
         self._ping_interval = options.ping_interval
         self._dead_after = options.dead_after
         self._send_queue = options.send_queue
@@ -224,11 +376,10 @@ class _Connection:
         self._linger = False  # the peer should still read what was written (ERROR)
         self._draining = False  # the writer waits for the peer to read
         self._last_received = asyncio.get_running_loop().time()
-        # The hub is strict with its clients: bad lines past the budget close them.
-        self._strict = strict
-        now = self._last_received
-        self._bad_lines = _Budget(_BAD_LINES_BURST, _BAD_LINES_PER_SECOND, now)
-        self._complaints = _Budget(_BAD_LINES_BURST, _BAD_LINES_PER_SECOND, now)
+        # The hub is strict with its clients: it counts their bad lines, and closes them
+        # past the budget.
+        self._refused = refused
+        self._bad_lines = _Budget(_BAD_LINES_BURST, _BAD_LINES_PER_SECOND, self._last_received)
         self.replicates = 0  # REPLICATEs received (the hub counts them)
 
     @property
@@ -252,6 +403,8 @@ class _Connection:
             # A caller's bug; sent as is it would split into two commands on the wire.
             log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
             return
+        if command_name(line) == Error.NAME:  # the answer to a bad line of the peer's
+            self._complain(f"{self._label} sent a bad line: {_clip(line[len(Error.NAME) + 1 :])}")
         size = len(line) + 1
         # Held for this peer: queued here and written but not sent yet.
         held = self._queued_bytes + self._writer.transport.get_write_buffer_size() + size
@@ -269,7 +422,6 @@ class _Connection:
                 f"{_MAX_BUFFERED_BYTES >> 20} MiB" if over_bytes else f"{self._send_queue} lines"
             )
             text = f"send queue full ({limit}): closing; reconnect and catch up"
-            log.warning("%s: %s", self._label, text)
             self._write_error(text)
             self._end("send queue full")
             return
@@ -277,27 +429,27 @@ class _Connection:
         self._queued_bytes += size
         self._queued.set()
 
-    def bad_line(self) -> None:
-        """The peer sent a line it should not have. When strict: one off its budget (a
-        burst of `_BAD_LINES_BURST`, then `_BAD_LINES_PER_SECOND`); past it, ERROR and
-        close."""
-        if not self._strict or self._bad_lines.take(asyncio.get_running_loop().time()):
+    def bad_line(self, reason: str = "bad") -> None:
+        """The peer sent a line it should not have. At the hub: counted under `reason`,
+        and one off its budget (a burst of `_BAD_LINES_BURST`, then
+        `_BAD_LINES_PER_SECOND`); past it, ERROR and close."""
+        if self._refused is None:
+            return
+        self._refused(reason)
+        if self._bad_lines.take(asyncio.get_running_loop().time()):
             return
         text = (
             f"too many bad lines (over {_BAD_LINES_BURST}, then "
             f"{_BAD_LINES_PER_SECOND:g} a second): closing; check this peer's version and "
             "configuration"
         )
-        log.warning("%s: %s", self._label, text)
         self._write_error(text)
         self._end("sent too many bad lines")
 
-    def may_complain(self) -> bool:
-        """Whether an ERROR from the peer should still reach the session (and its log):
-        as many as bad lines may be. An ERROR can answer a line of ours that was fine
-        for us, so complaints never close the connection; past the budget they are
-        dropped unseen."""
-        return self._complaints.take(asyncio.get_running_loop().time())
+    def replace(self) -> None:
+        """A newer connection took this one's name: ERROR, and close."""
+        self._write_error(f"replaced by a newer connection named {self.name}", warn=False)
+        self._end("replaced by a newer connection")
 
     def close(self) -> None:
         """Drop the connection at the handler's request (see `Link.close`)."""
@@ -354,8 +506,10 @@ class _Connection:
         self._queued_bytes = 0
         await _close_stream(self._reader, self._writer, linger=self._linger or self._flush)
 
-    def _write_error(self, text: str) -> None:
+    def _write_error(self, text: str, *, warn: bool = True) -> None:
         """Write ERROR past the queue, just before closing."""
+        if warn:
+            self._complain(f"{self._label}: {text}")
         self._linger = True
         self._write_now([to_line(Error(text))])
 
@@ -369,6 +523,8 @@ class _Connection:
         try:
             while not self._ended.is_set():  # ended by a line: read no further
                 raw = await _read_line(self._reader)
+                if self._ended.is_set():  # ended while we waited: e.g. replaced, take nothing
+                    break
                 self._last_received = loop.time()
                 self._dispatch(raw, deliver)
                 count += 1
@@ -391,10 +547,13 @@ class _Connection:
                 deliver(raw)  # as bytes: the session answers ERROR
                 return
             name = command_name(text)
+            if name == Error.NAME:  # it answers one line of ours: for the log only
+                self._complain(f"{self._label} says: {_clip(text[len(name) + 1 :])}")
+                return
             if name in CONNECTION_COMMANDS:
                 if name != Ping.NAME:  # a ping only proves liveness, noted by the caller
                     log.debug("%s: ignoring %.80s", self._label, text)
-                    self.bad_line()  # NAME or SERVER again: the handshake is over
+                    self.bad_line()  # a handshake command again: the handshake is over
                 return
             deliver(text)
         except Exception:
@@ -450,10 +609,60 @@ def _tell_closed(session: Session, label: str) -> None:
         log.exception("%s: the session failed to close", label)
 
 
+class _HandshakeFailed(Exception):
+    """The handshake failed: `text` says why (to the peer, in ERROR, and to the log);
+    `reason` is how the hub counts it."""
+
+    def __init__(self, text: str, reason: str = "handshake") -> None:
+        super().__init__(text)
+        self.text = text
+        self.reason = reason
+
+
+class _TellHub(Exception):
+    """The client's handshake failed because the secrets are set differently: `text`
+    for its own log, `to_hub` for the hub's (in ERROR)."""
+
+    def __init__(self, text: str, to_hub: str) -> None:
+        super().__init__(text)
+        self.text = text
+        self.to_hub = to_hub
+
+
+async def _next_command(reader: asyncio.StreamReader, expecting: str) -> Command:
+    """The next handshake line, parsed; `_HandshakeFailed` when it is malformed."""
+    raw = await _read_line(reader)
+    try:
+        return _HANDSHAKE_COMMANDS.parse(raw)
+    except CommandParseError as err:
+        raise _HandshakeFailed(f"expected {expecting}: {err}") from None
+
+
+def _field(line: str, index: int) -> str | None:
+    """The `index`th space-separated field of `line` (0: the command name), found without
+    splitting the rest (a row may be a MiB); None when it is missing or empty."""
+    start = 0
+    for _ in range(index):
+        start = line.find(" ", start) + 1
+        if start == 0:
+            return None
+    end = line.find(" ", start)
+    found = line[start:] if end < 0 else line[start:end]
+    return found or None
+
+
+def _is_fence(line: str) -> bool:
+    """Whether a POSITION line announces a fence: `POSITION <stream> <writer> p p`."""
+    parts = line.split(" ")
+    return len(parts) == 5 and parts[3] == parts[4]
+
+
 class TcpHub:
     """Accepts clients and relays commands between them; this instance's handler serves
-    each client connection as it would any other. `stop()` closes every connection and
-    ends every task the hub started."""
+    each client connection as it would any other. With a `secret`, clients must prove
+    they hold it (and the hub proves it to them); without one, the hub listens on a
+    loopback address only. `stop()` closes every connection and ends every task the
+    hub started."""
 
     def __init__(
         self,
@@ -464,7 +673,8 @@ class TcpHub:
         ping_interval: float = 5.0,
         dead_after: float = 25.0,
         send_queue: int = 10_000,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = 3.0,
+        secret: str | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
         self._options = _Options(ping_interval, dead_after, send_queue)
@@ -473,13 +683,15 @@ class TcpHub:
         self._host = host
         self._port = port
         self._handshake_timeout = handshake_timeout
+        self._secret = _check_secret(secret)
         self._metrics = metrics
         self._server: asyncio.Server | None = None
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()  # one per accepted connection
         self._peers: set[_Connection] = set()  # past the handshake: the relay set
         self._handshaking = 0  # connections accepted and not past the handshake yet
-        self._refusing = False  # the last connection was refused for that
+        self._handshaking_from: dict[str, int] = {}  # the same, by source address
+        self._log = _PeerLog("tcp hub")
         # While our session takes a client's line: what the handler sends meanwhile,
         # to go out after the relay of that line (see `_deliver`).
         self._held: list[tuple[_Connection, str]] | None = None
@@ -497,18 +709,30 @@ class TcpHub:
         return sum(peer.buffered_bytes() for peer in self._peers)
 
     async def start(self) -> None:
-        """Bind and listen; returns once clients can connect."""
+        """Bind and listen; returns once clients can connect. Without a secret only a
+        loopback address is allowed: whoever reaches the hub could speak for any
+        instance."""
         if self._server is not None:
             raise RuntimeError("TcpHub: already started")
+        if self._secret is None and not is_loopback(self._host):
+            raise ConfigError(
+                f"the TCP hub would listen on {self._host!r} without a secret, so anyone "
+                "who reaches it could send rows and positions in any instance's name: "
+                "set replication.secret (the same on every instance), or listen on "
+                "127.0.0.1"
+            )
         self._stopping = False
-        self._handshaking = 0  # a task cancelled by stop() before it ran never counted down
+        # A task cancelled by stop() before it ran never counted down.
+        self._handshaking = 0
+        self._handshaking_from.clear()
         self._server = await asyncio.start_server(
             self._accept, self._host, self._port, limit=_READ_LIMIT, backlog=_BACKLOG
         )
         if self._metrics is not None:
             self._metrics.hub_buffered_bytes.set_function(self.buffered_bytes)
         name = self._handler.instance_name
-        log.info("tcp hub %s: listening on %s:%d", name, self._host, self.port)
+        auth = "clients prove replication.secret" if self._secret else "no secret: loopback only"
+        log.info("tcp hub %s: listening on %s:%d (%s)", name, self._host, self.port, auth)
 
     async def stop(self) -> None:
         """Stop listening, close every connection (flushing what is queued, each given at
@@ -524,6 +748,7 @@ class TcpHub:
         if server is not None:
             # Only now: from Python 3.12 on this waits for every connection to close.
             await server.wait_closed()
+        self._log.close()
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Called by the server for every new connection. A plain function, not a
@@ -532,48 +757,66 @@ class TcpHub:
             writer.transport.abort()
             return
         peer = writer.get_extra_info("peername")
-        if self._handshaking >= _MAX_HANDSHAKING:
-            # One warning per streak: a flood of connections is not a flood of logs.
-            log.log(
-                logging.DEBUG if self._refusing else logging.WARNING,
-                "tcp hub: refusing %s: %d connections are in the handshake already",
-                peer,
-                self._handshaking,
-            )
-            self._refusing = True
+        source = _source_of(peer)
+        waiting = self._handshaking_from.get(source, 0)
+        if waiting >= _MAX_HANDSHAKING_PER_ADDRESS:
+            text = "too many connections from your address in the handshake; try again later"
+        elif self._handshaking >= _MAX_HANDSHAKING:
             text = "too many connections in the handshake; try again later"
-            writer.write(_encode([to_line(Error(text))]))
-            writer.close()  # after the ERROR is written; no task needed
+        else:
+            # Counted here, not in the task: a burst is accepted before it runs.
+            self._handshaking += 1
+            self._handshaking_from[source] = waiting + 1
+            task = asyncio.get_running_loop().create_task(
+                self._serve(reader, writer, peer, source), name=f"tcp hub: client {peer}"
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
-        self._refusing = False
-        self._handshaking += 1  # here, not in the task: a burst is accepted before it runs
-        task = asyncio.get_running_loop().create_task(
-            self._serve(reader, writer, peer), name=f"tcp hub: client {peer}"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._count("busy")
+        self._log.warn(source, f"refusing a connection: {text}")
+        writer.write(_encode([to_line(Error(text))]))
+        writer.close()  # after the ERROR is written; no task needed
 
     async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: object,
+        source: str,
     ) -> None:
         conn: _Connection | None = None
         refused = False
         try:
             try:
-                name = await self._handshake(reader, writer, peer)
+                name = await self._handshake(reader, writer, source)
             finally:
                 self._handshaking -= 1
+                if self._handshaking_from[source] > 1:
+                    self._handshaking_from[source] -= 1
+                else:
+                    del self._handshaking_from[source]
             if name is None:
                 refused = True
                 return
             conn = _Connection(
                 reader,
                 writer,
+                name=name,
                 label=f"tcp:{name}",
                 options=self._options,
+                complain=functools.partial(self._log.warn, source),
                 hold=self._hold,
-                strict=True,
+                refused=self._count,
             )
+            # One connection per name: the newer one is the instance that reconnected
+            # (with a secret, it proved it holds it; without one, anyone local could
+            # take any name anyway). The older one takes no line from here on.
+            for old in [p for p in self._peers if p.name == name]:
+                log.info(
+                    "tcp hub: %s connected again from %s: closing its older connection", name, peer
+                )
+                old.replace()
             session = self._handler.open(conn, reply_errors=True)
             self._peers.add(conn)
             log.info("tcp hub: %s connected from %s", name, peer)
@@ -597,50 +840,86 @@ class TcpHub:
                 await _close_stream(reader, writer, linger=refused)
 
     async def _handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str
     ) -> str | None:
-        """The client's name once it sent NAME and got SERVER back; None once it was
-        answered ERROR (or hung up)."""
+        """The client's name once the handshake succeeded; None once it failed (the
+        client answered ERROR, unless it hung up or gave up itself)."""
+        expecting = "NAME <name>"
+        name: str | None = None
         try:
             async with asyncio.timeout(self._handshake_timeout):
-                raw = await _read_line(reader)
+                command = await _next_command(reader, f"{expecting} first")
+                if not isinstance(command, Name):
+                    raise _HandshakeFailed(f"expected {expecting} first, got {command.NAME}")
+                name = command.name
+                return await self._authenticate(reader, writer, name)
         except TimeoutError:
-            problem = f"expected NAME <name> within {self._handshake_timeout:g}s"
+            failure = _HandshakeFailed(
+                f"expected {self._expecting(name)} within {self._handshake_timeout:g}s"
+            )
         except _LineTooLongError:
-            problem = _LINE_TOO_LONG
+            failure = _HandshakeFailed(_LINE_TOO_LONG)
         except (asyncio.IncompleteReadError, OSError) as err:
-            log.debug("tcp hub: %s hung up before NAME: %r", peer, err)
+            log.debug("tcp hub: %s hung up in the handshake: %r", source, err)
             return None
-        else:
-            try:
-                command = _HANDSHAKE_COMMANDS.parse(raw)
-            except CommandParseError as err:
-                problem = f"expected NAME <name> first: {err}"
-            else:
-                if isinstance(command, Name):
-                    writer.write(_encode([to_line(Server(self._handler.instance_name))]))
-                    return command.name
-                problem = f"expected NAME <name> first, got {command.NAME}"
-        log.warning("tcp hub: refusing the connection from %s: %s", peer, problem)
-        writer.write(_encode([to_line(Error(problem))]))
+        except _HandshakeFailed as err:
+            failure = err
+        challenged = name is not None and self._secret is not None
+        # Once challenged, whatever the client sends but its proof fails to prove it.
+        self._count("auth" if challenged and failure.reason == "handshake" else failure.reason)
+        who = "a connection" if name is None else name
+        self._log.warn(source, f"refusing {who}: {failure.text}")
+        writer.write(_encode([to_line(Error(failure.text))]))
         return None
+
+    def _expecting(self, name: str | None) -> str:
+        """What a client that said NAME `name` (None: not yet) is to send next."""
+        if name is None or self._secret is None:
+            return "NAME <name>"
+        return "PROOF <nonce> <proof>"
+
+    async def _authenticate(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str
+    ) -> str:
+        """Past NAME: `name` once the client proved it holds the secret (at once when
+        there is none) and got SERVER; else `_HandshakeFailed`."""
+        hub = self._handler.instance_name
+        if name == hub:
+            raise _HandshakeFailed(
+                f"NAME {hub} is the hub's own name: name every instance differently", "name"
+            )
+        if self._secret is None:
+            writer.write(_encode([to_line(Server(hub))]))
+            return name
+        hub_nonce = secrets.token_hex(_NONCE_BYTES)
+        writer.write(_encode([to_line(Challenge(hub, hub_nonce))]))
+        expecting = self._expecting(name)
+        command = await _next_command(reader, expecting)
+        if isinstance(command, Error):  # a client without the secret says so
+            raise _HandshakeFailed(f"it gave up: {_clip(command.text)}", "auth")
+        if not isinstance(command, Proof):
+            raise _HandshakeFailed(f"expected {expecting}, got {command.NAME}")
+        expected = _proof(self._secret, "client", name, hub, hub_nonce, command.nonce)
+        if not hmac.compare_digest(expected, command.proof):
+            raise _HandshakeFailed(
+                "authentication failed: the proof does not match this hub's "
+                f"replication.secret; {_SAME_SECRET}",
+                "auth",
+            )
+        ours = _proof(self._secret, "hub", name, hub, hub_nonce, command.nonce)
+        writer.write(_encode([to_line(Server(hub, ours))]))
+        return name
 
     def _deliver(self, sender: _Connection, session: Session, line: str | bytes) -> None:
         """Give a client's line to our session, then relay it to every other client unless
         the session answered it with ERROR; what the handler sent meanwhile goes out after
-        the relay. Bad lines and surplus REPLICATEs (dropped) draw on the sender's budget;
-        ERRORs past their own budget are dropped."""
+        the relay. Lines in another instance's name are refused before either; they,
+        bad lines and surplus REPLICATEs (dropped) draw on the sender's budget."""
         name = command_name(line) if isinstance(line, str) else ""
-        if name == Error.NAME:  # answers one peer: never relayed
-            if sender.may_complain():
-                session.received(line)
-            return
-        if isinstance(line, str) and rows_of(line, self._handler.instance_name):
-            # Our session drops these unread, as its own echoes; no client may send them.
-            hub = self._handler.instance_name
-            text = f"{name} of {hub} refused: only {hub} sends its own (two instances named so?)"
-            sender.send(to_line(Error(text)))
-            sender.bad_line()
+        refusal = self._impersonation(sender, name, line) if isinstance(line, str) else None
+        if refusal is not None:
+            sender.send(to_line(Error(refusal)))
+            sender.bad_line("impersonation")
             return
         if name == Replicate.NAME:
             sender.replicates += 1
@@ -670,11 +949,46 @@ class TcpHub:
         for conn, out in held:
             conn.send(out)
 
+    def _impersonation(self, sender: _Connection, name: str, line: str) -> str | None:
+        """Why `sender` may not send `line` (a row, position or departure in another
+        instance's name), or None. A line without the name is left to the session."""
+        hub = self._handler.instance_name
+        if rows_of(line, hub):  # our session drops these unread, as its own echoes
+            return f"{name} of {hub} refused: only {hub} sends its own (two instances named so?)"
+        if name in (Rdata.NAME, Position.NAME):
+            writer = _field(line, 2)
+            if writer is None or writer == sender.name:
+                return None
+            if name == Rdata.NAME:
+                return (
+                    f"RDATA of {writer} refused: this connection is {sender.name}, and only "
+                    f"{writer} sends its own rows"
+                )
+            if _is_fence(line):  # relayed: receivers check it against the sequence head
+                return None
+            return (
+                f"POSITION of {writer} refused: this connection is {sender.name}, and only "
+                f"{writer} sends its own (another writer's position only as a fence: "
+                "POSITION <stream> <writer> p p)"
+            )
+        if name == Depart.NAME:
+            departing = _field(line, 1)
+            if departing is not None and departing != sender.name:
+                return (
+                    f"DEPART of {departing} refused: this connection is {sender.name}, and "
+                    f"only {departing} departs"
+                )
+        return None
+
     def _hold(self, conn: _Connection, line: str) -> bool:
         if self._held is None:
             return False
         self._held.append((conn, line))
         return True
+
+    def _count(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.child(self._metrics.tcp_hub_refused, reason).inc()
 
     def _connection_up(self, conn: _Connection) -> None:
         log.info("tcp hub: %s is up (every stream caught up)", conn.label)
@@ -691,7 +1005,8 @@ class TcpHub:
 class TcpClient:
     """Keeps one connection to a hub, reconnecting with backoff forever until `stop()`.
     The backoff starts over only once the handler's session says every stream caught up
-    (R-RP-3), so a connection that fails before that never reconnects in a tight loop."""
+    (R-RP-3), so a connection that fails before that never reconnects in a tight loop.
+    With a `secret` it proves it holds it, and opens only once the hub proved it too."""
 
     def __init__(
         self,
@@ -703,6 +1018,7 @@ class TcpClient:
         dead_after: float = 25.0,
         send_queue: int = 10_000,
         connect_timeout: float = 5.0,
+        secret: str | None = None,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
@@ -712,10 +1028,12 @@ class TcpClient:
         self._host = host
         self._port = port
         self._connect_timeout = connect_timeout
+        self._secret = _check_secret(secret)
         self._backoff = backoff if backoff is not None else Backoff()
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
+        self._log = _PeerLog("tcp client")
 
     @property
     def label(self) -> str:
@@ -735,6 +1053,7 @@ class TcpClient:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        self._log.close()
 
     async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (a deadline for one wait)
         """Whether a connection is open (handshake done, session opened) within `timeout`."""
@@ -773,16 +1092,25 @@ class TcpClient:
         except OSError as err:
             return f"cannot connect: {err}"
         conn: _Connection | None = None
+        told = False  # we sent the hub ERROR: it should read it before we hang up
         try:
             writer.write(_encode([to_line(Name(self._handler.instance_name))]))
-            problem = await self._handshake(reader)
-            if problem is not None:
-                return problem
+            try:
+                hub = await self._handshake(reader, writer)
+            except _HandshakeFailed as err:
+                return err.text
+            except _TellHub as err:
+                writer.write(_encode([to_line(Error(err.to_hub))]))
+                told = True
+                return err.text
+            log.info("tcp client: connected to hub %s at %s:%d", hub, self._host, self._port)
             conn = _Connection(
                 reader,
                 writer,
+                name="hub",
                 label=self.label,
                 options=self._options,
+                complain=functools.partial(self._log.warn, f"hub {self._host}:{self._port}"),
             )
             session = self._handler.open(conn, reply_errors=True)
             self._open.set()
@@ -800,31 +1128,80 @@ class TcpClient:
             if conn is not None:
                 await conn.aclose()
             else:
-                await _close_stream(reader, writer, linger=False)
+                await _close_stream(reader, writer, linger=told)
 
-    async def _handshake(self, reader: asyncio.StreamReader) -> str | None:
-        """None once the hub answered SERVER, else what went wrong."""
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        """The hub's name once it said SERVER (and, with a secret, proved it holds it).
+        Else `_HandshakeFailed` (the hub's fault or the network's) or `_TellHub` (say
+        why to the hub too: the secrets are set differently)."""
         try:
             async with asyncio.timeout(self._connect_timeout):
-                raw = await _read_line(reader)
+                command = await self._next(reader, "SERVER or CHALLENGE")
+                if isinstance(command, Challenge):
+                    return await self._prove(reader, writer, command)
+                if not isinstance(command, Server):
+                    raise _HandshakeFailed(
+                        f"expected SERVER or CHALLENGE from the hub, got {command.NAME}"
+                    )
+                if self._secret is not None:
+                    raise _TellHub(
+                        f"the hub {command.name} did not ask for proof of the replication "
+                        "secret: it has none, and this instance has one: "
+                        f"{_SAME_SECRET}",
+                        f"this instance ({self._handler.instance_name}) has a "
+                        "replication.secret, and the hub did not ask for proof of it: "
+                        f"{_SAME_SECRET}",
+                    )
+                if command.proof is not None:
+                    raise _HandshakeFailed("the hub sent SERVER with a proof nobody asked for")
+                return command.name
         except TimeoutError:
-            return f"no SERVER from the hub within {self._connect_timeout:g}s"
+            raise _HandshakeFailed(
+                f"the handshake with the hub did not finish within {self._connect_timeout:g}s"
+            ) from None
         except _LineTooLongError:
-            return "the hub sent a line over the limit"
+            raise _HandshakeFailed("the hub sent a line over the limit") from None
         except asyncio.IncompleteReadError:
-            return "the hub hung up during the handshake"
+            raise _HandshakeFailed("the hub hung up during the handshake") from None
         except OSError as err:
-            return f"the handshake failed: {err}"
-        try:
-            command = _HANDSHAKE_COMMANDS.parse(raw)
-        except CommandParseError as err:
-            return f"expected SERVER from the hub: {err}"
+            raise _HandshakeFailed(f"the handshake failed: {err}") from None
+
+    async def _prove(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, challenge: Challenge
+    ) -> str:
+        """Answer the hub's challenge, then check its proof; the hub's name."""
+        me, hub = self._handler.instance_name, challenge.name
+        if self._secret is None:
+            raise _TellHub(
+                "the hub asks for proof of the replication secret and this instance has "
+                "none: set replication.secret, the same on every instance",
+                f"this instance ({me}) has no replication.secret, and the hub asks for "
+                f"proof of it: {_SAME_SECRET}",
+            )
+        nonce = secrets.token_hex(_NONCE_BYTES)
+        ours = _proof(self._secret, "client", me, hub, challenge.nonce, nonce)
+        writer.write(_encode([to_line(Proof(nonce, ours))]))
+        answer = await self._next(reader, "SERVER")
+        if not isinstance(answer, Server):
+            raise _HandshakeFailed(f"expected SERVER from the hub, got {answer.NAME}")
+        theirs = _proof(self._secret, "hub", me, hub, challenge.nonce, nonce)
+        if (
+            answer.name != hub
+            or answer.proof is None
+            or not hmac.compare_digest(theirs, answer.proof)
+        ):
+            text = (
+                "the hub's proof does not match this instance's replication.secret: the "
+                f"secrets differ, or this is not the hub; {_SAME_SECRET}"
+            )
+            raise _TellHub(text, text)
+        return hub
+
+    async def _next(self, reader: asyncio.StreamReader, expecting: str) -> Command:
+        command = await _next_command(reader, f"{expecting} from the hub")
         if isinstance(command, Error):
-            return f"the hub refused the connection: {command.text}"
-        if not isinstance(command, Server):
-            return f"expected SERVER from the hub, got {command.NAME}"
-        log.info("tcp client: connected to hub %s at %s:%d", command.name, self._host, self._port)
-        return None
+            raise _HandshakeFailed(f"the hub refused the connection: {command.text}")
+        return command
 
     def _connection_up(self) -> None:
         log.info("tcp client: the connection to the hub is up (every stream caught up)")
