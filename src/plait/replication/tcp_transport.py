@@ -817,7 +817,11 @@ class TcpHub:
                     "tcp hub: %s connected again from %s: closing its older connection", name, peer
                 )
                 old.replace()
-            session = self._handler.open(conn, reply_errors=True)
+            # With the secret, every line on it is a proven peer's, in its own name
+            # (the hub checks the name of each; a client's lines come through the hub).
+            session = self._handler.open(
+                conn, reply_errors=True, authenticated=self._secret is not None
+            )
             self._peers.add(conn)
             log.info("tcp hub: %s connected from %s", name, peer)
             try:
@@ -1112,7 +1116,11 @@ class TcpClient:
                 options=self._options,
                 complain=functools.partial(self._log.warn, f"hub {self._host}:{self._port}"),
             )
-            session = self._handler.open(conn, reply_errors=True)
+            # With the secret, every line on it is a proven peer's, in its own name
+            # (the hub checks the name of each; a client's lines come through the hub).
+            session = self._handler.open(
+                conn, reply_errors=True, authenticated=self._secret is not None
+            )
             self._open.set()
             try:
                 return await conn.run(session, on_up=self._connection_up)
