@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plait.config import InstanceConfig
 from plait.core import signed_messages as sm
 from plait.core.signed_messages import Accepted, Refused, Signer, Verifier, foreign
 from plait.errors import ConfigError
@@ -220,3 +221,22 @@ def test_without_a_secret_only_a_redis_on_this_machine_is_allowed(url: str, loca
             check_signing(url, None)
     with pytest.raises(ConfigError, match=r"replication\.secret is empty"):
         check_signing(url, "")
+
+
+def test_the_configuration_refuses_unsigned_lines_through_a_redis_off_this_machine() -> None:
+    def load(**replication: object) -> InstanceConfig:
+        return InstanceConfig.load(
+            {"instance_name": "w1", "replication": {"transport": "redis", **replication}}
+        )
+
+    remote = {"url": "redis://redis.internal:6379/0"}
+    with pytest.raises(ConfigError, match=r"not on this machine and replication\.secret"):
+        load(redis=remote)
+    with pytest.raises(ConfigError, match=r"replication\.secret is empty"):
+        load(redis=remote, secret="")
+    config = load(redis={**remote, "max_clock_skew": 5}, secret="s3cret").replication
+    assert config.secret_value() == "s3cret"
+    assert config.redis.max_clock_skew == 5
+    assert "s3cret" not in repr(config)
+    assert load().replication.secret_value() is None  # the default: a local Redis
+    load(transport="none", redis=remote)  # not the transport: not checked
