@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from plait.caches.invalidations import CACHES_STREAM
 from plait.errors import ConfigError
-from plait.replication.redis_options import CertReqs, RedisTls, client_options
+from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
 from plait.storage.timeouts import DatabaseTimeouts
 from plait.streams.spec import StreamSpec, TableSpec
 
@@ -87,6 +87,10 @@ class RedisConfig(_Model):
     # One channel per deployment: "<channel_prefix>.<deployment>".
     channel_prefix: str = "plait"
     ping_interval: float = Field(30.0, gt=0)
+    # With replication.secret: how far (seconds) a message's stamp may be from this
+    # machine's clock, checked for the first message of each sender's connection (a
+    # replay of an older one is refused). Clocks must agree within this (NTP).
+    max_clock_skew: float = Field(60.0, gt=0)
     # PEM file of the CA(s) that signed the server's certificate; unset: the system's CAs.
     ssl_ca_certs: str | None = None
     # A client certificate (PEM), for a server that asks for one (tls-auth-clients), and
@@ -156,11 +160,15 @@ class ReplicationConfig(_Model):
             raise ValueError("transport 'tcp' needs a tcp section naming the hub instance")
         if self.transport == "redis":
             self.redis.check()
+            check_signing(self.redis.url, self.secret_value())
         if self.catch_up_page > self.catch_up_page_max:
             raise ValueError("catch_up_page must not exceed catch_up_page_max")
         if self.backoff_initial > self.backoff_cap:
             raise ValueError("backoff_initial must not exceed backoff_cap")
         return self
+
+    def secret_value(self) -> str | None:
+        return None if self.secret is None else self.secret.get_secret_value()
 
 
 class HttpConfig(_Model):

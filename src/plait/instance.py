@@ -488,6 +488,8 @@ class Instance:
                 ping_interval=config.redis.ping_interval,
                 tls=config.redis.tls(),
                 password=config.redis.password_value(),
+                secret=config.secret_value(),
+                max_clock_skew=config.redis.max_clock_skew,
                 backoff=backoff,
                 metrics=self.metrics,
             )

@@ -139,6 +139,13 @@ class ReplicationMetrics:
             ["stream"],
             registry=r,
         )
+        self.refused_lines = Counter(
+            "plait_refused_lines",
+            "Command lines received and dropped unread, by reason: unsigned or wrongly "
+            "signed messages, replays, lines speaking for another instance than their sender.",
+            ["link", "reason"],
+            registry=r,
+        )
         self.rdata_rows = Counter(
             "plait_rdata_rows", "Rows received live (RDATA) and delivered.", ["stream"], registry=r
         )

@@ -1,10 +1,16 @@
 """Redis connection settings, checked before anything connects: TLS (`RedisTls`) and
-the password, fitted to the URL (`client_options`). Apart from the transport, so the
-configuration checks them without depending on the transport or on redis-py.
+the password, fitted to the URL (`client_options`), and whether the URL may carry
+unsigned lines (`check_signing`). Apart from the transport, so the configuration checks
+them without depending on the transport or on redis-py.
+
+An ACL user per deployment needs nothing of its own here: give its name in the URL
+(`redis://plait-prod@host:6379/0`, or `redis://plait-prod:<password>@...`) and its
+password there or in the password setting; redis-py sends `AUTH <user> <password>`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import ssl
 from dataclasses import dataclass
@@ -154,3 +160,44 @@ def client_options(
     elif not url_tls:
         options.update((tls if tls is not None else RedisTls()).client_kwargs())
     return options
+
+
+def is_local(url: str) -> bool:
+    """Whether `url` names a Redis on this machine: a unix:// socket, localhost or a
+    loopback address. Any other name may resolve anywhere."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        return False
+    if parts.scheme == "unix":
+        return True
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_signing(url: str, secret: str | None) -> None:
+    """`ConfigError` when lines would travel unsigned through a Redis off this machine,
+    or the secret is empty. Whoever may PUBLISH on the channel could otherwise inject
+    rows and positions, as anyone who reaches an internal HTTP API without a secret
+    could call it (which is refused alike)."""
+    if secret is not None:
+        if not secret:
+            raise ConfigError(
+                "replication.secret is empty; give a long random string, the same on "
+                "every instance (or remove it)"
+            )
+        return
+    if not is_local(url):
+        raise ConfigError(
+            f"redis: {redact(url)!r} is not on this machine and replication.secret is not "
+            "set, so any client of that Redis allowed to PUBLISH could inject rows and "
+            "positions: set replication.secret (a long random string, the same on every "
+            "instance), which signs every line; give plait an ACL user of its own too"
+        )

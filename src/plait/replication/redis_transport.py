@@ -23,6 +23,13 @@ Rules:
 - Every task belongs to the transport; `stop()` ends them all. A connection's end does
   not rest on its tasks honouring cancellation (redis-py on Python 3.11 can swallow
   one): its outbox and session are closed first, then its sockets (`_ended`).
+- With a secret (`replication.secret`), every message is signed and every message
+  received is verified (`plait.core.signed_messages`: one HMAC per message, the
+  sender's name inside it, runs and seqs against replays). A refused message or line
+  is counted (`plait_refused_lines_total`, by reason) and warned about at most once per
+  `_WARN_INTERVAL` per reason, never once per line. A message missing from a run ends
+  the connection: the session starts over and catches up. Without a secret, lines
+  travel unsigned (logged once at start), and only a Redis on this machine is allowed.
 - TLS (rediss:// URLs) and a password given apart from the URL are checked when the
   transport is built (`client_options`): a missing certificate file or a TLS option on a
   plain URL is a `ConfigError` before anything connects, not a reconnect loop. Neither
@@ -33,10 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -47,6 +56,23 @@ from redis.exceptions import RedisError
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, Ping, to_line
 from plait.core.redact import redact
+from plait.core.signed_messages import (
+    BAD_SIGNATURE,
+    FOREIGN,
+    GAP,
+    MALFORMED,
+    OVERSIZED,
+    REPLAYED,
+    SIGNED_WITHOUT_SECRET,
+    STALE,
+    UNSIGNED,
+    Accepted,
+    Signer,
+    Verifier,
+    foreign,
+    key_of,
+    looks_signed,
+)
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,
@@ -55,7 +81,7 @@ from plait.replication.link import (
     wait_set,
 )
 from plait.replication.metrics import ReplicationMetrics
-from plait.replication.redis_options import RedisTls, client_options
+from plait.replication.redis_options import RedisTls, check_signing, client_options
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +105,39 @@ _MESSAGE_BYTES = 64 * 1024
 _YIELD_EVERY = 100
 # The longest name in CONNECTION_COMMANDS fits in this many bytes of a message.
 _NAME_BYTES = 16
+# Refused lines are warned about at most once per this many seconds per reason.
+_WARN_INTERVAL = 30.0
+# What to tell the operator about each reason lines are refused for.
+_REFUSALS = {
+    UNSIGNED: (
+        "unsigned message(s): a process without replication.secret (or any client of "
+        "this Redis allowed to PUBLISH) writes on the deployment's channel; give every "
+        "instance the same replication.secret, and see that only they may PUBLISH there"
+    ),
+    BAD_SIGNATURE: (
+        "message(s) whose signature does not verify with this instance's "
+        "replication.secret: an instance with another secret (or a forgery); every "
+        "instance of the deployment needs the same secret"
+    ),
+    SIGNED_WITHOUT_SECRET: (
+        "signed message(s), but this instance has no replication.secret: give it the "
+        "secret the other instances of the deployment have"
+    ),
+    MALFORMED: "signed message(s) whose header is not this version of plait's",
+    REPLAYED: "message(s) seen before (replayed by a client of this Redis)",
+    STALE: (
+        "message(s) first of their connection here but stamped too far from this "
+        "machine's clock (a replay, or clocks out of sync: run NTP, or raise "
+        "replication.redis.max_clock_skew)"
+    ),
+    GAP: "message(s) after a missing one of the same sender (lost or replayed lines)",
+    FOREIGN: (
+        "line(s) of rows or positions (or a DEPART) of another instance than their "
+        "signed sender: only an instance itself may send them (or a fence: POSITION "
+        "with prev = new)"
+    ),
+    OVERSIZED: "message(s) larger than any plait sends",
+}
 
 # Failures that are the network's or the server's, logged without a traceback. Anything
 # else is a bug somewhere and is logged with one; both end the connection alike.
@@ -171,10 +230,51 @@ class _Liveness:
             self.last_echo = now
 
 
+class _Refusals:
+    """Counts refused lines by reason (a metric) and warns about each reason at most
+    once per `_WARN_INTERVAL`, with the count since its last warning: a peer with
+    another secret, or a flood, costs a log line per interval, never one per line."""
+
+    def __init__(self, metrics: ReplicationMetrics, channel: str) -> None:
+        self._metrics = metrics
+        self._channel = channel
+        self._counters: dict[str, Any] = {}
+        self._pending: dict[str, int] = {}
+        self._next_warning: dict[str, float] = {}
+
+    def refuse(self, reason: str, lines: int, sender: bytes | None, detail: str = "") -> None:
+        counter = self._counters.get(reason)
+        if counter is None:
+            counter = self._counters[reason] = self._metrics.refused_lines.labels(LABEL, reason)
+        counter.inc(lines)
+        pending = self._pending[reason] = self._pending.get(reason, 0) + lines
+        now = time.monotonic()
+        if now < self._next_warning.get(reason, 0.0):
+            return
+        self._next_warning[reason] = now + _WARN_INTERVAL
+        self._pending[reason] = 0
+        origin = "" if sender is None else f" from {sender.decode(errors='replace')}"
+        logger.warning(
+            "redis transport: dropped %d line(s) on %s%s: %s%s (counted in "
+            "plait_refused_lines_total{reason=%r}; warned about at most every %g s)",
+            pending,
+            self._channel,
+            origin,
+            _REFUSALS[reason],
+            f"; last: {detail}" if detail else "",
+            reason,
+            _WARN_INTERVAL,
+        )
+
+
 class RedisTransport:
     """Keeps one pub/sub connection to `channel` open for `handler`, reconnecting with
     `backoff` forever, from `start()` until `stop()`. `tls` applies to rediss:// URLs;
-    `password`, when given, must not be in the URL too (see `client_options`)."""
+    `password`, when given, must not be in the URL too (see `client_options`).
+    `secret`: the deployment's replication secret, which signs every message sent and
+    must verify every message received (`max_clock_skew`: seconds a message's stamp may
+    differ from this machine's clock, checked for the first of each sender's connection);
+    without one, the URL must be a loopback or unix:// one."""
 
     def __init__(
         self,
@@ -186,15 +286,27 @@ class RedisTransport:
         connect_timeout: float = 5.0,
         tls: RedisTls | None = None,
         password: str | None = None,
+        secret: str | None = None,
+        max_clock_skew: float = 60.0,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        # ConfigError (a ValueError) when the URL, `tls` or `password` are wrong.
+        # ConfigError (a ValueError) when the URL, `tls` or `password` are wrong, or
+        # when a Redis off this machine would carry unsigned lines.
         self._client_options = client_options(url, tls=tls, password=password)
+        check_signing(url, secret)
         if not channel:
             raise ValueError("redis transport: the channel name is empty")
-        if ping_interval <= 0 or connect_timeout <= 0:
-            raise ValueError("redis transport: ping_interval and connect_timeout must be > 0")
+        if ping_interval <= 0 or connect_timeout <= 0 or max_clock_skew <= 0:
+            raise ValueError(
+                "redis transport: ping_interval, connect_timeout and max_clock_skew must be > 0"
+            )
+        self._key = None if secret is None else key_of(secret)
+        self._verifier = (
+            None
+            if self._key is None
+            else Verifier(self._key, channel, max_skew_ms=int(max_clock_skew * 1000))
+        )
         self._handler = handler
         self._url = url
         self._channel = channel
@@ -202,6 +314,7 @@ class RedisTransport:
         self._connect_timeout = connect_timeout
         self._backoff = Backoff() if backoff is None else backoff
         metrics = ReplicationMetrics() if metrics is None else metrics
+        self._refusals = _Refusals(metrics, channel)
         self._up_gauge = metrics.connection_up.labels(link=LABEL)
         self._reconnects = metrics.reconnects.labels(link=LABEL)
         self._task: asyncio.Task[None] | None = None
@@ -220,6 +333,14 @@ class RedisTransport:
             raise RuntimeError("redis transport: start() may be called only once")
         self._started = True
         self._up_gauge.set(0)
+        if self._key is None:
+            # Not a warning: without a secret only a Redis on this machine is allowed.
+            logger.info(
+                "redis transport: lines on %s are not signed (no replication.secret): any "
+                "client of this Redis that may PUBLISH there can inject rows and positions; "
+                "set replication.secret, the same on every instance",
+                self._channel,
+            )
         self._task = asyncio.create_task(self._run(), name=f"redis transport {self._channel}")
 
     async def stop(self) -> None:
@@ -290,13 +411,24 @@ class RedisTransport:
                     f"no answer within {self._connect_timeout:g} s to connecting and SUBSCRIBE"
                 ) from err
             outbox = _Outbox()
-            session = self._handler.open(outbox, reply_errors=False)
+            signer = None
+            if self._key is not None:
+                # A new run per connection: its seqs start over, and receivers know
+                # nothing of it was sent before (see plait.core.signed_messages).
+                run = secrets.token_hex(8)
+                signer = Signer(self._key, self._channel, self._handler.instance_name, run)
+            if self._verifier is not None:
+                self._verifier.new_session()
+            # Signed: every line is a proven sender's, in its own name (or a fence).
+            session = self._handler.open(
+                outbox, reply_errors=False, authenticated=self._verifier is not None
+            )
             self._outbox = outbox
             self._open.set()
             logger.debug("redis transport: subscribed to %s", self._channel)
             liveness = _Liveness(asyncio.get_running_loop().time())
             tasks = [
-                asyncio.create_task(self._publish(publisher, outbox)),
+                asyncio.create_task(self._publish(publisher, outbox, signer)),
                 asyncio.create_task(self._receive(pubsub, session, liveness)),
                 asyncio.create_task(self._keep_alive(outbox, liveness)),
                 asyncio.create_task(self._mark_up(session)),
@@ -332,10 +464,13 @@ class RedisTransport:
 
     # -- the tasks of one connection ---------------------------------------------------
 
-    async def _publish(self, publisher: Redis, outbox: _Outbox) -> None:
+    async def _publish(self, publisher: Redis, outbox: _Outbox, signer: Signer | None) -> None:
         channel = self._channel
         while True:
             messages = _packed(await outbox.take())
+            if signer is not None:
+                now_ms = int(time.time() * 1000)
+                messages = [signer.sign(message, now_ms) for message in messages]
             if len(messages) == 1:  # the common case after a write: no pipeline to build
                 await publisher.publish(channel, messages[0])
             elif messages:
@@ -356,10 +491,32 @@ class RedisTransport:
             if message is None or message["type"] != "message":
                 continue
             data: bytes = message["data"]
-            for line in data.split(b"\n"):
+            sender = None
+            if self._verifier is not None:
+                verdict = self._verifier.check(data, int(time.time() * 1000))
+                if not isinstance(verdict, Accepted):
+                    # Lines after the header, once it verified; else every line.
+                    refused = data.count(b"\n") + (0 if verdict.sender is not None else 1)
+                    self._refusals.refuse(verdict.reason, refused, verdict.sender, verdict.detail)
+                    if verdict.restart:
+                        who = (verdict.sender or b"?").decode(errors="replace")
+                        raise ConnectionError(
+                            f"a message of {who} is missing ({verdict.detail}): starting "
+                            "over to catch up"
+                        )
+                    continue
+                sender = verdict.sender
+            elif looks_signed(data):
+                self._refusals.refuse(SIGNED_WITHOUT_SECRET, data.count(b"\n"), None)
+                continue
+            lines = data.split(b"\n")
+            for line in lines if sender is None else lines[1:]:  # [1:]: not the header
                 name = command_name(line[:_NAME_BYTES].decode(errors="replace"))
                 if name in CONNECTION_COMMANDS:  # PING: liveness only
                     liveness.heard(line, loop.time())
+                    continue
+                if sender is not None and foreign(line, sender):
+                    self._refusals.refuse(FOREIGN, 1, sender, line[:80].decode(errors="replace"))
                     continue
                 try:
                     session.received(line)
