@@ -494,3 +494,14 @@ async def test_a_stream_without_its_sequence_says_so(
     for value in ('{"min": 2}', "latest"):
         with pytest.raises(ConfigError, match="has no sequence 'events_seq' in this database"):
             await asyncio.to_thread(plan.token, value, "startToken")
+
+
+@pytest.mark.parametrize("key", ["startingOffsets", "startToken ", "maxRows", "path"])
+def test_unknown_source_options_are_refused_by_name(key: str) -> None:
+    """A misspelt option (Kafka's `startingOffsets` for `startingToken`) would otherwise
+    be ignored, and the read start from the default: SPEC R-SP-4 makes it an error."""
+    with pytest.raises(ConfigError) as caught:
+        source.Options.parse({"dsn": "postgresql:///x", "stream": "events", key: "latest"})
+    message = str(caught.value)
+    assert message.startswith(f"plait source: unknown option {key!r}; the options are ")
+    assert "startingToken" in message

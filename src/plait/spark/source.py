@@ -16,7 +16,8 @@ at most `maxIdsPerPartition` IDs, with the same cap).
 Tokens and the offsets Spark hands back from a checkpoint are checked against the
 stream before anything is planned by them: a position above the stream's sequence head
 (a checkpoint or token of another database or deployment, or from before the stream was
-recreated) or a writer the stream does not have is a clear error saying what to do.
+recreated) or a writer the stream does not have is a clear error saying what to do; so is
+an option the source does not know (a misspelt one would be ignored otherwise).
 
 Offsets come from `stream_positions` (never past what a writer persisted), so an idle
 writer or one holding a transaction open never holds back the others. Rows reach Spark
@@ -59,6 +60,17 @@ T = TypeVar("T")
 NAME = "plait"
 DEFAULT_MAX_IDS = 250_000
 PARTITIONINGS = ("slices", "writers")
+OPTIONS = (
+    "dsn",
+    "stream",
+    "table",
+    "startingToken",
+    "startToken",
+    "endToken",
+    "maxRowsPerTrigger",
+    "maxIdsPerPartition",
+    "partitioning",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,14 @@ class Options:
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
         options = {str(k).lower(): str(v) for k, v in raw.items()}
+        known = {name.lower() for name in OPTIONS}
+        for key in raw:
+            # A misspelt option would be ignored and the read start from the default.
+            if str(key).lower() not in known:
+                raise ConfigError(
+                    f"plait source: unknown option {str(key)[:100]!r}; the options are "
+                    f"{', '.join(OPTIONS)}"
+                )
         for required in ("dsn", "stream"):
             if not options.get(required):
                 raise ConfigError(f'plait source: .option("{required}", ...) is required')
