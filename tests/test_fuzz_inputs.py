@@ -206,13 +206,21 @@ def test_offset_texts_parse_or_are_refused(text: str) -> None:
 
 
 class _Catalog:
-    """Stands in for the catalog connection: instance ids 1 and 2 are w1 and w2."""
+    """Stands in for the catalog connection: instance ids 1 and 2 are w1 and w2, the
+    sequence has handed out every ID (no token is past its head), and no table holds
+    rows of writers the spec does not list."""
 
-    def execute(self, query: str, params: Any = None) -> _Catalog:
+    def execute(self, query: Any, params: Any = None) -> _Catalog:
         return self
 
     def fetchall(self) -> list[tuple[int, str]]:
         return [(1, "w1"), (2, "w2")]
+
+    def fetchone(self) -> tuple[int, bool]:
+        return (2**63 - 1, True)
+
+    def __iter__(self) -> Iterator[tuple[str]]:
+        return iter([])
 
 
 def _ask(work: Callable[[Any], Any]) -> Any:

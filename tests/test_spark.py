@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 import plait.spark
+from conftest import with_search_path
 from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
 from plait.spark import source
 from stream_helpers import create_generator, spec_for
@@ -285,3 +288,50 @@ async def test_a_backwards_stream_reads_its_negative_ids_in_batch_and_streaming(
         return sorted(r.stream_id for r in spark.sql("SELECT * FROM backfill_rows").collect())
 
     assert await asyncio.to_thread(stream_all) == sorted(ids)
+
+
+async def test_a_checkpoint_from_another_database_is_refused_saying_what_to_do(
+    db: Database, spark: Any, tmp_path: Path, server_dsn: str
+) -> None:
+    """A streaming query's checkpoint, run against another database whose stream has
+    fewer IDs (another deployment, a recreated stream, an older backup): its offsets are
+    above that stream's sequence head, and the query fails saying so, not waiting for
+    IDs that may never come."""
+    await create_events(db)
+    async with writers(db, "w1", all_writers=["w1"]) as gens:
+        await write(gens["w1"], "a", 50)
+    checkpoint = tmp_path / "checkpoint"
+
+    def run(dsn: str) -> list[int]:
+        query = (
+            plait.spark.stream(spark, dsn, "events")
+            .writeStream.format("parquet")
+            .option("path", str(tmp_path / "out"))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        return [p.numInputRows for p in query.recentProgress]
+
+    assert sum(await asyncio.to_thread(run, db.dsn)) == 50
+    schema = f"plait_other_{uuid.uuid4().hex[:12]}"
+    async with await psycopg.AsyncConnection.connect(server_dsn, autocommit=True) as conn:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+    other = await Database.connect(with_search_path(server_dsn, schema))
+    try:
+        await other.migrate()
+        await create_events(other)
+        async with writers(other, "w1", all_writers=["w1"]) as gens:
+            await write(gens["w1"], "b", 3)
+        # Spark's StreamingQueryException, with the source's message inside
+        with pytest.raises(Exception, match="the checkpoint's offset") as caught:
+            await asyncio.to_thread(run, other.dsn)
+        message = str(caught.value)
+        assert "the checkpoint's offset" in message
+        assert "its min 51 is above the stream's sequence head 4" in message
+        assert "delete the checkpoint" in message
+    finally:
+        await other.close()
+        async with await psycopg.AsyncConnection.connect(server_dsn, autocommit=True) as conn:
+            await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')

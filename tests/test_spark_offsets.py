@@ -1,17 +1,31 @@
-"""Spark offsets and the ranges they plan, without Spark or I/O."""
+"""Spark offsets and the ranges they plan, without Spark: pure, then (at the end) the
+checks that need the stream's database, on a real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from plait.core.tokens import StreamToken
-from plait.errors import TokenParseError
-from plait.spark import offsets
+from plait import Database
+from plait.cli import main
+from plait.core.tokens import StreamToken, decode_text
+from plait.errors import ConfigError, TokenParseError
+from plait.spark import offsets, source
 from plait.spark.offsets import WriterRange
+from plait.spark.schema import infer
+from stream_helpers import create_generator, create_table
 
 WRITERS = ["a", "b", "c"]
 
@@ -170,3 +184,324 @@ def test_a_writer_first_seen_later_is_read_from_the_previous_min() -> None:
     assert WriterRange("new", 10, 30) in rs
     assert WriterRange("a", 15, 20) in rs
     assert WriterRange(None, 10, 12, ("a", "new")) in rs
+
+
+# -- Unbounded offsets (issue 18, finding 7) ---------------------------------------------
+# An offset is outside input: a startingToken, or a checkpoint's offset from another
+# database. Values past PostgreSQL's BIGINT are refused when parsed; positions above the
+# stream's sequence head and writers the stream does not have, before any planning; and
+# planning is bounded whatever the offsets say.
+
+BIGINT_MAX = 2**63 - 1
+NOT_INTEGERS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.text(max_size=5),
+    st.none(),
+    st.lists(st.integers(0, 5), max_size=2),
+)
+
+
+@given(st.integers(min_value=BIGINT_MAX + 1), st.booleans())
+def test_offsets_past_bigint_are_refused_when_parsed(big: int, as_writer: bool) -> None:
+    value = {"min": 0, "writers": {"w1": big}} if as_writer else {"min": big}
+    with pytest.raises(TokenParseError, match="BIGINT"):
+        offsets.from_json(value)
+    with pytest.raises(TokenParseError, match="BIGINT"):
+        offsets.from_json(json.dumps(value))
+
+
+@given(st.integers(min_value=BIGINT_MAX + 1, max_value=10**19 - 1))
+def test_text_tokens_past_bigint_are_refused_when_parsed(big: int) -> None:
+    for text in (f"s{big}", f"m{big}", f"m0~1.{big}"):
+        with pytest.raises(TokenParseError, match="BIGINT"):
+            decode_text(text)
+
+
+@given(NOT_INTEGERS, st.booleans())
+def test_offsets_of_anything_but_integers_are_refused_when_parsed(
+    value: object, as_writer: bool
+) -> None:
+    offset = {"min": 0, "writers": {"w1": value}} if as_writer else {"min": value}
+    with pytest.raises(TokenParseError):
+        offsets.from_json(offset)
+
+
+@given(st.integers(0, BIGINT_MAX))
+def test_every_bigint_position_parses(position: int) -> None:
+    assert offsets.from_json({"min": position}).min == position
+    assert decode_text(f"s{position}") == (position, {})
+
+
+@given(tokens(), st.integers(0, 120), st.sets(st.sampled_from(WRITERS)))
+def test_an_offset_is_refused_exactly_when_above_the_head_or_naming_an_unknown_writer(
+    token: StreamToken, head: int, known: set[str]
+) -> None:
+    reason = offsets.refusal(token, head, known)
+    fits = token.max <= head and set(token.writers) <= known
+    assert (reason is None) == fits
+    if token.max > head:  # the first problem named is the one that rules out the rest
+        assert reason is not None
+        assert f"sequence head {head}" in reason
+    elif not fits:
+        assert reason is not None
+        unknown = sorted(set(token.writers) - known)
+        assert repr(unknown[0]) in reason
+        assert "not a writer of" in reason
+
+
+def test_a_refusal_says_which_writer_or_min_is_above_the_head() -> None:
+    reason = offsets.refusal(StreamToken(3, {"w1": 10**12}), 407, {"w1"})
+    assert reason == (
+        "it puts writer 'w1' at 1000000000000, above the stream's sequence head 407 "
+        "(the largest ID the stream has handed out)"
+    )
+    reason = offsets.refusal(StreamToken(10**12), 407, {"w1"})
+    assert reason is not None
+    assert reason.startswith("its min 1000000000000 is above")
+    reason = offsets.refusal(StreamToken(3, {"ghost": 5}), 407, {"w1", "w2"})
+    assert reason == "it names writer 'ghost', which is not a writer of the stream (['w1', 'w2'])"
+
+
+@st.composite
+def wide_ranges(draw: st.DrawFn) -> list[WriterRange]:
+    """Ranges anywhere in the BIGINT space, some of them huge."""
+    out = []
+    for writer in draw(st.lists(st.sampled_from([*WRITERS, None]), max_size=5, unique=True)):
+        low = draw(st.integers(0, BIGINT_MAX - 1))
+        high = draw(st.integers(low + 1, BIGINT_MAX))
+        others = tuple(w for w in WRITERS if w != writer) if writer is None else ()
+        out.append(WriterRange(writer, low, high, others))
+    return out
+
+
+@given(wide_ranges(), st.integers(1, 10**6), st.integers(1, 50), st.booleans())
+def test_planning_is_bounded_however_wide_the_ranges(
+    rs: list[WriterRange], max_ids: int, max_slices: int, per_writer: bool
+) -> None:
+    cut = offsets.by_writer if per_writer else offsets.slices
+    pieces = cut(rs, max_ids, max_slices=max_slices)
+    assert len(pieces) <= max(max_slices, len(rs))
+    # Still a tiling: each range's IDs, clipped to the pieces, add up to exactly the range
+    # (counted, not enumerated: the ranges are up to 2^63 IDs wide).
+    for r in rs:
+        parts = sorted(
+            (p.low, p.high)
+            for piece in pieces
+            for p in piece.ranges
+            if (p.writer, p.others_than) == (r.writer, r.others_than)
+        )
+        assert parts[0][0] == r.low
+        assert parts[-1][1] == r.high
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
+    if not per_writer:  # no stretch read twice
+        bounds = sorted((p.low, p.high) for p in pieces)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(bounds))
+
+
+def test_pieces_keep_their_size_when_under_the_cap() -> None:
+    rs = [WriterRange("a", 0, 1000)]
+    assert len(offsets.slices(rs, 10, max_slices=100)) == 100
+    assert len(offsets.slices(rs, 10, max_slices=50)) == 50  # wider, not more
+    assert len(offsets.by_writer(rs, 10, max_slices=50)) == 50
+
+
+# The report's process grew to 23.5 GB cutting (0, 2^63 - 1] into slices: run it where
+# it cannot take the machine with it, under a 2 GB address-space limit.
+_PLAN_HUGE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from plait.core.tokens import StreamToken, decode_text
+from plait.spark import offsets
+rs = offsets.ranges(StreamToken(0), StreamToken(2**63 - 2, {"w1": 2**63 - 1}))
+print(len(offsets.slices(rs, 250_000)), len(offsets.by_writer(rs, 250_000)))
+"""
+
+
+def test_planning_a_range_up_to_the_bigint_max_stays_small() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAN_HUGE], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    planned = [int(n) for n in done.stdout.split()]
+    assert all(n <= offsets.MAX_SLICES for n in planned), planned
+
+
+# -- On a real PostgreSQL, without Spark: the sequence head and the stream's writers -----
+
+
+async def _stream_with_rows(db: Database, **per_writer: int) -> None:
+    """Stream `events` written by w1 and w2 (`per_writer` rows each), positions flushed."""
+    await create_table(db)
+    for name, count in per_writer.items():
+        gen = await create_generator(db, ["w1", "w2"], name)
+        try:
+            await gen.insert(
+                "INSERT INTO events (stream_id, instance_name, payload)"
+                " SELECT {id}, %s, 'row' FROM generate_series(1, %s) RETURNING stream_id",
+                (name, count),
+            )
+            await gen.flush_position()
+        finally:
+            await gen.close()
+
+
+@pytest.fixture
+def load_plan() -> Iterator[Callable[[str], source.Plan]]:
+    """Loads stream `events`' plan on the connection this process keeps for the DSN (as
+    Spark's driver does), closed when the test ends."""
+    loaded: list[str] = []
+
+    def load(dsn: str) -> source.Plan:
+        loaded.append(dsn)
+        return source.Plan.load(source.Options.parse({"dsn": dsn, "stream": "events"}))
+
+    yield load
+    for dsn in loaded:
+        source.Kept(dsn).forget()
+
+
+async def test_tokens_above_the_sequence_head_or_of_writers_the_stream_lacks_are_refused(
+    db: Database, load_plan: Callable[[str], source.Plan]
+) -> None:
+    await _stream_with_rows(db, w1=3, w2=4)  # IDs 2..8: the head is 8
+    plan = await asyncio.to_thread(load_plan, db.dsn)
+    for bad, reason in [
+        ('{"min": 1000}', "its min 1000 is above the stream's sequence head 8"),
+        ('{"min": 2, "writers": {"w1": 9}}', "writer 'w1' at 9, above the stream's sequence"),
+        ("s1000", "its min 1000 is above"),
+        ('{"min": 0, "writers": {"ghost": 3}}', "writer 'ghost', which is not a writer of"),
+        ('{"min": 1e30}', "must be a non-negative integer"),
+        (f'{{"min": {10**30}}}', "BIGINT"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            await asyncio.to_thread(plan.token, bad, "startingToken")
+        message = str(caught.value)
+        assert message.startswith(f"plait source: bad startingToken {bad!r}: "), message
+        assert reason in message
+        if "above" in reason:  # and what to do about it
+            assert "another database or deployment" in message
+            assert "earliest, latest or a token" in message
+    # Up to the head, and only the stream's writers: fine.
+    token = await asyncio.to_thread(plan.token, '{"min": 2, "writers": {"w2": 8}}', "startToken")
+    assert token == StreamToken(2, {"w2": 8})
+
+
+async def test_a_writer_removed_from_the_stream_is_still_known_by_its_rows(
+    db: Database, load_plan: Callable[[str], source.Plan]
+) -> None:
+    await _stream_with_rows(db, w1=3, w2=4)
+    gen = await create_generator(db, ["w1"], "w1")  # w2 leaves the stream's writers
+    await gen.close()
+    plan = await asyncio.to_thread(load_plan, db.dsn)
+    assert list(plan.spec.writers) == ["w1"]
+    # A checkpoint made before the change may still name w2: its rows say it was a writer.
+    token = await asyncio.to_thread(plan.token, '{"min": 1, "writers": {"w2": 8}}', "startToken")
+    assert token.get("w2") == 8
+    with pytest.raises(ConfigError, match="'w3', which is not a writer of the stream"):
+        await asyncio.to_thread(plan.token, '{"min": 1, "writers": {"w3": 8}}', "startToken")
+
+
+async def test_a_checkpoint_offset_above_the_head_is_refused_before_any_planning(
+    db: Database, load_plan: Callable[[str], source.Plan]
+) -> None:
+    """A checkpoint of another database: Spark hands its offsets back to `latestOffset`
+    (the next batch's start) and, on a restart, to `partitions` (the batch it had
+    planned). Both refuse it, and say what to do, before cutting anything into slices."""
+    await _stream_with_rows(db, w1=3, w2=4)
+    plan = await asyncio.to_thread(load_plan, db.dsn)
+    reader = source.StreamReader(plan, infer(list(plan.columns)))
+    try:
+        # 10^9 IDs would plan 4,000 slices (a checkpoint up to 2^63 - 1, 3.7e13 of them).
+        far = {"min": 10**9, "writers": {}}
+        with pytest.raises(ConfigError) as caught:
+            await asyncio.to_thread(reader.partitions, {"min": 0, "writers": {}}, far)
+        message = str(caught.value)
+        assert "checkpoint" in message
+        assert "its min 1000000000 is above the stream's sequence head 8" in message
+        assert "delete the checkpoint" in message
+        for start in (far, {"min": 10**30, "writers": {}}, {"min": 2, "writers": {"nobody": 5}}):
+            with pytest.raises(ConfigError, match="checkpoint"):
+                await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())
+        # The stream's own offsets still plan and move on.
+        end = await asyncio.to_thread(reader.latestOffset, {"min": 0}, ReadAllAvailable())
+        assert end == {"min": 4, "writers": {"w2": 8}}
+        assert await asyncio.to_thread(reader.partitions, {"min": 0, "writers": {}}, end)
+    finally:
+        reader.stop()
+
+
+async def test_positions_stored_above_the_head_are_refused_not_read_up_to(
+    db: Database, load_plan: Callable[[str], source.Plan]
+) -> None:
+    """A `stream_positions` row past the sequence head (written by a rogue or a restored
+    database) is not an offset to read up to: the source says what is wrong."""
+    await _stream_with_rows(db, w1=3, w2=4)
+    async with db.connection() as conn:
+        await conn.execute(
+            "UPDATE stream_positions SET stream_id = 1000000000 WHERE instance_name = 'w1'"
+        )
+    plan = await asyncio.to_thread(load_plan, db.dsn)
+    with pytest.raises(ConfigError) as caught:
+        await asyncio.to_thread(plan.token, "latest", "endToken")
+    message = str(caught.value)
+    assert "stream_positions records writer 'w1' at 1000000000" in message
+    assert "sequence head 8" in message
+    reader = source.StreamReader(plan, infer(list(plan.columns)))
+    try:
+        with pytest.raises(ConfigError, match="stream_positions records writer 'w1'"):
+            await asyncio.to_thread(reader.latestOffset, {"min": 0}, ReadAllAvailable())
+    finally:
+        reader.stop()
+
+
+# -- The CLI: the same checks, worded with the flag's name --------------------------------
+
+
+def _cli(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args))
+
+
+async def test_the_cli_refuses_tokens_above_the_head_naming_its_flag(
+    db: Database, tmp_path: Path
+) -> None:
+    await _stream_with_rows(db, w1=3, w2=4)
+    for bad in ('{"min": 1000}', "s99999999999999999999", "s9999999999999999999"):
+        result = await asyncio.to_thread(_cli, "tail", "events", "--dsn", db.dsn, "--from", bad)
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--from'" in result.output
+        assert "startingToken" not in result.output
+    result = await asyncio.to_thread(
+        _cli,
+        *("export", "--dsn", db.dsn, "--stream", "events", "--once"),
+        *("--starting-token", '{"min": 0, "writers": {"w1": 1000}}'),
+        *("--checkpoint", str(tmp_path / "checkpoint"), "--path", str(tmp_path / "out")),
+    )
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--starting-token'" in result.output
+    assert "writer 'w1' at 1000, above the stream's sequence head 8" in result.output
+    assert "startingToken" not in result.output
+    assert not (tmp_path / "checkpoint").exists()  # refused before Spark started
+
+
+async def test_a_stream_without_its_sequence_says_so(
+    db: Database, load_plan: Callable[[str], source.Plan]
+) -> None:
+    await _stream_with_rows(db, w1=3)
+    plan = await asyncio.to_thread(load_plan, db.dsn)
+    async with db.connection() as conn:
+        await conn.execute("DROP SEQUENCE events_seq")
+    for value in ('{"min": 2}', "latest"):
+        with pytest.raises(ConfigError, match="has no sequence 'events_seq' in this database"):
+            await asyncio.to_thread(plan.token, value, "startToken")
+
+
+@pytest.mark.parametrize("key", ["startingOffsets", "startToken ", "maxRows", "path"])
+def test_unknown_source_options_are_refused_by_name(key: str) -> None:
+    """A misspelt option (Kafka's `startingOffsets` for `startingToken`) would otherwise
+    be ignored, and the read start from the default: SPEC R-SP-4 makes it an error."""
+    with pytest.raises(ConfigError) as caught:
+        source.Options.parse({"dsn": "postgresql:///x", "stream": "events", key: "latest"})
+    message = str(caught.value)
+    assert message.startswith(f"plait source: unknown option {key!r}; the options are ")
+    assert "startingToken" in message

@@ -89,6 +89,7 @@ def export(**options: Any) -> None:
     """Export a stream to Parquet or Delta Lake, exactly once, one line per batch."""
     from plait.spark import pipelines
 
+    _check_starting_token(options)
     spark = _spark(options["master"])
     query = pipelines.export(
         spark,
@@ -122,6 +123,7 @@ def derive(**options: Any) -> None:
     """Keep a PostgreSQL table from a stream; a replayed batch changes nothing."""
     from plait.spark import pipelines
 
+    _check_starting_token(options)
     spark = _spark(options["master"])
     target = pipelines.Derived(
         dsn=options["target_dsn"] or options["dsn"],
@@ -434,7 +436,10 @@ def tail(
             for line in reader.last(lines, end):
                 emit(line)
         else:
-            start = reader.token(from_)
+            try:
+                start = reader.token(from_)
+            except ValueError as err:  # TokenParseError, or no token of this stream
+                raise click.BadParameter(str(err), param_hint="'--from'") from None
             end = start.copy_and_advance(end)
             for line in reader.between(start, end):
                 emit(line)
@@ -522,6 +527,25 @@ def _pending(age: float | None) -> str:
 
 def _num(value: int | None, prefix: str = "") -> str:
     return "-" if value is None else f"{prefix}{value}"
+
+
+def _check_starting_token(options: dict[str, Any]) -> None:
+    """--starting-token checked against the stream before Spark starts (seconds), and
+    refused in the flag's name rather than in the Spark source's option's."""
+    from plait.spark import catalog
+
+    with catalog.connect(options["dsn"]) as conn:
+        spec = catalog.load_spec(conn, options["stream"])
+        value = options["starting_token"]
+        try:
+            catalog.parse_token(spec, value, catalog.OnConnection(conn))
+        except catalog.Refused as err:
+            raise click.BadParameter(
+                f"{err}; {catalog.FOREIGN_TOKEN}", param_hint="'--starting-token'"
+            ) from None
+        except ValueError as err:  # worded for the Spark source, which the flag feeds
+            reason = str(err).removeprefix("plait source: ")
+            raise click.BadParameter(reason, param_hint="'--starting-token'") from None
 
 
 def _source(options: dict[str, Any]) -> Any:

@@ -16,6 +16,9 @@ caller's business: `encode_text` and `decode_text` take and give numbers, and th
 `async` helpers on `StreamToken` only look names up through the given object.
 
 Positions in tokens are never negative; a backwards stream's token holds magnitudes.
+Nor are they ever above `MAX_POSITION`: IDs are PostgreSQL BIGINTs, so a larger number
+is no position of any stream, and is refused when parsed (before a caller could plan
+work by it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 # Longest text we even try to parse; a real token is far shorter.
 MAX_TOKEN_TEXT = 64 * 1024
+# The largest ID a stream can hand out: PostgreSQL's BIGINT maximum.
+MAX_POSITION = 2**63 - 1
+_RANGE = f"a non-negative integer of at most {MAX_POSITION} (PostgreSQL's BIGINT)"
 _NUMBER = r"(?:0|[1-9][0-9]{0,18})"
 _SIMPLE = re.compile(rf"s({_NUMBER})")
 _MULTI_HEAD = re.compile(rf"m({_NUMBER})")
@@ -65,14 +71,16 @@ class StreamToken:
 
     def __init__(self, min: int, writers: Mapping[str, int] | None = None) -> None:
         if not _is_position(min):
-            raise ValueError(f"token min must be a non-negative int, not {min!r}")
+            raise ValueError(f"token min must be {_RANGE}, not {_shorten(repr(min))}")
         clean: dict[str, int] = {}
         # Checked before sorting: names of mixed types would make sorted() raise TypeError.
         for writer, position in (writers or {}).items():
             if not isinstance(writer, str) or not writer:
                 raise ValueError(f"token writer names must be non-empty strings, not {writer!r}")
             if not _is_position(position):
-                raise ValueError(f"position of {writer!r} must be a non-negative int")
+                raise ValueError(
+                    f"position of {writer!r} must be {_RANGE}, not {_shorten(repr(position))}"
+                )
             if position <= min:
                 raise ValueError(
                     f"writer {writer!r} at {position} is not ahead of min {min}; "
@@ -217,7 +225,7 @@ class StreamToken:
         low = value.get("min")
         writers = value.get("writers", {})
         if not isinstance(low, int) or not _is_position(low):
-            raise TokenParseError(f'JSON token "min" must be a non-negative integer, not {low!r}')
+            raise TokenParseError(f'JSON token "min" must be {_RANGE}, not {_shorten(repr(low))}')
         if not isinstance(writers, dict):
             raise TokenParseError('JSON token "writers" must be an object of name: position')
         try:
@@ -237,14 +245,14 @@ def decode_text(text: str) -> tuple[int, dict[int, int]]:
         raise TokenParseError(f"token is {len(text)} characters long; tokens are far shorter")
     simple = _SIMPLE.fullmatch(text)
     if simple:
-        return int(simple.group(1)), {}
+        return _in_range(text, int(simple.group(1))), {}
     head, sep, rest = text.partition("~")
     multi = _MULTI_HEAD.fullmatch(head)
     if not multi:
         raise TokenParseError(
             f"malformed token {_shorten(text)!r}: expected 's<min>' or 'm<min>~<id>.<pos>~...'"
         )
-    low = int(multi.group(1))
+    low = _in_range(text, int(multi.group(1)))
     entries: dict[int, int] = {}
     parts = rest.split("~") if sep else []
     if parts and parts[-1] == "":
@@ -255,7 +263,7 @@ def decode_text(text: str) -> tuple[int, dict[int, int]]:
             raise TokenParseError(
                 f"malformed token {_shorten(text)!r}: entry {_shorten(part)!r} is not <id>.<pos>"
             )
-        instance_id, position = int(entry.group(1)), int(entry.group(2))
+        instance_id, position = int(entry.group(1)), _in_range(text, int(entry.group(2)))
         if instance_id in entries:
             raise TokenParseError(
                 f"malformed token {_shorten(text)!r}: instance id {instance_id} appears twice"
@@ -270,7 +278,17 @@ def decode_text(text: str) -> tuple[int, dict[int, int]]:
 
 
 def _is_position(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION
+
+
+def _in_range(text: str, number: int) -> int:
+    """`number`, a position in token `text`, if it is one ({0,19} digits can pass it)."""
+    if number > MAX_POSITION:
+        raise TokenParseError(
+            f"malformed token {_shorten(text)!r}: {number} is past {MAX_POSITION}, "
+            "the largest ID a stream can have (PostgreSQL's BIGINT)"
+        )
+    return number
 
 
 def _shorten(text: str, limit: int = 80) -> str:

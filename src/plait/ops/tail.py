@@ -55,16 +55,27 @@ class Tail:
         self.conn = conn
         try:
             self.spec: StreamSpec = catalog.load_spec(conn, stream)
-        except ConfigError as err:  # the catalog words it for the Spark source
-            raise ConfigError(str(err).removeprefix("plait source: ")) from None
+        except ConfigError as err:
+            raise ConfigError(_ours(err)) from None
         self.writer = writer
         self._ids: dict[str, int] = {}
 
     def token(self, value: str) -> StreamToken:
-        return catalog.parse_token(self.spec, value, catalog.OnConnection(self.conn))
+        """`value` as a token of this stream; `ValueError` saying why it is none (naming
+        no option: the CLI names its flag). A token from another database is refused,
+        not waited on."""
+        try:
+            return catalog.parse_token(self.spec, value, catalog.OnConnection(self.conn))
+        except catalog.Refused as err:
+            raise catalog.Refused(f"{err}; {catalog.FOREIGN_TOKEN}") from None
+        except ConfigError as err:
+            raise ConfigError(_ours(err)) from None
 
     def latest(self) -> StreamToken:
-        return catalog.latest(self.conn, self.spec)
+        try:
+            return catalog.latest(self.conn, self.spec)
+        except ConfigError as err:
+            raise ConfigError(_ours(err)) from None
 
     def text(self, token: StreamToken) -> str:
         """The token's text form; writers get their compact id from `instance_map`,
@@ -147,6 +158,11 @@ class Tail:
                 )
                 for r in cur.fetchall()
             ]
+
+
+def _ours(err: ConfigError) -> str:
+    """The catalog's message, which it words for the Spark source, for the CLI."""
+    return str(err).removeprefix("plait source: ")
 
 
 def _lines(start: StreamToken, end: StreamToken, items: list[Item]) -> Iterator[Line]:

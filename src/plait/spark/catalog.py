@@ -1,7 +1,12 @@
 """What the Spark source learns from the database, on the driver: the stream's spec
 (recorded in `plait_streams` when a writer creates it), its tables' columns, the
-writers' positions (`stream_positions`), and where a read limit cuts. Plain psycopg
-(Spark calls the source synchronously)."""
+writers' positions (`stream_positions`), its sequence head, and where a read limit cuts.
+Plain psycopg (Spark calls the source synchronously).
+
+Offsets and tokens are checked here against the stream they are used on (`check`): no
+position past the sequence head (a token of another database, deployment or an older
+incarnation of the stream, or a stored position nobody could have reached), no writer
+the stream does not have. Every caller checks before it plans any work by them."""
 
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ from psycopg import sql
 from plait.core.redact import redact
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
-from plait.spark.offsets import Slice, WriterRange
-from plait.storage.stream_store import ident
+from plait.spark.offsets import Slice, WriterRange, above_head, not_a_writer
+from plait.storage.stream_store import head_of, ident
 from plait.storage.timeouts import connect_sync
 from plait.streams.spec import StreamSpec, TableSpec
 
@@ -110,19 +115,113 @@ def columns(conn: psycopg.Connection[Any], table: TableSpec) -> list[Column]:
 
 def latest(conn: psycopg.Connection[Any], spec: StreamSpec) -> StreamToken:
     """The offset every writer has persisted up to: each writer's row in
-    `stream_positions` (never past what it completed), `min` the lowest of them."""
+    `stream_positions` (never past what it completed), `min` the lowest of them.
+    `ConfigError` if a row is past the sequence head: no writer can have reached it, so
+    it is no position to read up to."""
     sign = spec.sign
+    # The head in the same statement: the sequence is read after the rows' snapshot,
+    # and it only grows, so no row a writer stored honestly can be past it.
+    try:
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT s.last_value, s.is_called, p.instance_name, p.stream_id FROM {} s"
+                " LEFT JOIN stream_positions p ON p.stream_name = %s"
+            ).format(ident(spec.sequence)),
+            (spec.name,),
+        ).fetchall()
+    except psycopg.errors.UndefinedTable:
+        raise _no_sequence(spec) from None
+    if not rows:  # a sequence always has its one row
+        raise AssertionError(f"sequence {spec.sequence} returned no row")
+    head = _counted(head_of(rows[0][:2]))
     positions = {
         writer: sign * position
-        for writer, position in conn.execute(
-            "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
-            (spec.name,),
-        )
-        if not spec.writers or writer in spec.writers
+        for *_, writer, position in rows
+        if writer is not None and (not spec.writers or writer in spec.writers)
     }
+    for writer, position in sorted(positions.items()):
+        if position > head:
+            raise ConfigError(
+                f"plait source: stream_positions records writer {writer!r} at {position} "
+                f"for stream {spec.name!r}, above its sequence head {head} (the largest "
+                "ID the stream has handed out): the row is not a position any writer "
+                "reached, so nothing is read up to it. If the sequence was reset or the "
+                "database restored from an older backup, stop the stream's writers, run "
+                f"DELETE FROM stream_positions WHERE stream_name = '{spec.name}'; and "
+                "start them again"
+            )
     if not positions:
         return StreamToken(1)  # nothing written yet: ID 1 is taken when the sequence is made
     return StreamToken.normalised(min(positions.values()), positions)
+
+
+def head(conn: psycopg.Connection[Any], spec: StreamSpec) -> int:
+    """The largest ID (internal, as in tokens) the stream's sequence has handed out."""
+    try:
+        row = conn.execute(
+            sql.SQL("SELECT last_value, is_called FROM {}").format(ident(spec.sequence))
+        ).fetchone()
+    except psycopg.errors.UndefinedTable:
+        raise _no_sequence(spec) from None
+    assert row is not None
+    return _counted(head_of(row))
+
+
+def _no_sequence(spec: StreamSpec) -> ConfigError:
+    return ConfigError(
+        f"plait source: stream {spec.name!r} has no sequence {spec.sequence!r} in this "
+        "database: the stream was dropped or is being recreated; start one of its writers"
+    )
+
+
+def _counted(head: int) -> int:
+    # ID 1 counts as handed out: plait takes it when it makes the sequence, and `latest`
+    # of a stream nobody wrote to is 1.
+    return max(head, 1)
+
+
+class Refused(ConfigError):
+    """A token or offset that is no position of the stream it was used on."""
+
+
+def check(conn: psycopg.Connection[Any], spec: StreamSpec, token: StreamToken) -> None:
+    """`Refused` saying why, if `token` is no offset of this stream (`offsets.refusal`
+    against its sequence head and writers): one read of the head, and one query per
+    table only when the token names writers the spec does not list. The message names
+    no option: callers say where the token came from and what to do."""
+    reason = above_head(token, head(conn, spec)) or not_a_writer(
+        token, _known_writers(conn, spec, set(token.writers))
+    )
+    if reason is not None:
+        raise Refused(reason)
+
+
+# Writers a token may name beyond the spec's and still be looked up in the tables (a
+# checkpoint names at most the writers a stream had); past it, they are refused unseen.
+_MAX_UNLISTED = 64
+
+
+def _known_writers(conn: psycopg.Connection[Any], spec: StreamSpec, named: set[str]) -> set[str]:
+    """The stream's writers among `named`: the configured ones, and those with rows in
+    its tables (a writer removed from the configuration after it wrote: offsets taken
+    before the change may name it, and its rows are still read by name)."""
+    unlisted = sorted(named - set(spec.writers))
+    if not unlisted or len(unlisted) > _MAX_UNLISTED:
+        return set(spec.writers)
+    seen: set[str] = set()
+    for table in spec.tables:
+        # An index probe per name (the (instance, ID) index), never a scan of its rows.
+        seen.update(
+            name
+            for (name,) in conn.execute(
+                sql.SQL(
+                    "SELECT n FROM unnest(%s::text[]) AS n"
+                    " WHERE EXISTS (SELECT 1 FROM {} WHERE {} = n)"
+                ).format(ident(table.name), sql.Identifier(table.instance_column)),
+                (unlisted,),
+            )
+        )
+    return set(spec.writers) | seen
 
 
 class Ask(Protocol):
@@ -143,9 +242,8 @@ class OnConnection:
 
 def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     """A starting or ending point: "earliest", "latest", a token's text form (s5,
-    m3~1.5) or its JSON form. Asks the database (through `run`, which calls its argument
-    with a connection) only when it has to: "latest", and writer names of a multi-writer
-    token."""
+    m3~1.5) or its JSON form, checked against the stream (`check`). `ValueError`
+    (`TokenParseError`, `ConfigError`) saying what is wrong, naming no option."""
     from plait.spark.offsets import from_json
 
     text = value.strip()
@@ -154,19 +252,37 @@ def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     if text == "latest":
         return run(lambda conn: latest(conn, spec))
     if text.startswith("{"):
-        return from_json(text)
-    low, by_id = decode_text(text)
-    if not by_id:
-        return StreamToken(low)
-    names = run(
-        lambda conn: dict(
-            conn.execute(
-                "SELECT instance_id, instance_name FROM instance_map WHERE instance_id = ANY(%s)",
-                (sorted(by_id),),
-            ).fetchall()
-        )
-    )
-    return StreamToken.named(text, low, by_id, names)
+        token = from_json(text)
+    else:
+        low, by_id = decode_text(text)
+        if by_id:
+            names = run(
+                lambda conn: dict(
+                    conn.execute(
+                        "SELECT instance_id, instance_name FROM instance_map"
+                        " WHERE instance_id = ANY(%s)",
+                        (sorted(by_id),),
+                    ).fetchall()
+                )
+            )
+            token = StreamToken.named(text, low, by_id, names)
+        else:
+            token = StreamToken(low)
+    run(lambda conn: check(conn, spec, token))
+    return token
+
+
+# What to do about a token refused by `check`, for a user who passed it.
+FOREIGN_TOKEN = (
+    "the token comes from another database or deployment, or from before the stream was "
+    "recreated or the database restored; pass earliest, latest or a token this database gave"
+)
+# ... and for a checkpoint whose offsets are refused.
+FOREIGN_CHECKPOINT = (
+    "the checkpoint belongs to another database or deployment, or the stream was recreated "
+    "or the database restored from an older backup since it was written: delete the "
+    "checkpoint (or use a new checkpoint location), and start again from startingToken"
+)
 
 
 def range_condition(table: TableSpec, backwards: bool, r: WriterRange) -> sql.Composed:

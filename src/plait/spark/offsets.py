@@ -10,17 +10,29 @@ later offset is read from the previous offset's `min`, and an idle writer or one
 a transaction still open holds back nobody's rows but its own. The ranges are then cut
 into slices of the ID space, one Spark task each (or, on request, into pieces of each
 writer's range).
+
+Offsets come from outside: a user's startingToken, or a checkpoint that may belong to
+another database. Parsing refuses anything past BIGINT (`core.tokens`); `refusal` says
+why an offset is no offset of the stream at hand (past its sequence head, or naming a
+writer it does not have), for the callers to check before planning; and planning is
+bounded whatever the offsets say: never more than `MAX_SLICES` slices, each wider when
+the ranges are wide, so the work of planning never grows with the size of the ID range.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from plait.core import strict_json
-from plait.core.tokens import StreamToken
+from plait.core.tokens import MAX_TOKEN_TEXT, StreamToken
 from plait.errors import TokenParseError
+
+# Slices (Spark tasks) one batch is cut into at most; past that, slices grow wider. A
+# task costs Spark more than a wider slice costs the task.
+MAX_SLICES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +55,47 @@ def from_json(value: object) -> StreamToken:
     """An offset from its JSON text or the dict Spark hands back; `TokenParseError`
     (saying what is wrong) for anything else."""
     if isinstance(value, str):
+        if len(value) > MAX_TOKEN_TEXT:
+            raise TokenParseError(
+                f"offset is {len(value)} characters long; offsets are far shorter"
+            )
         try:
             value = strict_json.loads(value)
         except ValueError as err:
             raise TokenParseError(f"offset is not valid JSON: {err}") from None
     return StreamToken.from_json_dict(value)
+
+
+def refusal(token: StreamToken, head: int, writers: Collection[str]) -> str | None:
+    """Why `token` is no offset of a stream whose sequence has handed out IDs up to
+    `head` and whose writers are `writers` (None: it is one)."""
+    return above_head(token, head) or not_a_writer(token, writers)
+
+
+def above_head(token: StreamToken, head: int) -> str | None:
+    """What in `token` is past `head`, if anything: no writer of the stream can be there
+    (it rules the token out wherever it came from, so it is named first)."""
+    if token.min > head:
+        return f"its min {token.min} is above {_HEAD} {head} ({_HEAD_MEANS})"
+    for writer, position in token:
+        if position > head:
+            return f"it puts writer {writer!r} at {position}, above {_HEAD} {head} ({_HEAD_MEANS})"
+    return None
+
+
+def not_a_writer(token: StreamToken, writers: Collection[str]) -> str | None:
+    """The first writer `token` names that is not among `writers`, if any."""
+    for writer, _ in token:
+        if writer not in writers:
+            return (
+                f"it names writer {writer!r}, which is not a writer of the stream "
+                f"({sorted(writers)})"
+            )
+    return None
+
+
+_HEAD = "the stream's sequence head"
+_HEAD_MEANS = "the largest ID the stream has handed out"
 
 
 def ranges(start: StreamToken, end: StreamToken) -> list[WriterRange]:
@@ -87,12 +135,15 @@ class Slice:
         return any(set(r.others_than) <= named for r in others)
 
 
-def slices(ranges_: list[WriterRange], max_ids: int) -> list[Slice]:
+def slices(
+    ranges_: list[WriterRange], max_ids: int, *, max_slices: int = MAX_SLICES
+) -> list[Slice]:
     """The ID space the ranges cover, merged where they overlap and cut into equal
-    slices of at most `max_ids` IDs (one Spark task each); each range's IDs land in
-    exactly one slice."""
-    if max_ids < 1:
-        raise ValueError("max_ids must be at least 1")
+    slices of at most `max_ids` IDs (one Spark task each), or wider ones where that
+    would make more than `max_slices` (or one per stretch, if there are more stretches);
+    each range's IDs land in exactly one slice."""
+    if max_ids < 1 or max_slices < 1:
+        raise ValueError("max_ids and max_slices must be at least 1")
     spans: list[list[int]] = []  # merged (low, high] spans, in ID order
     for r in sorted(ranges_, key=lambda r: r.low):
         if r.high <= r.low:
@@ -101,9 +152,10 @@ def slices(ranges_: list[WriterRange], max_ids: int) -> list[Slice]:
             spans[-1][1] = max(spans[-1][1], r.high)
         else:
             spans.append([r.low, r.high])
+    width = _width([high - low for low, high in spans], max_ids, max_slices)
     out: list[Slice] = []
     for span_low, span_high in spans:
-        for low, high in _cut(span_low, span_high, max_ids):
+        for low, high in _cut(span_low, span_high, width):
             clipped = tuple(
                 WriterRange(r.writer, max(r.low, low), min(r.high, high), r.others_than)
                 for r in ranges_
@@ -113,17 +165,39 @@ def slices(ranges_: list[WriterRange], max_ids: int) -> list[Slice]:
     return out
 
 
-def by_writer(ranges_: list[WriterRange], max_ids: int) -> list[Slice]:
+def by_writer(
+    ranges_: list[WriterRange], max_ids: int, *, max_slices: int = MAX_SLICES
+) -> list[Slice]:
     """One task per writer range, cut into equal pieces of at most `max_ids` IDs when
-    larger (SPEC R-SP-1's layout; `slices` reads interleaved writers with fewer scans)."""
-    if max_ids < 1:
-        raise ValueError("max_ids must be at least 1")
+    larger, or wider ones where that would make more than `max_slices` pieces (SPEC
+    R-SP-1's layout; `slices` reads interleaved writers with fewer scans)."""
+    if max_ids < 1 or max_slices < 1:
+        raise ValueError("max_ids and max_slices must be at least 1")
+    moved = [r for r in ranges_ if r.high > r.low]
+    width = _width([r.high - r.low for r in moved], max_ids, max_slices)
     return [
         Slice(low, high, (WriterRange(r.writer, low, high, r.others_than),))
-        for r in ranges_
-        if r.high > r.low
-        for low, high in _cut(r.low, r.high, max_ids)
+        for r in moved
+        for low, high in _cut(r.low, r.high, width)
     ]
+
+
+def _width(lengths: list[int], max_ids: int, max_slices: int) -> int:
+    """The widest piece: `max_ids`, unless stretches of these `lengths` would then make
+    more than `max_slices` pieces; then wide enough for `max_slices` in all, or one per
+    stretch when there are more stretches than that."""
+
+    def pieces(width: int) -> int:
+        return sum(-(-n // width) for n in lengths)
+
+    if pieces(max_ids) <= max_slices:
+        return max_ids
+    even = max(max_ids, -(-sum(lengths) // max_slices))
+    if pieces(even) <= max_slices:
+        return even
+    # Rounding up per stretch made too many: each stretch makes at most
+    # length/width + 1 pieces, so leave one spare piece per stretch.
+    return max(max_ids, -(-sum(lengths) // max(max_slices - len(lengths), 1)))
 
 
 def _cut(low: int, high: int, max_ids: int) -> list[tuple[int, int]]:

@@ -8,9 +8,16 @@ Options: `dsn` and `stream` (required); `table` (streams over several tables);
 `startingToken` (streaming: "earliest", the default, "latest", a token or an offset);
 `startToken` / `endToken` (batch: default earliest and latest); `maxRowsPerTrigger`;
 `maxIdsPerPartition` (default 250 000: the IDs a batch reads are cut into equal slices
-of at most that many, one task each); `partitioning` (`slices`, the default: a task
-reads one slice of the ID space for every writer at once; `writers`: a task per writer
-range, cut into pieces of at most `maxIdsPerPartition` IDs).
+of at most that many, one task each, but never more than 10 000 slices: past that they
+are wider); `partitioning` (`slices`, the default: a task reads one slice of the ID
+space for every writer at once; `writers`: a task per writer range, cut into pieces of
+at most `maxIdsPerPartition` IDs, with the same cap).
+
+Tokens and the offsets Spark hands back from a checkpoint are checked against the
+stream before anything is planned by them: a position above the stream's sequence head
+(a checkpoint or token of another database or deployment, or from before the stream was
+recreated) or a writer the stream does not have is a clear error saying what to do; so is
+an option the source does not know (a misspelt one would be ignored otherwise).
 
 Offsets come from `stream_positions` (never past what a writer persisted), so an idle
 writer or one holding a transaction open never holds back the others. Rows reach Spark
@@ -21,6 +28,7 @@ COPY), cast to the schema's Arrow types.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -42,7 +50,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from plait.core.tokens import StreamToken
-from plait.errors import ConfigError
+from plait.errors import ConfigError, TokenParseError
 from plait.spark import catalog, offsets, workers
 from plait.spark.schema import infer, text_columns
 from plait.storage.stream_store import ident
@@ -53,6 +61,17 @@ T = TypeVar("T")
 NAME = "plait"
 DEFAULT_MAX_IDS = 250_000
 PARTITIONINGS = ("slices", "writers")
+OPTIONS = (
+    "dsn",
+    "stream",
+    "table",
+    "startingToken",
+    "startToken",
+    "endToken",
+    "maxRowsPerTrigger",
+    "maxIdsPerPartition",
+    "partitioning",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +89,14 @@ class Options:
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
         options = {str(k).lower(): str(v) for k, v in raw.items()}
+        known = {name.lower() for name in OPTIONS}
+        for key in raw:
+            # A misspelt option would be ignored and the read start from the default.
+            if str(key).lower() not in known:
+                raise ConfigError(
+                    f"plait source: unknown option {str(key)[:100]!r}; the options are "
+                    f"{', '.join(OPTIONS)}"
+                )
         for required in ("dsn", "stream"):
             if not options.get(required):
                 raise ConfigError(f'plait source: .option("{required}", ...) is required')
@@ -134,12 +161,36 @@ class Plan:
         return Kept(self.options.dsn)(work)
 
     def token(self, value: str, what: str, run: catalog.Ask | None = None) -> StreamToken:
+        """Option `what`'s token, checked against the stream (`catalog.check`)."""
         try:
             return catalog.parse_token(self.spec, value, run or self.ask)
+        except catalog.Refused as err:
+            raise ConfigError(
+                f"plait source: bad {what} {value!r}: {err}; {catalog.FOREIGN_TOKEN}"
+            ) from None
         except ConfigError:
-            raise
+            raise  # no connection, or stored positions past the head: said in full
         except ValueError as err:
             raise ConfigError(f"plait source: bad {what} {value!r}: {err}") from None
+
+    def checked(self, *given: dict[str, Any]) -> list[StreamToken]:
+        """Offsets Spark hands back (from the checkpoint, maybe of another database),
+        parsed and checked against the stream with one read of its sequence head, before
+        anything is planned by them."""
+        try:
+            tokens = [offsets.from_json(value) for value in given]
+            everything = tokens[0]
+            for token in tokens[1:]:
+                everything = everything.copy_and_advance(token)  # every writer at its highest
+            spec = self.spec
+            self.ask(lambda conn: catalog.check(conn, spec, everything))
+        except (catalog.Refused, TokenParseError) as err:
+            shown = " to ".join(_shown(value) for value in given)
+            raise ConfigError(
+                f"plait source: the checkpoint's offset {shown} is no offset of stream "
+                f"{self.spec.name!r} in this database: {err}; {catalog.FOREIGN_CHECKPOINT}"
+            ) from None
+        return tokens
 
     def partitions(
         self, schema: StructType, start: StreamToken, end: StreamToken
@@ -162,6 +213,12 @@ class Plan:
             .format(select, ident(self.table.name), condition)
             .as_string(None)
         )
+
+
+def _shown(value: object, limit: int = 200) -> str:
+    """An offset as Spark gave it, cut short if long (a message is one line)."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class RangePartition(InputPartition):
@@ -335,7 +392,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._latest
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        begin = offsets.from_json(start)
+        (begin,) = self._plan.checked(start)
         latest = self._target if self._target is not None else self._now()
         end = begin.copy_and_advance(latest)  # never behind the start for any writer
         if isinstance(limit, ReadMaxRows):
@@ -352,9 +409,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return None if self._latest is None else self._latest.to_json_dict()
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
-        return list(
-            self._plan.partitions(self._schema, offsets.from_json(start), offsets.from_json(end))
-        )
+        begin, until = self._plan.checked(start, end)
+        return list(self._plan.partitions(self._schema, begin, until))
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, RangePartition)
