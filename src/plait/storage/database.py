@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -182,7 +183,7 @@ class Transaction:
         statements stay prepared (psycopg prepares repeated ones)."""
         conn, statements = self._conn, self._with_commit
         built = [statement.statement() for statement in statements]
-        self.backend_pid = conn.info.backend_pid
+        self.backend_pid = server_pid(conn)
         for statement in statements:
             statement.sending()
         try:
@@ -238,7 +239,7 @@ class _Identity:
     written on a new connection below the position the fence moved readers past.
     Until then, and always without `renew`, every lease fails at once (`FencedError`)."""
 
-    __slots__ = ("fenced", "holds", "incarnation", "renew", "renewed", "settings")
+    __slots__ = ("fenced", "holds", "incarnation", "pooled", "renew", "renewed", "settings")
 
     def __init__(
         self,
@@ -255,16 +256,24 @@ class _Identity:
         self.holds: list[Callable[[], bool]] = []
         # Called with the new incarnation (the pool names later connections after it).
         self.renewed: Callable[[Incarnation], None] | None = None
+        # A pooler sits between plait and the server (`_probe`): each connection learns
+        # the id of the server process behind it (`server_pid`).
+        self.pooled = False
 
     def may_renew(self) -> bool:
         return self.renew and not any(pending() for pending in self.holds)
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
         """The pool's hook for each new connection."""
-        if self.settings:
+        if self.settings or self.pooled:
             # SET after connecting rather than `options` in the startup packet, which
-            # PgBouncer refuses: one round trip per new connection.
-            await conn.execute(_set_query(self.settings))
+            # PgBouncer refuses: one round trip per new connection, which also asks for
+            # the server process's id behind a pooler.
+            cursor = await conn.execute(_set_query(self.settings, with_pid=self.pooled))
+            if self.pooled:
+                row = await cursor.fetchone()
+                assert row is not None
+                _SERVER_PIDS[conn] = int(row[0])
         checked = self.incarnation
         if checked is None:
             return
@@ -296,13 +305,24 @@ class _Identity:
             await name_connection(conn, current)
 
 
-def _set_query(settings: Mapping[str, str]) -> sql.Composed:
-    return sql.SQL("SELECT {}").format(
-        sql.SQL(", ").join(
-            sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
-            for name, value in settings.items()
-        )
+def _set_query(settings: Mapping[str, str], *, with_pid: bool = False) -> sql.Composed:
+    columns: list[sql.Composable] = [sql.SQL("pg_backend_pid()")] if with_pid else []
+    columns.extend(
+        sql.SQL("set_config({}, {}, false)").format(sql.Literal(name), sql.Literal(value))
+        for name, value in settings.items()
     )
+    return sql.SQL("SELECT {}").format(sql.SQL(", ").join(columns))
+
+
+# The server process behind each connection made through a pooler, which gives its
+# clients process ids of its own at login (`BackendKeyData`, `conn.info.backend_pid`).
+_SERVER_PIDS: weakref.WeakKeyDictionary[AsyncConnection[Any], int] = weakref.WeakKeyDictionary()
+
+
+def server_pid(conn: AsyncConnection[Any]) -> int:
+    """The id of the PostgreSQL process serving `conn`, as pg_stat_activity knows it
+    (what `Database.wait_finished` waits on), also behind PgBouncer."""
+    return _SERVER_PIDS.get(conn) or conn.info.backend_pid
 
 
 class _Lease:
@@ -507,7 +527,7 @@ class Database:
             **client,
         }
         try:
-            await _probe(dsn, client)
+            identity.pooled = await _probe(dsn, client)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
                 dsn,
                 min_size=min_size,
@@ -889,8 +909,9 @@ async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
                 return task.result(), True  # the step's outcome (or its exception)
 
 
-async def _probe(dsn: str, client: Mapping[str, Any]) -> None:
-    """Connect once to turn a bad DSN or old server into one clear error."""
+async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
+    """Connect once to turn a bad DSN, an old server or a pooler plait cannot work
+    behind into one clear error. Returns whether a (session) pooler is in between."""
     try:
         conn = await AsyncConnection.connect(
             dsn, **{**client, "connect_timeout": 10, "autocommit": True}
@@ -909,12 +930,70 @@ async def _probe(dsn: str, client: Mapping[str, Any]) -> None:
         ) from None
     try:
         version = conn.info.server_version
+        if version < MIN_SERVER_VERSION:
+            raise DatabaseUnavailableError(
+                f"PostgreSQL {version // 10000} at {redact(dsn)} is too old: plait needs 14 "
+                "or newer"
+            )
+        return await _refuse_pooling_per_transaction(conn, dsn, client)
     finally:
         await conn.close()
-    if version < MIN_SERVER_VERSION:
-        raise DatabaseUnavailableError(
-            f"PostgreSQL {version // 10000} at {redact(dsn)} is too old: plait needs 14 or newer"
-        )
+
+
+async def _backend_pid(conn: AsyncConnection[Any]) -> int:
+    row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def _refuse_pooling_per_transaction(
+    conn: AsyncConnection[Any], dsn: str, client: Mapping[str, Any]
+) -> bool:
+    """Whether a connection pooler sits between plait and the server; refuse one that
+    lends server processes per transaction or per statement (PgBouncer's
+    `pool_mode = transaction` or `statement`).
+
+    plait fences a dead writer by proving that no server process carries its run's name
+    (`incarnation.py`): that holds only if each of its connections keeps one server
+    process, named after it, for the connection's life. Behind such a pooler an idle
+    writer holds no process at all, its name lingers on processes now serving others,
+    and settings, advisory locks and prepared statements land on whichever process
+    serves the next transaction: the proof would fence live writers.
+
+    A direct connection is told the real process id at login; a pooler makes up its
+    own, so one round trip (`pg_backend_pid()`) tells them apart. Only then, a second
+    client asks once and this connection twice more: under session pooling this one
+    keeps its process and the other never gets it; lending per transaction, PgBouncer
+    hands out its idle processes last-used first (the other client gets this one's) or,
+    with `server_round_robin`, in turn (this connection moves on). Other clients busy on
+    the same pool at that moment may hide a lending pooler (it is then not refused);
+    a session pooler is never refused. A pooler that passes the server's own process id
+    on at login is taken for a direct connection."""
+    first = await _backend_pid(conn)
+    if first == conn.info.backend_pid:
+        return False
+    other = await AsyncConnection.connect(
+        dsn, **{**client, "connect_timeout": 10, "autocommit": True}
+    )
+    try:
+        lent = await _backend_pid(other)
+    finally:
+        await other.close()
+    if lent == first:
+        seen = f"server process {first} served two client connections"
+    else:
+        later = [await _backend_pid(conn) for _ in range(2)]
+        moved = next((pid for pid in later if pid != first), None)
+        if moved is None:
+            return True  # kept its process: session pooling
+        seen = f"one client connection was served by server processes {first} and {moved}"
+    raise DatabaseUnavailableError(
+        f"PostgreSQL at {redact(dsn)} is reached through a connection pooler that lends "
+        f"server connections per transaction or per statement ({seen}): plait needs "
+        "session pooling (PgBouncer's pool_mode = session) or a direct connection, because "
+        "it fences a dead writer by proving that none of its server processes is alive, "
+        "and keeps settings and locks on its connections"
+    )
 
 
 def connection_lost(err: psycopg.OperationalError) -> bool:

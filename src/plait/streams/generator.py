@@ -20,7 +20,7 @@ from psycopg.rows import TupleRow, scalar_row, tuple_row
 
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
 from plait.errors import ConfigError, FencedError, NotAWriterError
-from plait.storage.database import Database, Params, Transaction
+from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
@@ -255,7 +255,7 @@ class MultiWriterIdGenerator:
         async def run() -> list[int]:
             nonlocal backend_pid
             async with self._db.cursor() as cursor:
-                backend_pid = cursor.connection.info.backend_pid
+                backend_pid = server_pid(cursor.connection)
                 if self._capture is None:
                     await cursor.execute(text, params)
                     return self._returned_ids(
