@@ -86,19 +86,33 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def reader_process(
-    conn: Connection, dsn: str, transport: str, deployment: str, port: int, channel: str
+    conn: Connection,
+    dsn: str,
+    transport: str,
+    deployment: str,
+    port: int,
+    channel: str,
+    secret: str | None,
 ) -> None:
     """The remote side, in a process of its own: a plait reader instance and a raw
     redis-py subscriber, each reporting (kind, key, time received) over `conn`
     (`time.perf_counter` is the system's monotonic clock, the same in both processes)."""
-    asyncio.run(_reader(conn, dsn, transport, deployment, port, channel))
+    asyncio.run(_reader(conn, dsn, transport, deployment, port, channel, secret))
 
 
 async def _reader(
-    conn: Connection, dsn: str, transport: str, deployment: str, port: int, channel: str
+    conn: Connection,
+    dsn: str,
+    transport: str,
+    deployment: str,
+    port: int,
+    channel: str,
+    secret: str | None,
 ) -> None:
     db = await Database.connect(dsn, min_size=1, max_size=4)
-    extra = {"tcp": {"hub": "w1", "port": port}} if transport == "tcp" else {}
+    extra: dict[str, Any] = {"tcp": {"hub": "w1", "port": port}} if transport == "tcp" else {}
+    if secret is not None:
+        extra["secret"] = secret
     reader = Instance(config("r", transport, deployment, **extra), db=db)
 
     def on_rows(stream: str, writer: str, token: int, rows: list[Any]) -> None:
@@ -135,17 +149,21 @@ class RemoteHops:
     """The writer here, the reader in another process; raw hops and plait hops
     interleaved (alternating which goes first), so both see the same machine."""
 
-    def __init__(self, db: Database, dsn: str, transport: str) -> None:
+    def __init__(self, db: Database, dsn: str, transport: str, secret: str | None) -> None:
         self.transport = transport
         deployment = f"bench{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.channel = f"bench.raw.{uuid.uuid4().hex[:8]}"
-        extra = {"tcp": {"hub": "w1", "port": self.port}} if transport == "tcp" else {}
+        extra: dict[str, Any] = (
+            {"tcp": {"hub": "w1", "port": self.port}} if transport == "tcp" else {}
+        )
+        if secret is not None:
+            extra["secret"] = secret
         self.writer = Instance(config("w1", transport, deployment, **extra), db=db)
         self.here, there = multiprocessing.get_context("spawn").Pipe()
         self.process = multiprocessing.get_context("spawn").Process(
             target=reader_process,
-            args=(there, dsn, transport, deployment, self.port, self.channel),
+            args=(there, dsn, transport, deployment, self.port, self.channel, secret),
             daemon=True,
         )
         self.received: dict[tuple[str, int], float] = {}
@@ -198,10 +216,13 @@ class RemoteHops:
 
 
 async def latency(db: Database, dsn: str, samples: int) -> None:
-    for transport in ("redis", "tcp"):
+    # Without a secret every position heard above the known sequence head is checked
+    # against the sequence (one read); with one, peers are authenticated and only
+    # fences are (README, "Trust model").
+    for transport, secret in (("redis", None), ("redis", "bench"), ("tcp", None), ("tcp", "bench")):
         raw: list[float] = []
         hops: list[float] = []
-        async with RemoteHops(db, dsn, transport) as remote:
+        async with RemoteHops(db, dsn, transport, secret) as remote:
             for i in range(samples + 50):
                 if i % 2 == 0:
                     a, b = await remote.raw(i), await remote.plait()
@@ -216,6 +237,7 @@ async def latency(db: Database, dsn: str, samples: int) -> None:
             {
                 "figure": "commit_to_remote_on_rows",
                 "transport": transport,
+                "authenticated": secret is not None,
                 "samples": len(hops),
                 "p50_ms": common.rnd(p50 * 1e3),
                 "p99_ms": common.rnd(p99 * 1e3),

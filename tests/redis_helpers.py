@@ -15,6 +15,7 @@ class RecordingSession:
     def __init__(self, handler: RecordingHandler, link: Link, number: int) -> None:
         self.link = link
         self.number = number
+        self.authenticated = False  # what the transport said when it opened the session
         self.raw: list[str | bytes] = []
         self.closed_calls = 0
         self.opened_at = time.monotonic()
@@ -53,9 +54,12 @@ class RecordingHandler:
     def instance_name(self) -> str:
         return self.name
 
-    def open(self, link: Link, *, reply_errors: bool) -> RecordingSession:
+    def open(
+        self, link: Link, *, reply_errors: bool, authenticated: bool = False
+    ) -> RecordingSession:
         assert not reply_errors  # Redis: malformed lines are only logged
         session = RecordingSession(self, link, len(self.sessions))
+        session.authenticated = authenticated
         self.sessions.append(session)
         link.send("REPLICATE")
         link.send(self.open_line(session.number))

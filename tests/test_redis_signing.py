@@ -228,6 +228,8 @@ async def test_a_signed_sender_speaks_only_for_itself_or_announces_a_fence(
         line for line, allowed in sent.items() if allowed
     ]
     assert refusals(mb, "foreign") == 3
+    assert a.session.authenticated  # signed: the handler takes a writer's own word
+    assert b.session.authenticated
 
 
 async def test_replayed_messages_reach_nobody_twice_and_a_replay_out_of_order_restarts(
@@ -317,6 +319,8 @@ async def test_a_signed_and_an_unsigned_instance_exchange_nothing(
     assert sum("signed message(s), but this instance has no" in m for m in messages) == 1
     assert sum("unsigned message(s)" in m for m in messages) == 1
     assert sum("are not signed (no replication.secret)" in m for m in messages) == 1  # b's
+    assert a.session.authenticated
+    assert not b.session.authenticated  # unsigned: the handler checks every claim
 
 
 async def test_a_deployment_s_acl_user_and_password_carry_signed_lines(

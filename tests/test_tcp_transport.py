@@ -39,6 +39,7 @@ WAIT = 3.0  # how long any one expected event may take before the test fails
 class RecordingSession:
     def __init__(self, handler: RecordingHandler, link: Link) -> None:
         self.handler = handler
+        self.authenticated = False  # what the transport said when it opened the session
         self.link = link
         self.lines: list[str] = []
         self.closed_calls = 0
@@ -77,9 +78,12 @@ class RecordingHandler:
             self.up.set()
         self.events = events if events is not None else []
 
-    def open(self, link: Link, *, reply_errors: bool) -> RecordingSession:
+    def open(
+        self, link: Link, *, reply_errors: bool, authenticated: bool = False
+    ) -> RecordingSession:
         assert reply_errors
         session = RecordingSession(self, link)
+        session.authenticated = authenticated
         self.sessions.append(session)
         self.events.append(f"open: {link.label}")
         link.send("REPLICATE")
@@ -937,6 +941,9 @@ async def test_with_a_secret_the_hub_and_client_prove_it_to_each_other() -> None
         assert hub_handler.sessions[0].link.label == "tcp:c1"
         await eventually(lambda: handler.sessions[0].lines == ["REPLICATE"], "the hub's line")
         await eventually(lambda: hub_handler.sessions[0].lines == ["REPLICATE"], "the client's")
+        # The handler is told: it then takes a writer's word about its own IDs.
+        assert hub_handler.sessions[0].authenticated
+        assert handler.sessions[0].authenticated
 
 
 async def test_the_handshake_with_a_secret_on_the_wire_and_no_replay() -> None:
