@@ -105,3 +105,40 @@ async def test_a_slow_reader_stays_within_its_bound_and_gets_every_row_once_in_o
         assert set(got) == set(ids)
     for sid, count in rows_per_id.items():  # every row of every ID
         assert len([row for row in rows if row[1] == sid]) == count
+
+
+async def test_an_in_memory_stream_past_its_bound_catches_up_from_its_writer(
+    cluster: Cluster,
+) -> None:
+    """Its rows live only in the writer: past the bound the reader reads the latest row
+    of each key over HTTP, in token order, and never gets a token twice."""
+    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
+    w1 = await cluster.start(cluster.instance("w1"))
+    got: list[tuple[int, Any]] = []
+    release = asyncio.Event()
+
+    async def on_rows(stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        await release.wait()
+        got.extend((token, row) for row in rows)
+
+    r = cluster.instance("r", replication={"inbound_queue": BOUND})
+    r.on_rows("typing", on_rows)
+    await cluster.start(r)
+    await connected(*others, w1, r)
+
+    typing = w1.memory("typing")
+    latest: dict[str, int] = {}
+    for i in range(20 * BOUND):
+        room = f"room{i % 7}"
+        token = typing.write(room, {"room": room, "n": i})
+        latest[room] = i
+    await until(lambda: metric(r, "plait_commands_received_total", command="RDATA") >= 20 * BOUND)
+    assert metric(r, "plait_inbound_queue_length", stream="typing") <= BOUND
+    release.set()
+    assert await r.wait_for_stream_position("w1", "typing", token, timeout=30)
+
+    assert metric(r, "plait_inbound_overflows_total", stream="typing") >= 1
+    tokens = [t for t, _ in got]
+    assert tokens == sorted(set(tokens))  # in order, never twice
+    last_seen = {row["room"]: row["n"] for _, row in got}
+    assert last_seen == latest
