@@ -450,8 +450,8 @@ class ReplicationHandler:
         source = "the database" if stream.durable else "its writers over HTTP"
         logger.warning(
             "replication: more than %d commands of %s waited on %s (replication.inbound_queue): "
-            "its on_rows/on_position listeners are slower than its writers; dropped them "
-            "and catching up from %s instead%s",
+            "its listeners (or its catch-ups) are slower than its writers; dropped them and "
+            "catching up from %s instead%s",
             self.inbound_queue,
             stream.name,
             link,
