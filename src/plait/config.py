@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from plait.caches.invalidations import CACHES_STREAM
+from plait.core.inbound import DEFAULT_INBOUND_QUEUE
 from plait.errors import ConfigError
 from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
 from plait.storage.timeouts import DatabaseTimeouts
@@ -148,6 +149,9 @@ class ReplicationConfig(_Model):
     # Rows per catch-up query: the first page, doubling after each full one up to the max.
     catch_up_page: int = Field(100, ge=1, le=10_000)
     catch_up_page_max: int = Field(10_000, ge=1, le=10_000)
+    # Commands a stream may have waiting per connection; past it they are dropped and
+    # the stream catches up from the database instead (R-RP-9).
+    inbound_queue: int = Field(DEFAULT_INBOUND_QUEUE, ge=1, le=10_000_000)
     backoff_initial: float = Field(0.1, gt=0)
     backoff_cap: float = Field(30.0, gt=0)
     # The deployment's replication secret: peers prove they hold it before anything but

@@ -478,6 +478,7 @@ class Instance:
             announce_interval=config.announce_interval,
             catch_up_page=config.catch_up_page,
             catch_up_page_max=config.catch_up_page_max,
+            inbound_queue=config.inbound_queue,
         )
         backoff = Backoff(initial=config.backoff_initial, cap=config.backoff_cap)
         if config.transport == "redis":

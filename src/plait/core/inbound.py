@@ -13,16 +13,36 @@ Per connection, stream and writer (R-RP-2, R-RP-3):
   process is at or past `prev`, it just advances; when it is behind `prev`, it first
   reads (current, new] (from the database, or from the writer over HTTP).
 
+Bounded memory (R-RP-9): commands wait in a `Backlog` per stream and connection, of at
+most `bound` commands. Past it, the backlog drops every command it holds and keeps, per
+writer, one `Resync` to the highest position those commands named: the rows they
+carried are read from the source instead (the database, or the writer over HTTP for an
+in-memory stream). Why no row is skipped or repeated:
+- A `Resync` takes the dropped commands' place in the writer's order, so everything
+  taken before it is handled before it, and nothing from after it is handled before.
+- Handling it forgets the writer's held batch rows and that it was caught up, then
+  reads (current, upto] and counts the writer's RDATA again: RDATA after it carries
+  tokens above `upto` (a writer sends its rows in token order, and a POSITION only
+  after its rows), so rows already delivered or read are dropped as stale.
+- The cut never falls inside a batch: a writer whose last dropped command was a
+  `batch` row gets its `Resync` only at its next numbered RDATA or POSITION (that
+  command and the batch rows before it are dropped too, and counted in `upto`).
+  Meanwhile the backlog holds one number for it, not its commands.
+
 The I/O shell feeds commands in per-stream order, does the catch-up reads this module
 asks for, calls `caught_up` after them, and delivers what it returns.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from plait.core.commands import Position, Rdata
+
+# Commands a stream may have waiting on one connection (replication.inbound_queue).
+DEFAULT_INBOUND_QUEUE = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +65,99 @@ class Plan:
     instance: str
     catch_up_from: int | None
     advance_to: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """Stands for commands of `instance` a full `Backlog` dropped: read its rows up to
+    `upto` (internal) from the source, then count its RDATA again. Never on the wire."""
+
+    stream: str
+    instance: str
+    upto: int
+
+
+Queued = Rdata | Position | Resync
+
+
+@dataclass(slots=True)
+class Backlog:
+    """The commands of one stream waiting on one connection: never more than `bound`
+    (or one `Resync` per writer, when there are more writers than that)."""
+
+    stream: str
+    bound: int
+    # Tokens on the wire are `sign` times the internal ones (backwards streams count
+    # down); `Resync.upto` is internal, as the positions the shell compares it with.
+    sign: int = 1
+    _commands: deque[Queued] = field(default_factory=deque)
+    # Writers cut off inside a batch: the highest position their dropped commands
+    # named (None: only batch rows so far), until their next numbered command.
+    _cut: dict[str, int | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.bound < 1:
+            raise ValueError("a backlog needs a bound of at least one command")
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+    def idle(self) -> bool:
+        """Nothing waits, nor is any writer cut off: a command may be handled at once."""
+        return not self._commands and not self._cut
+
+    def push(self, command: Rdata | Position) -> bool:
+        """Queue `command`; True when the backlog overflowed and dropped what it held."""
+        writer = command.instance
+        if writer in self._cut:
+            upto = _max(self._cut[writer], self._upto(command))
+            if isinstance(command, Rdata) and command.token is None:
+                self._cut[writer] = upto  # still inside the batch
+                return False
+            assert upto is not None
+            del self._cut[writer]
+            self._commands.append(Resync(self.stream, writer, upto))
+        else:
+            self._commands.append(command)
+        if len(self._commands) <= self.bound:
+            return False
+        self._drop()
+        return True
+
+    def pop(self) -> Queued | None:
+        """The next command to handle, oldest first; None when none waits."""
+        return self._commands.popleft() if self._commands else None
+
+    def _upto(self, command: Queued) -> int | None:
+        if isinstance(command, Resync):
+            return command.upto
+        if isinstance(command, Position):
+            return self.sign * command.new
+        return None if command.token is None else self.sign * command.token
+
+    def _drop(self) -> None:
+        upto: dict[str, int | None] = {}  # in order of first appearance
+        inside_batch: set[str] = set()
+        for command in self._commands:
+            writer, token = command.instance, self._upto(command)
+            upto[writer] = _max(upto.get(writer), token)
+            if token is None:
+                inside_batch.add(writer)
+            else:
+                inside_batch.discard(writer)
+        self._commands.clear()
+        for writer, token in upto.items():
+            if writer in inside_batch:
+                self._cut[writer] = token
+            else:
+                assert token is not None
+                self._commands.append(Resync(self.stream, writer, token))
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
 
 
 @dataclass(slots=True)
@@ -84,6 +197,22 @@ class Inbound:
         advance_to = command.new if command.new > current else None
         catch_up_from = current if advance_to is not None and current < command.prev else None
         return Plan(command.stream, command.instance, catch_up_from, advance_to)
+
+    def resync(self, command: Resync, current: int) -> Plan | None:
+        """A `Backlog` dropped commands of a writer: forget its held batch rows and that
+        it was caught up (until `caught_up`), and read what it had sent, up to `upto`."""
+        key = (command.stream, command.instance)
+        self._connected.discard(key)
+        self._held.pop(key, None)
+        if command.instance == self.own_name:
+            return None
+        behind = command.upto > current
+        return Plan(
+            command.stream,
+            command.instance,
+            current if behind else None,
+            command.upto if behind else None,
+        )
 
     def caught_up(self, stream: str, instance: str) -> None:
         """The shell did what a `Plan` asked: that writer's RDATA counts from now on."""

@@ -8,7 +8,9 @@ followed by a catch-up in pages before the writer advances. A connection counts 
 once every writer caught up on it (or, for configured writers that never answered,
 once a grace period passed); the transport resets its reconnect backoff only then. A
 failure while catching up closes the connection, so the transport reconnects after a
-growing delay and the catch-up starts over: no row is skipped.
+growing delay and the catch-up starts over: no row is skipped. A queue holds at most
+`inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a catch-up
+from the source, counted in plait_inbound_overflows and logged at most every 10 s.
 
 Delivery order (R-CA-3): rows to `on_rows` listeners (caches invalidate there), then
 the stream advances, then `on_position` listeners, then `wait_for_stream_position`
@@ -50,7 +52,7 @@ from plait.core.commands import (
     rows_of,
     to_line,
 )
-from plait.core.inbound import Inbound
+from plait.core.inbound import DEFAULT_INBOUND_QUEUE, Backlog, Inbound, Plan, Queued, Resync
 from plait.core.outbound import Outbound
 from plait.core.progress import Progress
 from plait.core.throttle import Throttle
@@ -79,6 +81,8 @@ _TRANSPORT_COMMANDS = (Name, Server, Ping)
 # One warning per (connection, stream, writer) this often about refused claims; the
 # metric counts every one.
 _REFUSALS_LOGGED_EVERY = 10.0
+# One warning per (connection, stream) this often about overflowing inbound queues.
+_OVERFLOWS_LOGGED_EVERY = 10.0
 
 
 @dataclass
@@ -155,11 +159,14 @@ class ReplicationHandler:
         catch_up_page: int = DEFAULT_CATCH_UP_PAGE,
         catch_up_page_max: int = DEFAULT_CATCH_UP_PAGE_MAX,
         up_grace: float | None = None,
+        inbound_queue: int = DEFAULT_INBOUND_QUEUE,
     ) -> None:
         if announce_interval <= 0:
             raise ValueError("announce_interval must be positive (seconds)")
         if not 1 <= catch_up_page <= catch_up_page_max:
             raise ValueError("need 1 <= catch_up_page <= catch_up_page_max")
+        if inbound_queue < 1:
+            raise ValueError("inbound_queue must be at least 1 (commands)")
         self._name = instance_name
         self.streams = dict(streams)
         self.commands = commands
@@ -169,6 +176,7 @@ class ReplicationHandler:
         self.announce_interval = announce_interval
         self.catch_up_page = catch_up_page
         self.catch_up_page_max = catch_up_page_max
+        self.inbound_queue = inbound_queue
         # Configured writers that are not running never answer REPLICATE: past this,
         # a connection is up once every writer that did answer caught up.
         self.up_grace = 2 * announce_interval + 1.0 if up_grace is None else up_grace
@@ -186,6 +194,7 @@ class ReplicationHandler:
         self._delivering: dict[tuple[str, str], asyncio.Lock] = {}
         self._fence_tasks: set[asyncio.Task[None]] = set()
         self._refusals = Throttle(_REFUSALS_LOGGED_EVERY)
+        self._overflows = Throttle(_OVERFLOWS_LOGGED_EVERY)
         for stream in self.streams.values():
             stream.add_fence_listener(functools.partial(self._fenced, stream))
         metrics.watch_streams(self._snapshots)
@@ -431,6 +440,25 @@ class ReplicationHandler:
             f" ({held} more refused since the last warning)" if held else "",
         )
 
+    def overflowed(self, stream: ReplicatedStream, link: str) -> None:
+        """A stream's inbound queue on `link` passed `inbound_queue`: its commands were
+        dropped for a catch-up from the source; counted, and logged rate-limited."""
+        self.metrics.inbound_overflows.labels(stream.name).inc()
+        held = self._overflows.allow((link, stream.name), time.monotonic())
+        if held is None:
+            return
+        source = "the database" if stream.durable else "its writers over HTTP"
+        logger.warning(
+            "replication: more than %d commands of %s waited on %s (replication.inbound_queue): "
+            "its listeners (or its catch-ups) are slower than its writers; dropped them and "
+            "catching up from %s instead%s",
+            self.inbound_queue,
+            stream.name,
+            link,
+            source,
+            f" ({held} more times since the last warning)" if held else "",
+        )
+
     def stream(self, name: str) -> ReplicatedStream | None:
         stream = self.streams.get(name)
         if stream is None and name not in self._unknown_streams:
@@ -566,7 +594,9 @@ class _Session:
         self._inbound = Inbound(handler.instance_name)
         self._own_name = handler.instance_name
         self._own_bytes = self._own_name.encode()
-        self._queues: dict[str, asyncio.Queue[Command]] = {}
+        self._commands: asyncio.Queue[Command] | None = None  # the application's
+        self._backlogs: dict[str, Backlog] = {}  # per stream
+        self._wakes: dict[str, asyncio.Event] = {}  # set when a backlog got a command
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._announced: set[tuple[str, str]] = set()
         self._busy: set[str] = set()
@@ -576,8 +606,8 @@ class _Session:
         self._watcher = asyncio.create_task(self._watch_up(), name=f"plait-up-{link.label}")
 
     def queue_length(self, stream: str) -> int:
-        queue = self._queues.get(stream)
-        return 0 if queue is None else queue.qsize()
+        backlog = self._backlogs.get(stream)
+        return 0 if backlog is None else len(backlog)
 
     # -- the transport's side ------------------------------------------------------------
 
@@ -633,11 +663,12 @@ class _Session:
                 # position is never tracked here, so following it would re-read forever.
                 logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
                 return
+            backlog = self._backlogs.get(command.stream)
             if (
                 isinstance(command, Rdata)
                 and command.stream in handler.sync_streams
                 and command.stream not in self._busy
-                and not self.queue_length(command.stream)
+                and (backlog is None or backlog.idle())
                 and not handler.is_delivering(command.stream, command.instance)
                 and (
                     command.token is None
@@ -647,37 +678,70 @@ class _Session:
             ):
                 self._rdata_now(stream, command)  # nothing queued before it: no task switch
                 return
-            self._enqueue(command.stream, command)
+            self._enqueue_stream(stream, command)
         elif isinstance(command, Replicate):
             handler.answer_replicate(self.link)
         elif isinstance(command, Depart):
             self._inbound.departed(command.name)
-            self._enqueue(_APP_QUEUE, command)
+            self._enqueue(command)
         elif isinstance(command, Error):
             logger.warning("replication: %s says: %s", self.link.label, command.text)
         elif isinstance(command, _TRANSPORT_COMMANDS):
             pass  # the transport's business
         elif command.NAME in handler.listeners.commands:
-            self._enqueue(_APP_QUEUE, command)
+            self._enqueue(command)
         else:
             logger.debug("replication: no listener for %s", command.NAME)
 
-    def _enqueue(self, key: str, command: Command) -> None:
-        queue = self._queues.get(key)
+    def _enqueue(self, command: Command) -> None:
+        """An application command or a departure: in order, after the ones before it."""
+        queue = self._commands
         if queue is None:
-            queue = self._queues[key] = asyncio.Queue()
-            self._workers[key] = asyncio.create_task(
-                self._work(key, queue), name=f"plait-in-{key}-{self.link.label}"
-            )
+            queue = self._commands = asyncio.Queue()
+            self._start_worker(_APP_QUEUE, queue.get, queue.empty)
         queue.put_nowait(command)
 
-    async def _work(self, key: str, queue: asyncio.Queue[Command]) -> None:
+    def _enqueue_stream(self, stream: ReplicatedStream, command: Rdata | Position) -> None:
+        backlog = self._backlogs.get(stream.name)
+        if backlog is None:
+            backlog = self._backlogs[stream.name] = Backlog(
+                stream.name, self._handler.inbound_queue, stream.sign
+            )
+            wake = self._wakes[stream.name] = asyncio.Event()
+
+            async def next_command() -> Queued:
+                while (queued := backlog.pop()) is None:
+                    wake.clear()
+                    await wake.wait()
+                return queued
+
+            self._start_worker(stream.name, next_command, lambda: not len(backlog))
+        if backlog.push(command):
+            self._handler.overflowed(stream, self.link.label)
+        self._wakes[stream.name].set()
+
+    def _start_worker(
+        self,
+        key: str,
+        take: Callable[[], Awaitable[Command | Resync]],
+        empty: Callable[[], bool],
+    ) -> None:
+        self._workers[key] = asyncio.create_task(
+            self._work(key, take, empty), name=f"plait-in-{key}-{self.link.label}"
+        )
+
+    async def _work(
+        self,
+        key: str,
+        take: Callable[[], Awaitable[Command | Resync]],
+        empty: Callable[[], bool],
+    ) -> None:
         # Not `while True`: a cancellation by `closed()` can be swallowed inside
         # `_handle` (psycopg_pool waits for a connection with asyncio.wait_for, which
         # does that on Python 3.11); the worker then ends here, not on a queue nobody
         # feeds (it was logged as a task destroyed while pending).
         while not self._closed:
-            command = await queue.get()
+            command = await take()
             self._busy.add(key)
             try:
                 await self._handle(command)
@@ -686,7 +750,7 @@ class _Session:
                 # connection after the transport's backoff; nothing was skipped.
                 logger.warning(
                     "replication: %s on %s failed (%s: %s); reconnecting",
-                    command.NAME,
+                    "catch-up" if isinstance(command, Resync) else command.NAME,
                     self.link.label,
                     type(err).__name__,
                     err,
@@ -694,10 +758,10 @@ class _Session:
                 self.link.close()
                 return
             finally:
-                if queue.empty():
+                if empty():
                     self._busy.discard(key)
 
-    async def _handle(self, command: Command) -> None:
+    async def _handle(self, command: Command | Resync) -> None:
         handler = self._handler
         if isinstance(command, Rdata):
             async with handler.delivering(command.stream, command.instance):
@@ -705,6 +769,9 @@ class _Session:
         elif isinstance(command, Position):
             async with handler.delivering(command.stream, command.instance):
                 await self._position(command)
+        elif isinstance(command, Resync):
+            async with handler.delivering(command.stream, command.instance):
+                await self._resync(command)
         elif isinstance(command, Depart):
             await handler.departed(command.name)
         else:
@@ -762,10 +829,28 @@ class _Session:
             handler.refuse(stream, command, self.link.label)
             return
         plan = self._inbound.position(internal, stream.seen(command.instance))
+        if plan is not None:
+            await self._follow(stream, plan)
+
+    async def _resync(self, command: Resync) -> None:
+        """Commands of a writer were dropped from a full backlog: read what they carried."""
+        stream = self._handler.streams[command.stream]
+        plan = self._inbound.resync(command, stream.seen(command.instance))
         if plan is None:
             return
-        key = (command.stream, command.instance)
-        self._announced.add(key)
+        # Claims of positions on another's behalf may be among the dropped commands:
+        # check as for a fence. Refused, the writer counts again at its next POSITION.
+        if plan.advance_to is not None and not await stream.is_allocated(plan.advance_to):
+            signed = stream.sign * plan.advance_to
+            claim = Position(command.stream, command.instance, signed, signed)
+            self._handler.refuse(stream, claim, self.link.label)
+            return
+        await self._follow(stream, plan)
+
+    async def _follow(self, stream: ReplicatedStream, plan: Plan) -> None:
+        """Do what a `Plan` asks, then count the writer's RDATA on this connection."""
+        handler = self._handler
+        self._announced.add((plan.stream, plan.instance))
         if plan.catch_up_from is not None and plan.advance_to is not None:
             await handler.catch_up(stream, plan.instance, plan.catch_up_from, plan.advance_to)
         elif plan.advance_to is not None:

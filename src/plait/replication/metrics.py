@@ -156,6 +156,14 @@ class ReplicationMetrics:
             ["stream"],
             registry=r,
         )
+        self.inbound_overflows = Counter(
+            "plait_inbound_overflows",
+            "Times a stream's inbound queue on a connection passed replication.inbound_queue "
+            "commands (its listeners slower than its writers): the queued commands were "
+            "dropped and the stream caught up from the database (or its writers) instead.",
+            ["stream"],
+            registry=r,
+        )
         self.catch_up_rows = Counter(
             "plait_catch_up_rows", "Rows read while catching up.", ["stream"], registry=r
         )

@@ -1,0 +1,208 @@
+"""Bounded inbound queues (R-RP-9), pure: a `Backlog` never holds more than its bound,
+and a reader whose backlog overflows at random moments still gets every row of every
+writer exactly once, in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.config import InstanceConfig
+from plait.core.commands import Position, Rdata
+from plait.core.inbound import DEFAULT_INBOUND_QUEUE, Backlog, Inbound, Plan, Queued, Resync
+from plait.errors import ConfigError
+
+STREAM = "events"
+WRITERS = ("w1", "w2", "w3")
+
+
+@dataclass
+class Script:
+    """What one writer did: its rows (token, row), and the commands it sent in order,
+    each with the position the writer had announced rows up to just before it."""
+
+    writer: str
+    rows: list[tuple[int, str]]
+    sent: list[tuple[Rdata | Position, int]]
+
+
+@st.composite
+def scripts(draw: st.DrawFn, writer: str, first: int) -> Script:
+    """Tokens of different writers never collide: each writer counts from `first`,
+    in steps of len(WRITERS)."""
+    rows: list[tuple[int, str]] = []
+    sent: list[tuple[Rdata | Position, int]] = []
+    step = len(WRITERS)
+    position = announced = first
+    for _ in range(draw(st.integers(0, 15))):
+        token = position + step * draw(st.integers(1, 3))
+        count = draw(st.integers(1, 3))
+        for i in range(count):
+            row = f"{writer}:{token}.{i}"
+            rows.append((token, row))
+            last = i == count - 1
+            sent.append((Rdata(STREAM, writer, token if last else None, row), position))
+        position = token
+        if draw(st.booleans()):  # idle: others took IDs meanwhile
+            position += step * draw(st.integers(0, 3))
+        if draw(st.booleans()):
+            sent.append((Position(STREAM, writer, announced, position), position))
+            announced = position
+    sent.append((Position(STREAM, writer, announced, position), position))
+    return Script(writer, rows, sent)
+
+
+class Reader:
+    """The shell's part, without I/O: handles what the backlog hands out, reads
+    catch-ups from the writers' rows (the database), delivers."""
+
+    def __init__(self, scripts: list[Script], starts: dict[str, int]) -> None:
+        self.inbound = Inbound(own_name="reader")
+        self.rows = {s.writer: s.rows for s in scripts}
+        self.current = dict(starts)
+        self.got: dict[str, list[tuple[int, str]]] = {s.writer: [] for s in scripts}
+
+    def handle(self, command: Queued) -> None:
+        writer = command.instance
+        current = self.current[writer]
+        if isinstance(command, Rdata):
+            deliver = self.inbound.rdata(command, current)
+            if deliver is not None:
+                self.got[writer] += [(deliver.token, row) for row in deliver.rows]
+                self.current[writer] = deliver.token
+        elif isinstance(command, Position):
+            self.follow(self.inbound.position(command, current))
+        else:
+            self.follow(self.inbound.resync(command, current))
+
+    def follow(self, plan: Plan | None) -> None:
+        if plan is None:
+            return
+        writer = plan.instance
+        if plan.catch_up_from is not None and plan.advance_to is not None:
+            self.got[writer] += [
+                (t, r) for t, r in self.rows[writer] if plan.catch_up_from < t <= plan.advance_to
+            ]
+        if plan.advance_to is not None:
+            self.current[writer] = plan.advance_to
+        self.inbound.caught_up(plan.stream, writer)
+
+
+@given(st.data())
+def test_every_row_arrives_exactly_once_in_order_through_overflowing_backlogs(
+    data: st.DataObject,
+) -> None:
+    count = data.draw(st.integers(1, len(WRITERS)), label="writers")
+    writers = WRITERS[:count]
+    all_scripts = [data.draw(scripts(w, first=i + 1), label=w) for i, w in enumerate(writers)]
+    bound = data.draw(st.integers(1, 6), label="bound")
+
+    # Each writer answers the reader's REPLICATE between two of its sends, never inside
+    # a batch; the reader sees that writer's commands from there on, and had loaded
+    # some position of it at start-up.
+    streams: list[list[Rdata | Position]] = []
+    starts: dict[str, int] = {}
+    for script in all_scripts:
+        joins = [
+            i
+            for i in range(len(script.sent))
+            if i == 0 or not (isinstance(c := script.sent[i - 1][0], Rdata) and c.token is None)
+        ]
+        join = data.draw(st.sampled_from(joins), label=f"join {script.writer}")
+        answer = script.sent[join][1]
+        commands: list[Rdata | Position] = [Position(STREAM, script.writer, answer, answer)]
+        streams.append(commands + [c for c, _ in script.sent[join:]])
+        first = script.sent[0][1]
+        starts[script.writer] = data.draw(
+            st.sampled_from([first, *[t for t, _ in script.rows]]), label=f"start {script.writer}"
+        )
+
+    # The writers' commands interleave on the connection; the reader's worker takes
+    # some of what waits after each arrival (none: it is slow, and the backlog fills).
+    reader = Reader(all_scripts, starts)
+    backlog = Backlog(STREAM, bound)
+    overflows = 0
+    while any(streams):
+        i = data.draw(st.sampled_from([i for i, s in enumerate(streams) if s]), label="next")
+        overflows += backlog.push(streams[i].pop(0))
+        assert len(backlog) <= max(bound, count)
+        for _ in range(data.draw(st.integers(0, 2), label="handled")):
+            command = backlog.pop()
+            if command is not None:
+                reader.handle(command)
+    while (command := backlog.pop()) is not None:
+        reader.handle(command)
+    assert backlog.idle()
+
+    for script in all_scripts:
+        start = starts[script.writer]
+        assert reader.got[script.writer] == [(t, r) for t, r in script.rows if t > start]
+        assert reader.current[script.writer] == max(start, script.sent[-1][1])
+
+
+def test_an_overflow_keeps_one_resync_per_writer_at_its_highest_position() -> None:
+    backlog = Backlog(STREAM, bound=3)
+    assert not backlog.push(Rdata(STREAM, "a", 5, "x"))
+    assert not backlog.push(Position(STREAM, "b", 2, 8))
+    assert not backlog.push(Rdata(STREAM, "a", 7, "y"))
+    assert backlog.push(Position(STREAM, "a", 7, 9))
+    assert len(backlog) == 2
+    assert backlog.pop() == Resync(STREAM, "a", 9)
+    assert backlog.pop() == Resync(STREAM, "b", 8)
+    assert backlog.pop() is None
+    assert backlog.idle()
+
+
+def test_a_writer_cut_inside_a_batch_resyncs_at_its_numbered_row() -> None:
+    backlog = Backlog(STREAM, bound=2)
+    backlog.push(Rdata(STREAM, "a", 4, "x"))
+    backlog.push(Rdata(STREAM, "a", None, "y.0"))
+    assert backlog.push(Rdata(STREAM, "a", None, "y.1"))  # cut inside the batch
+    assert len(backlog) == 0
+    assert not backlog.idle()  # nothing to hand out, yet nothing may skip the queue
+    assert not backlog.push(Rdata(STREAM, "a", None, "y.2"))
+    assert len(backlog) == 0
+    backlog.push(Rdata(STREAM, "b", 3, "other"))  # other writers queue as usual
+    backlog.push(Rdata(STREAM, "a", 6, "y.3"))  # the batch ends: read up to it
+    assert backlog.pop() == Rdata(STREAM, "b", 3, "other")
+    assert backlog.pop() == Resync(STREAM, "a", 6)
+    assert backlog.idle()
+
+
+def test_a_backwards_stream_resyncs_to_internal_positions() -> None:
+    backlog = Backlog(STREAM, bound=1, sign=-1)
+    backlog.push(Rdata(STREAM, "a", -5, "x"))
+    assert backlog.push(Rdata(STREAM, "a", -7, "y"))
+    assert backlog.pop() == Resync(STREAM, "a", 7)
+
+
+def test_a_resync_forgets_held_rows_and_reads_only_when_behind() -> None:
+    inbound = Inbound(own_name="me")
+    inbound.caught_up(STREAM, "a")
+    assert inbound.rdata(Rdata(STREAM, "a", None, "stale.0"), current=1) is None
+    plan = inbound.resync(Resync(STREAM, "a", 9), current=4)
+    assert plan == Plan(STREAM, "a", catch_up_from=4, advance_to=9)
+    assert not inbound.is_connected(STREAM, "a")  # until the plan was done
+    assert inbound.rdata(Rdata(STREAM, "a", 12, "ignored"), current=9) is None
+    inbound.caught_up(STREAM, "a")
+    deliver = inbound.rdata(Rdata(STREAM, "a", 12, "z"), current=9)
+    assert deliver is not None
+    assert deliver.rows == ["z"]  # not "stale.0" with it
+    assert inbound.resync(Resync(STREAM, "a", 9), current=12) == Plan(STREAM, "a", None, None)
+
+
+def test_a_backlog_needs_a_bound() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        Backlog(STREAM, bound=0)
+
+
+def test_the_bound_is_configured_with_one_default() -> None:
+    config = InstanceConfig.load({"instance_name": "a"})
+    assert config.replication.inbound_queue == DEFAULT_INBOUND_QUEUE == 10_000
+    small = InstanceConfig.load({"instance_name": "a", "replication": {"inbound_queue": 50}})
+    assert small.replication.inbound_queue == 50
+    with pytest.raises(ConfigError, match="inbound_queue: Input should be greater than"):
+        InstanceConfig.load({"instance_name": "a", "replication": {"inbound_queue": 0}})
