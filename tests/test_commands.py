@@ -249,3 +249,13 @@ def test_rows_of_an_instance_are_told_without_parsing_as_parsing_tells_them(
 def test_rows_of_refuses_to_mix_text_and_bytes() -> None:
     with pytest.raises(TypeError, match="both be str, or both bytes"):
         rows_of("RDATA s a 1 {}", b"a")  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    "line", ["NAME \ud800", 'RDATA s w 1 "\udfff"', "POSITION s w\ud800 1 2", "PING \ud83d"]
+)
+def test_a_lone_surrogate_is_refused_not_parsed(line: str) -> None:
+    """No UTF-8 line carries one, and a command holding one could not be sent on
+    (`to_line` failed with UnicodeEncodeError; Hypothesis found it in a presence name)."""
+    with pytest.raises(CommandParseError, match="lone surrogate"):
+        CommandSet().parse(line)

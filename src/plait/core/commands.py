@@ -93,8 +93,14 @@ class CommandSet:
                 line = line.decode()
             except UnicodeDecodeError as err:
                 raise CommandParseError(f"line is not UTF-8: {err.reason}") from None
-        elif len(line) * 4 > MAX_LINE_BYTES and _utf8_length(line) > MAX_LINE_BYTES:
-            raise CommandParseError("line is over the length limit")
+        elif not line.isascii():  # (the flag is kept with the string: no scan)
+            try:
+                size = len(line.encode())
+            except UnicodeEncodeError:
+                # A lone surrogate: no UTF-8 line carries it, nor could it be sent on.
+                raise CommandParseError("line is not valid Unicode (a lone surrogate)") from None
+            if size > MAX_LINE_BYTES:
+                raise CommandParseError("line is over the length limit")
         if "\n" in line or "\r" in line:
             raise CommandParseError("a line break inside a line")
         name, _, args = line.partition(" ")
@@ -403,10 +409,6 @@ def _json(text: str) -> Any:
 
 def _dump(row: Any) -> str:
     return json.dumps(row, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def _utf8_length(text: str) -> int:
-    return len(text.encode(errors="surrogatepass"))
 
 
 def _shorten(text: str, limit: int = 80) -> str:
