@@ -35,7 +35,10 @@ FAULT_KINDS = (
     "transport_cut",
     "redis_restart",
     "spark_restart",
+    "pg_restart",
+    "pg_crash",
 )
+PG_OUTAGES = ("pg_restart", "pg_crash")  # only against a server the checker started
 
 
 @dataclass(frozen=True)

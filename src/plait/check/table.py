@@ -20,8 +20,14 @@ def summary(report: Report) -> list[Table]:
     run.add_row("rolled back / failed IDs", f"{report.rolled_back:,} / {report.failed:,}")
     for kind, n in sorted(report.faults.counts.items()):
         run.add_row(f"faults: {kind}", str(n))
+    for kind, n in sorted(report.faults.failed.items()):
+        # Tried again later, so the count above still reached the schedule's.
+        reason = report.faults.last_failure.get(kind, "")
+        run.add_row(f"could not inject: {kind}", f"{n} (last: {reason})" if reason else str(n))
     if report.faults.outages:
         run.add_row("transport down", f"{report.faults.transport_down():.1f} s")
+    if report.faults.db_outages:
+        run.add_row("PostgreSQL down", f"{report.faults.db_down():.1f} s")
     run.add_row("writers fenced while alive", str(report.faults.fenced_alive))
     run.add_row("writer restarts", str(report.faults.restarts))
     run.add_row("crashes", str(len(report.faults.crashes)))
@@ -31,6 +37,7 @@ def summary(report: Report) -> list[Table]:
         + (f", spark {options.spark_stall_bound:g} s" if options.spark else "")
         + "; replication readers' stalls leave out the time the transport was down"
         + (", Spark's the time its queries restarted" if options.spark else "")
+        + (", everyone's the time PostgreSQL was down" if report.faults.db_outages else "")
         + ")"
     )
     for column in ("reader", "delivered", "lost", "duplicated", "phantom", "regressions"):
@@ -51,4 +58,7 @@ def summary(report: Report) -> list[Table]:
             str(r.stale),
             stall,
         )
+    deaths = [f"{r.name} stopped reading: {r.died}" for r in report.readers if r.died]
+    if deaths:
+        readers.caption = "\n".join(deaths)
     return [run, readers]
