@@ -48,7 +48,7 @@ from plait.check.plan import (
 from plait.check.postgres import RestartablePostgres
 from plait.check.proxy import CutProxy
 from plait.check.redis_server import RedisServer
-from plait.check.roles import FENCED_EXIT
+from plait.check.roles import FENCED_EXIT, UNAVAILABLE_EXIT
 from plait.check.verdict import (
     History,
     ReaderLog,
@@ -69,6 +69,9 @@ START_TIMEOUT = 60.0
 SPARK_START_TIMEOUT = 180.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
 CATCH_UP_TIMEOUT = 60.0
+# A writer that could not reach PostgreSQL as it started this long after a PostgreSQL
+# fault (or during one) met the fault, not a bug: it is started again, not a crash.
+PG_SETTLE = 10.0
 
 
 @dataclass
@@ -242,6 +245,7 @@ class Checker:
         self._stopping = False
         self._redis: RedisServer | None = None
         self._pg: RestartablePostgres | None = None  # a server of the checker's own
+        self._pg_down_since: float | None = None  # while a PostgreSQL fault is under way
         self._server_dsn = options.dsn or ""
         self._proxy: CutProxy | None = None
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
@@ -382,6 +386,10 @@ class Checker:
             if w.killed:
                 await asyncio.sleep(w.restart_delay)
                 w.killed = False
+            elif code == UNAVAILABLE_EXIT and self._pg_recently_down(now):
+                self.faults.death(w.name, now)
+                self.faults.note("unavailable", w.name)
+                await asyncio.sleep(0.5)
             elif code == FENCED_EXIT:
                 self.faults.fenced_alive += 1
                 self.faults.death(w.name, now)
@@ -481,13 +489,18 @@ class Checker:
         self.faults.injected(kind, name)
         return True
 
+    def _pg_recently_down(self, now: float) -> bool:
+        if self._pg_down_since is not None:
+            return True
+        return any(end > now - PG_SETTLE for _, end in self.faults.db_outages)
+
     async def _pg_outage(self, kind: str) -> None:
         """Restart (fast shutdown) or crash (kill -9 of the postmaster) the checker's
         own PostgreSQL, then start it again on the same port: every process loses every
         connection, and must reconnect and go on by itself."""
         pg = self._pg
         assert pg is not None, "PostgreSQL faults need a server the checker started"
-        down = time.time()
+        down = self._pg_down_since = time.time()
         try:
             if kind == "pg_restart":
                 await asyncio.to_thread(pg.restart)
@@ -495,6 +508,7 @@ class Checker:
                 await asyncio.to_thread(pg.crash)
         finally:  # down until it accepts connections again, even when that failed
             self.faults.db_outage(down, time.time())
+            self._pg_down_since = None
 
     async def _pause(self, w: _Proc, seconds: float) -> None:
         assert w.proc is not None
