@@ -71,3 +71,19 @@ async def test_a_terminate_fault_against_a_server_that_refuses_is_counted_not_ra
         console.print(table)
     assert "could not inject: pg_terminate" in console.export_text()
     assert report.to_json()["could_not_inject"] == {"pg_terminate": 2}
+
+
+async def test_a_process_that_did_not_start_or_died_says_why(tmp_path: Path) -> None:
+    """Before: "spark did not start:" came with an empty log, and a reader that died
+    showed only as rows lost; the cause was in its own files alone."""
+    plan = Plan(dsn="", transport="tcp", run_dir=tmp_path, writers=(), streams=1, fence_after=1.0)
+    reader = _Proc("no-such-role", "spark", plan)  # exits at once: an unknown role
+    await reader.spawn()
+    assert not await reader.until("started", 30)
+    why = await reader.why_not("started", 30)
+    assert "spark did not say 'started': exited with 1" in why
+    assert "KeyError: 'no-such-role'" in why
+    assert str(tmp_path / "spark.log") in why
+    checker = Checker(Options(seed=1))
+    checker.plan, checker.readers = plan, [reader]
+    assert checker._reader_deaths() == {"spark": "exited with 1: KeyError: 'no-such-role'"}

@@ -68,6 +68,8 @@ class FaultLog:
     fenced_alive: int = 0  # writers that learned they were fenced, and exited
     restarts: int = 0
     crashes: list[str] = field(default_factory=list)
+    # Spark queries that failed in a PostgreSQL fault and were started again: why.
+    revived: list[str] = field(default_factory=list)
 
     def injected(self, kind: str, target: str) -> None:
         self.counts[kind] += 1

@@ -129,6 +129,26 @@ def write_control(path: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# How long after a PostgreSQL fault a failure is taken for its effect (a process that
+# could not start, a Spark query that could not read): started again, not a crash.
+PG_SETTLE = 10.0
+
+
+def postgres_fault_near(control: dict[str, Any], now: float) -> bool:
+    """Whether PostgreSQL is down now, or was less than `PG_SETTLE` seconds ago, by the
+    orchestrator's orders (`pg_down`: [start, end or null] of each PostgreSQL fault)."""
+    windows = control.get("pg_down")
+    if not isinstance(windows, list):
+        return False
+    for window in windows:
+        if not (isinstance(window, list) and len(window) == 2):
+            continue
+        end = window[1]
+        if end is None or (isinstance(end, (int, float)) and now <= end + PG_SETTLE):
+            return True
+    return False
+
+
 def read_control(path: Path) -> dict[str, Any]:
     """The orchestrator's orders (rewritten atomically); {} before the first."""
     try:

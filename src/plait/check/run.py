@@ -43,6 +43,7 @@ from plait.check.plan import (
     SPARK,
     WORKER,
     Plan,
+    postgres_fault_near,
     write_control,
 )
 from plait.check.postgres import RestartablePostgres
@@ -69,9 +70,6 @@ START_TIMEOUT = 60.0
 SPARK_START_TIMEOUT = 180.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
 CATCH_UP_TIMEOUT = 60.0
-# A writer that could not reach PostgreSQL as it started this long after a PostgreSQL
-# fault (or during one) met the fault, not a bug: it is started again, not a crash.
-PG_SETTLE = 10.0
 
 
 @dataclass
@@ -109,6 +107,7 @@ class Report:
             "transport_down": round(self.faults.transport_down(), 1),
             "postgres_down": round(self.faults.db_down(), 1),
             "could_not_inject": dict(self.faults.failed),
+            "spark_queries_revived": len(self.faults.revived),
             "stall_bound": self.options.stall_bound,
             "spark_stall_bound": self.options.spark_stall_bound if self.options.spark else None,
             "readers": {
@@ -245,7 +244,6 @@ class Checker:
         self._stopping = False
         self._redis: RedisServer | None = None
         self._pg: RestartablePostgres | None = None  # a server of the checker's own
-        self._pg_down_since: float | None = None  # while a PostgreSQL fault is under way
         self._server_dsn = options.dsn or ""
         self._proxy: CutProxy | None = None
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
@@ -490,9 +488,7 @@ class Checker:
         return True
 
     def _pg_recently_down(self, now: float) -> bool:
-        if self._pg_down_since is not None:
-            return True
-        return any(end > now - PG_SETTLE for _, end in self.faults.db_outages)
+        return postgres_fault_near(self._control, now)
 
     async def _pg_outage(self, kind: str) -> None:
         """Restart (fast shutdown) or crash (kill -9 of the postmaster) the checker's
@@ -500,15 +496,21 @@ class Checker:
         connection, and must reconnect and go on by itself."""
         pg = self._pg
         assert pg is not None, "PostgreSQL faults need a server the checker started"
-        down = self._pg_down_since = time.time()
+        down = time.time()
+        # In the orders first, so a Spark query that fails now knows why (`spark_reader`).
+        windows = self._control.setdefault("pg_down", [])
+        windows.append([down, None])
+        self._write_control()
         try:
             if kind == "pg_restart":
                 await asyncio.to_thread(pg.restart)
             else:
                 await asyncio.to_thread(pg.crash)
         finally:  # down until it accepts connections again, even when that failed
-            self.faults.db_outage(down, time.time())
-            self._pg_down_since = None
+            up = time.time()
+            self.faults.db_outage(down, up)
+            windows[-1][1] = up
+            self._write_control()
 
     async def _pause(self, w: _Proc, seconds: float) -> None:
         assert w.proc is not None
@@ -682,6 +684,9 @@ class Checker:
         died: dict[str, str],
     ) -> Report:
         self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
+        for line in journal.read(plan.journal(SPARK)):
+            if line.kind == "S" and line.fields[0] == "reviving":
+                self.faults.revived.append(" ".join(line.fields[2:]))
         history = History(deaths=self.faults.deaths, stops=self.faults.stops)
         rolled_back = failed = 0
         for w in plan.writers:
@@ -755,9 +760,9 @@ class Checker:
             return []
         down, began = [], {}
         for line in journal.read(plan.journal(reader)):
-            if line.kind == "S" and line.fields[0] == "restarting":
+            if line.kind == "S" and line.fields[0] in ("restarting", "reviving"):
                 began[line.fields[1]] = line.t
-            elif line.kind == "S" and line.fields[0] == "restarted":
+            elif line.kind == "S" and line.fields[0] in ("restarted", "revived"):
                 down.append((began.pop(line.fields[1]), line.t))
         return down
 

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from plait.check.journal import Journal
-from plait.check.plan import Plan
+from plait.check.plan import Plan, postgres_fault_near, read_control
 from plait.check.seen import Seen
+from plait.check.verdict import error_line
 from plait.core.tokens import StreamToken
 from plait.spark import offsets
 
@@ -136,12 +137,18 @@ class _Queries:
         self.start(stream)
         return planned, removed
 
-    def failed(self) -> str | None:
+    def failed(self) -> tuple[str, str] | None:
+        """A query that ended by itself: (its stream, its error)."""
         for stream, query in self.running.items():
             if not query.isActive:
                 error = query.exception()
-                return f"{stream}: {error}" if error is not None else f"{stream}: stopped"
+                return stream, str(error) if error is not None else "stopped"
         return None
+
+    def revive(self, stream: str) -> None:
+        """Start a failed query again from its checkpoint, as a job's supervisor would."""
+        self.running[stream].stop()
+        self.start(stream)
 
     def committed(self, stream: str) -> StreamToken | None:
         """The end offset of the query's last batch, from its progress."""
@@ -179,7 +186,7 @@ async def spark_reader(plan: Plan, name: str) -> None:
     await asyncio.to_thread(queries.warm_up)
     for s in plan.stream_names:
         await asyncio.to_thread(queries.start, s)
-    restarted = 0
+    restarted = revived = 0
     seen.journal.write("S", "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
@@ -211,10 +218,20 @@ async def spark_reader(plan: Plan, name: str) -> None:
                 seen.token(s, "*", end.min)
                 for writer in plan.writers:
                     seen.token(s, writer, end.get(writer))
-        if (error := queries.failed()) is not None:
-            seen.journal.write("S", "query-failed", json.dumps(error.splitlines()[0]))
-            logger.error("spark query failed: %s", error)
-            break
+        if (failure := queries.failed()) is not None:
+            stream, error = failure
+            cause = json.dumps(f"{stream}: {error_line(error)}")
+            logger.error("spark query of %s failed: %s", stream, error)
+            if not postgres_fault_near(read_control(plan.control), time.time()):
+                seen.journal.write("S", "query-failed", cause)
+                break
+            # PostgreSQL was restarted or crashed just now: the plait source does not
+            # outlast that within a query, so the query is started again from its
+            # checkpoint; exactly once must hold across it, as across any restart.
+            revived += 1
+            seen.journal.write("S", "reviving", stream, cause)
+            await asyncio.to_thread(queries.revive, stream)
+            seen.journal.write("S", "revived", stream)
         if control.orders("restart", name) > restarted:
             restarted += 1
             stream = rng.choice(plan.stream_names)

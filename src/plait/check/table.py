@@ -31,6 +31,11 @@ def summary(report: Report) -> list[Table]:
     run.add_row("writers fenced while alive", str(report.faults.fenced_alive))
     run.add_row("writer restarts", str(report.faults.restarts))
     run.add_row("crashes", str(len(report.faults.crashes)))
+    if report.faults.revived:
+        run.add_row(
+            "Spark queries restarted after failing in a PostgreSQL fault",
+            f"{len(report.faults.revived)} (last: {report.faults.revived[-1]})",
+        )
     run.add_row("own positions gone back", str(len(report.own_regressions)))
     readers = Table(
         title=f"readers (stall bound {options.stall_bound:g} s"

@@ -388,6 +388,20 @@ def last_error(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception)\b: ")
+
+
+def error_line(error: str) -> str:
+    """One line for an error's text (a Spark query's, with a Python traceback and Java
+    frames inside): its first line, and the first Python exception line below it when
+    there is one (`plait.errors.ConfigError: ...`): the cause, not the wrapper."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    cause = next((line for line in lines[1:] if _EXCEPTION_LINE.match(line)), "")
+    return f"{lines[0]} ... {cause}" if cause else lines[0]
+
+
 def own_regressions(history: History) -> list[str]:
     """Writers whose own position ever went backwards, across restarts too."""
     found = []
