@@ -376,6 +376,7 @@ def test_a_spark_error_is_named_by_its_cause() -> None:
     error = (
         "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data"
         " source perform latestOffset: Traceback (most recent call last):\n"
+        "pyspark.errors.exceptions.captured.PythonException: thrown from the worker:\n"
         '  File "source.py", line 3, in latestOffset\n'
         "plait.errors.ConfigError: plait source: cannot connect to the database\n"
         "\tat org.apache.spark.sql.errors.QueryExecutionErrors$.x(QueryExecutionErrors.scala:1)\n"

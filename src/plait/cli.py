@@ -239,6 +239,12 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     from plait.check.table import summary
 
     console = _console()
+    if dsn and options["pg_faults"]:
+        raise click.UsageError(
+            "--pg-faults restarts and kill -9s PostgreSQL, which the checker does only to a"
+            " server it started: leave out --dsn (and unset $PLAIT_DSN) to let it start its"
+            " own, or leave out --pg-faults"
+        )
     try:
         checker = Checker(_CHECK(dsn=dsn or None, **options))
     except ConfigError as err:

@@ -42,6 +42,7 @@ TRIGGER = "0.5 seconds"
 IDLE_WAIT = 2.0  # how long a restart waits for the query to be between two batches
 MAX_ROWS_PER_TRIGGER = 20_000  # a backlog is read in several batches, through `cutoff`
 MAX_IDS_PER_PARTITION = 5_000  # several slices per batch
+REVIVE_FOR = 60.0  # how long a failed query's start is tried again
 
 logger = logging.getLogger("plait.check")
 
@@ -174,6 +175,21 @@ class _Queries:
             query.stop()
 
 
+async def _revive(queries: _Queries, stream: str) -> None:
+    """Start a failed query again; while PostgreSQL is still coming back its start
+    fails too (the source reads the stream's writers): try again for a while."""
+    deadline = time.monotonic() + REVIVE_FOR
+    while True:
+        try:
+            await asyncio.to_thread(queries.revive, stream)
+            return
+        except Exception as err:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("starting the query of %s again failed: %s", stream, err)
+            await asyncio.sleep(0.5)
+
+
 async def spark_reader(plan: Plan, name: str) -> None:
     from plait.check.roles import Control, read_until_stopped
     from plait.spark.session import quiet_session
@@ -230,7 +246,7 @@ async def spark_reader(plan: Plan, name: str) -> None:
             # checkpoint; exactly once must hold across it, as across any restart.
             revived += 1
             seen.journal.write("S", "reviving", stream, cause)
-            await asyncio.to_thread(queries.revive, stream)
+            await _revive(queries, stream)
             seen.journal.write("S", "revived", stream)
         if control.orders("restart", name) > restarted:
             restarted += 1

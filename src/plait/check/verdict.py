@@ -393,12 +393,15 @@ _EXCEPTION_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception)\b: ")
 
 def error_line(error: str) -> str:
     """One line for an error's text (a Spark query's, with a Python traceback and Java
-    frames inside): its first line, and the first Python exception line below it when
-    there is one (`plait.errors.ConfigError: ...`): the cause, not the wrapper."""
+    frames inside): its first line, and the first Python exception line below it that
+    is not Spark's or Py4J's wrapper (`plait.errors.ConfigError: ...`): the cause."""
     lines = [line.strip() for line in error.splitlines() if line.strip()]
     if not lines:
         return ""
-    cause = next((line for line in lines[1:] if _EXCEPTION_LINE.match(line)), "")
+    raised = [line for line in lines[1:] if _EXCEPTION_LINE.match(line)]
+    # Spark's and Py4J's own exceptions wrap the one that was raised: skip them.
+    causes = [line for line in raised if not line.startswith(("pyspark.", "py4j."))]
+    cause = (causes or raised or [""])[0]
     return f"{lines[0]} ... {cause}" if cause else lines[0]
 
 
