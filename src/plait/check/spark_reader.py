@@ -115,13 +115,13 @@ class _Queries:
             .start()
         )
 
-    def restart(self, stream: str) -> tuple[int | None, bool]:
-        """Stop the query and start it again from its checkpoint. With no batch in
-        flight, first remove the last batch's commit, as a crash between the sink and
-        the commit would: Spark runs that batch again from the offsets it logged, and
-        the sink must get the same rows. (A batch stopped in flight is run again by
-        Spark anyway; its commit log is left as it is.) Returns the batch to be run
-        again, and whether its commit was removed."""
+    def stop_for_restart(self, stream: str) -> tuple[int | None, bool]:
+        """Stop the query, to start it again from its checkpoint (`_start_again`). With
+        no batch in flight, first remove the last batch's commit, as a crash between
+        the sink and the commit would: Spark runs that batch again from the offsets it
+        logged, and the sink must get the same rows. (A batch stopped in flight is run
+        again by Spark anyway; its commit log is left as it is.) Returns the batch to
+        be run again, and whether its commit was removed."""
         query = self.running[stream]
         deadline = time.monotonic() + IDLE_WAIT
         while query.status.get("isTriggerActive") and time.monotonic() < deadline:
@@ -135,7 +135,6 @@ class _Queries:
             (checkpoint / "commits" / str(last)).unlink()
             (checkpoint / "commits" / f".{last}.crc").unlink(missing_ok=True)
             removed = True
-        self.start(stream)
         return planned, removed
 
     def failed(self) -> tuple[str, str] | None:
@@ -145,11 +144,6 @@ class _Queries:
                 error = query.exception()
                 return stream, str(error) if error is not None else "stopped"
         return None
-
-    def revive(self, stream: str) -> None:
-        """Start a failed query again from its checkpoint, as a job's supervisor would."""
-        self.running[stream].stop()
-        self.start(stream)
 
     def committed(self, stream: str) -> StreamToken | None:
         """The end offset of the query's last batch, from its progress."""
@@ -175,13 +169,14 @@ class _Queries:
             query.stop()
 
 
-async def _revive(queries: _Queries, stream: str) -> None:
-    """Start a failed query again; while PostgreSQL is still coming back its start
-    fails too (the source reads the stream's writers): try again for a while."""
+async def _start_again(queries: _Queries, stream: str) -> None:
+    """Start a stopped or failed query again from its checkpoint, as a job's supervisor
+    would. While PostgreSQL is down or coming back (a PostgreSQL fault) the start fails
+    too, since the source reads the stream's writers: try again for a while."""
     deadline = time.monotonic() + REVIVE_FOR
     while True:
         try:
-            await asyncio.to_thread(queries.revive, stream)
+            await asyncio.to_thread(queries.start, stream)
             return
         except Exception as err:
             if time.monotonic() > deadline:
@@ -246,13 +241,14 @@ async def spark_reader(plan: Plan, name: str) -> None:
             # checkpoint; exactly once must hold across it, as across any restart.
             revived += 1
             seen.journal.write("S", "reviving", stream, cause)
-            await _revive(queries, stream)
+            await _start_again(queries, stream)
             seen.journal.write("S", "revived", stream)
         if control.orders("restart", name) > restarted:
             restarted += 1
             stream = rng.choice(plan.stream_names)
             seen.journal.write("S", "restarting", stream)
-            batch, removed = await asyncio.to_thread(queries.restart, stream)
+            batch, removed = await asyncio.to_thread(queries.stop_for_restart, stream)
+            await _start_again(queries, stream)
             seen.journal.write("S", "restarted", stream, batch, "replay" if removed else "-")
         await asyncio.sleep(0.1)
     await read
