@@ -197,7 +197,10 @@ async def spark_reader(plan: Plan, name: str) -> None:
     await asyncio.to_thread(queries.warm_up)
     for s in plan.stream_names:
         await asyncio.to_thread(queries.start, s)
-    restarted = revived = 0
+    restarted = 0
+    # Queries started again after a failure, until their first batch: the time from the
+    # failure to that batch is journalled as the query's restart ("reviving", "revived").
+    reviving: set[str] = set()
     seen.journal.write("S", "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
@@ -229,6 +232,10 @@ async def spark_reader(plan: Plan, name: str) -> None:
                 seen.token(s, "*", end.min)
                 for writer in plan.writers:
                     seen.token(s, writer, end.get(writer))
+        for s in sorted(reviving):
+            if queries.running[s].lastProgress:
+                seen.journal.write("S", "revived", s)
+                reviving.discard(s)
         if (failure := queries.failed()) is not None:
             stream, error = failure
             cause = json.dumps(f"{stream}: {error_line(error)}")
@@ -238,11 +245,12 @@ async def spark_reader(plan: Plan, name: str) -> None:
                 break
             # PostgreSQL was restarted or crashed just now: the plait source does not
             # outlast that within a query, so the query is started again from its
-            # checkpoint; exactly once must hold across it, as across any restart.
-            revived += 1
-            seen.journal.write("S", "reviving", stream, cause)
+            # checkpoint, as a job's supervisor would; exactly once must hold across
+            # it, as across any restart. Down from now until its first batch.
+            if stream not in reviving:
+                seen.journal.write("S", "reviving", stream, cause)
+                reviving.add(stream)
             await _start_again(queries, stream)
-            seen.journal.write("S", "revived", stream)
         if control.orders("restart", name) > restarted:
             restarted += 1
             stream = rng.choice(plan.stream_names)
