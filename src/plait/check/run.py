@@ -753,17 +753,25 @@ class Checker:
 
     def _down(self, plan: Plan, reader: str) -> list[tuple[float, float]]:
         """When `reader` could not read, through no fault of plait's: the transport
-        down for replication readers; a Spark query restarting (the fault stops it)."""
+        down for replication readers; a Spark query restarting (the fault stops it), or
+        started again after failing in a PostgreSQL fault, until its first batch.
+        (PostgreSQL's own down time is left out of every reader's stalls apart.)"""
         if reader in REPLICATION_READERS:
             return self.faults.outages
         if reader != SPARK:
             return []
+        # A restart (the fault) and a revival (a query failed in a PostgreSQL fault and
+        # started again, `spark_reader`) may overlap on one stream: paired apart.
+        ends = {"restarted": "restarting", "revived": "reviving"}
         down, began = [], {}
         for line in journal.read(plan.journal(reader)):
-            if line.kind == "S" and line.fields[0] in ("restarting", "reviving"):
-                began[line.fields[1]] = line.t
-            elif line.kind == "S" and line.fields[0] in ("restarted", "revived"):
-                down.append((began.pop(line.fields[1]), line.t))
+            if line.kind != "S":
+                continue
+            what = line.fields[0]
+            if what in ends.values():
+                began[what, line.fields[1]] = line.t
+            elif what in ends and (ends[what], line.fields[1]) in began:
+                down.append((began.pop((ends[what], line.fields[1])), line.t))
         return down
 
 
