@@ -131,7 +131,9 @@ def write_control(path: Path, value: dict[str, Any]) -> None:
 
 # How long after a PostgreSQL fault a failure is taken for its effect (a process that
 # could not start, a Spark query that could not read): started again, not a crash.
-PG_SETTLE = 10.0
+# Spark's Python workers keep a connection broken by the fault and fail on it when next
+# used, which on a busy machine was 11 s after the server came back.
+PG_SETTLE = 20.0
 
 
 def postgres_fault_near(control: dict[str, Any], now: float) -> bool:
