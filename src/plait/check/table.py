@@ -34,7 +34,7 @@ def summary(report: Report) -> list[Table]:
     if report.faults.revived:
         run.add_row(
             "Spark queries restarted after failing in a PostgreSQL fault",
-            f"{len(report.faults.revived)} (last: {report.faults.revived[-1]})",
+            f"{len(report.faults.revived)} (last: {_short(report.faults.revived[-1])})",
         )
     run.add_row("own positions gone back", str(len(report.own_regressions)))
     readers = Table(
@@ -67,3 +67,9 @@ def summary(report: Report) -> list[Table]:
     if deaths:
         readers.caption = "\n".join(deaths)
     return [run, readers]
+
+
+def _short(cause: str) -> str:
+    """The cause part of a Spark error line (`verdict.error_line`), at most 100 chars."""
+    text = cause.strip('"').split(" ... ")[-1]
+    return text if len(text) <= 100 else text[:99] + "…"
