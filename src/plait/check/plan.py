@@ -35,7 +35,10 @@ FAULT_KINDS = (
     "transport_cut",
     "redis_restart",
     "spark_restart",
+    "pg_restart",
+    "pg_crash",
 )
+PG_OUTAGES = ("pg_restart", "pg_crash")  # only against a server the checker started
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,28 @@ def write_control(path: Path, value: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
+
+
+# How long after a PostgreSQL fault a failure is taken for its effect (a process that
+# could not start, a Spark query that could not read): started again, not a crash.
+# Spark's Python workers keep a connection broken by the fault and fail on it when next
+# used, which on a busy machine was 11 s after the server came back.
+PG_SETTLE = 20.0
+
+
+def postgres_fault_near(control: dict[str, Any], now: float) -> bool:
+    """Whether PostgreSQL is down now, or was less than `PG_SETTLE` seconds ago, by the
+    orchestrator's orders (`pg_down`: [start, end or null] of each PostgreSQL fault)."""
+    windows = control.get("pg_down")
+    if not isinstance(windows, list):
+        return False
+    for window in windows:
+        if not (isinstance(window, list) and len(window) == 2):
+            continue
+        end = window[1]
+        if end is None or (isinstance(end, (int, float)) and now <= end + PG_SETTLE):
+            return True
+    return False
 
 
 def read_control(path: Path) -> dict[str, Any]:

@@ -48,6 +48,10 @@ from plait.storage.database import Database
 from plait.streams.generator import MultiWriterIdGenerator
 
 FENCED_EXIT = 3
+# A writer that could not reach PostgreSQL as it started (restarted while the server was
+# down, or the server went down during its start): the orchestrator starts it again,
+# as an operator's supervisor would.
+UNAVAILABLE_EXIT = 4
 SIZES = (1, 1, 2, 3, 5, 8, 13)  # IDs per transaction
 ROLLBACK_SHARE = 0.05
 KV_SHARE = 0.25
@@ -125,7 +129,14 @@ async def writer(plan: Plan, name: str) -> None:
     slow_taken = Control.count(read_control(plan.control), "slow", name)
     slow_made = Journal(plan.slow_made)
     instance = Instance(plan.instance_config(name))
-    await instance.start()
+    try:
+        await instance.start()
+    except (DatabaseUnavailableError, psycopg.Error) as err:
+        # PostgreSQL unreachable, or gone in the middle of the start (a restart or a
+        # crash): the start fails with the error printed, as plait's does.
+        logger.error("writer %s: could not start: %s", name, err)
+        journal.write("S", "unavailable")
+        os._exit(UNAVAILABLE_EXIT)  # nothing of this run ever wrote
     gens = {s: instance.generator(s) for s in plan.stream_names}
     journal.write("S", "started")
     print("started", flush=True)

@@ -38,28 +38,36 @@ from plait.check.plan import (
     FOLLOWER,
     KV_CHANGED,
     KV_KEYS,
+    PG_OUTAGES,
     REPLICATION_READERS,
     SPARK,
     WORKER,
     Plan,
+    postgres_fault_near,
     write_control,
 )
+from plait.check.postgres import RestartablePostgres
 from plait.check.proxy import CutProxy
 from plait.check.redis_server import RedisServer
-from plait.check.roles import FENCED_EXIT
+from plait.check.roles import FENCED_EXIT, UNAVAILABLE_EXIT
 from plait.check.verdict import (
     History,
     ReaderLog,
     ReaderVerdict,
     allowed_positions,
     judge_reader,
+    last_error,
     own_regressions,
 )
+from plait.errors import PlaitError
 from plait.ports import free_port
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
 
 START_TIMEOUT = 60.0
+# A Spark reader starts a JVM and plans a first query per stream: on a machine the
+# other processes keep busy that can take longer than any other process's start.
+SPARK_START_TIMEOUT = 180.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
 CATCH_UP_TIMEOUT = 60.0
 
@@ -97,6 +105,9 @@ class Report:
             "restarts": self.faults.restarts,
             "crashes": self.faults.crashes,
             "transport_down": round(self.faults.transport_down(), 1),
+            "postgres_down": round(self.faults.db_down(), 1),
+            "could_not_inject": dict(self.faults.failed),
+            "spark_queries_revived": len(self.faults.revived),
             "stall_bound": self.options.stall_bound,
             "spark_stall_bound": self.options.spark_stall_bound if self.options.spark else None,
             "readers": {
@@ -111,6 +122,7 @@ class Report:
                     "longest_stall": round(r.longest_stall, 3),
                     "stall_at": r.stall_at,
                     "caught_up": r.caught_up,
+                    "died": r.died or None,
                 }
                 for r in self.readers
             },
@@ -191,6 +203,35 @@ class _Proc:
         except OSError:
             return ""
 
+    def log_text(self) -> str:
+        try:
+            return self._log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    async def why_not(self, word: str, timeout: float) -> str:  # noqa: ASYNC109
+        """Why it did not say `word`: exited (with what) or still running, and the tail
+        of its standard error and of its journal. A process still running is asked to
+        log where its tasks wait first (`roles.dump_tasks`)."""
+        proc = self.proc
+        if proc is None:
+            state = "never started"
+        elif proc.returncode is not None:
+            state = f"exited with {proc.returncode}"
+        else:
+            state = f"still running {timeout:g} s later"
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(1.0)  # for the dump to reach the log
+        tail = self.log_tail(40) or "(nothing on its standard error)"
+        lines = list(journal.read(self._plan.journal(self.name)))[-5:]
+        said = "\n".join(f"{line.kind} {line.t:.3f} {' '.join(line.fields)}" for line in lines)
+        return (
+            f"{self.name} did not say {word!r}: {state}.\n"
+            f"its standard error ({self._log}) ends:\n{tail}\n"
+            f"its journal ends:\n{said or '(empty)'}"
+        )
+
 
 class Checker:
     def __init__(self, options: Options) -> None:
@@ -202,12 +243,25 @@ class Checker:
         self._pauses: set[asyncio.Task[None]] = set()  # SIGSTOPs waiting for their SIGCONT
         self._stopping = False
         self._redis: RedisServer | None = None
+        self._pg: RestartablePostgres | None = None  # a server of the checker's own
+        self._server_dsn = options.dsn or ""
         self._proxy: CutProxy | None = None
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
         self._control: dict[str, Any] = {}  # the orders in the control file
 
     async def run(self, progress: Any = None) -> Report:
         say = progress or (lambda text: None)
+        if self.options.dsn is not None:
+            return await self._run(say)
+        say("starting a PostgreSQL server of the checker's own (it may restart it)")
+        self._pg = await asyncio.to_thread(RestartablePostgres.fresh)
+        self._server_dsn = self._pg.dsn
+        try:
+            return await self._run(say)
+        finally:
+            await asyncio.to_thread(self._pg.close)
+
+    async def _run(self, say: Any) -> Report:
         options = self.options
         run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="plait-check-"))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,13 +278,14 @@ class Checker:
             say(f"schema {self._schema}, {options.transport}, seed {self.seed}, in {run_dir}")
             for reader in readers:  # the follower first: it is the TCP hub
                 await reader.spawn()
-                if not await reader.until("started", START_TIMEOUT):
-                    raise RuntimeError(f"{reader.name} did not start:\n{reader.log_tail()}")
+                within = SPARK_START_TIMEOUT if reader.name == SPARK else START_TIMEOUT
+                if not await reader.until("started", within):
+                    raise RuntimeError(await reader.why_not("started", within))
             for w in writers:
                 self._spawn_task(self._supervise(w))
             for w in writers:
                 if not await w.until("started", START_TIMEOUT):
-                    raise RuntimeError(f"{w.name} did not start:\n{w.log_tail()}")
+                    raise RuntimeError(await w.why_not("started", START_TIMEOUT))
             say(f"running {options.duration:g} s of writes and faults")
             await self._inject(time.time())
             say("draining: faults undone, writers going idle")
@@ -243,10 +298,11 @@ class Checker:
                     problems.append(f"{reader.name} did not catch up in {CATCH_UP_TIMEOUT:g} s")
             if problems:
                 self._dump_tasks()
+            died = self._reader_deaths()
         finally:
             await self._stop_all()
         say("judging")
-        report = self._judge(plan, truth, kv_truth, time.monotonic() - started)
+        report = self._judge(plan, truth, kv_truth, time.monotonic() - started, died)
         report.problems[:0] = problems
         if report.ok and not options.keep:
             await self._drop_schema()
@@ -256,9 +312,9 @@ class Checker:
 
     async def _prepare(self, run_dir: Path) -> Plan:
         options = self.options
-        async with await psycopg.AsyncConnection.connect(options.dsn, autocommit=True) as conn:
-            await conn.execute(f'CREATE SCHEMA "{self._schema}"')
-        dsn = make_conninfo(options.dsn, options=f"-c search_path={self._schema}")
+        async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
+            await c.execute(f'CREATE SCHEMA "{self._schema}"')
+        dsn = make_conninfo(self._server_dsn, options=f"-c search_path={self._schema}")
         plan = Plan(
             dsn=dsn,
             transport=options.transport,
@@ -328,6 +384,10 @@ class Checker:
             if w.killed:
                 await asyncio.sleep(w.restart_delay)
                 w.killed = False
+            elif code == UNAVAILABLE_EXIT and self._pg_recently_down(now):
+                self.faults.death(w.name, now)
+                self.faults.note("unavailable", w.name)
+                await asyncio.sleep(0.5)
             elif code == FENCED_EXIT:
                 self.faults.fenced_alive += 1
                 self.faults.death(w.name, now)
@@ -371,7 +431,17 @@ class Checker:
         return sum(1 for _ in journal.read(self.plan.slow_made))
 
     async def _fault(self, kind: str) -> bool:
-        """Inject one fault of `kind`; False when nothing could take it just now."""
+        """Inject one fault of `kind`; False when nothing could take it just now, or it
+        could not be injected (counted, `FaultLog.could_not_inject`): the schedule tries
+        again later. Never raises for what the faults themselves broke: a PostgreSQL
+        down or refusing connections (`too many clients`) is the run's weather."""
+        try:
+            return await self._try_fault(kind)
+        except (psycopg.Error, OSError, PlaitError) as err:
+            self.faults.could_not_inject(kind, err)
+            return False
+
+    async def _try_fault(self, kind: str) -> bool:
         rng = self.rng
         target: _Proc | None = None
         if kind in WRITER_FAULTS:
@@ -407,6 +477,8 @@ class Checker:
             await asyncio.sleep(rng.uniform(0.1, 0.5))
             await asyncio.to_thread(self._redis.start)
             self.faults.outage(down, time.time())
+        elif kind in PG_OUTAGES:
+            await self._pg_outage(kind)
         elif kind == "spark_restart":
             spark = next(r for r in self.readers if r.name == SPARK)
             if not spark.live:
@@ -414,6 +486,31 @@ class Checker:
             self._order("restart", spark.name)
         self.faults.injected(kind, name)
         return True
+
+    def _pg_recently_down(self, now: float) -> bool:
+        return postgres_fault_near(self._control, now)
+
+    async def _pg_outage(self, kind: str) -> None:
+        """Restart (fast shutdown) or crash (kill -9 of the postmaster) the checker's
+        own PostgreSQL, then start it again on the same port: every process loses every
+        connection, and must reconnect and go on by itself."""
+        pg = self._pg
+        assert pg is not None, "PostgreSQL faults need a server the checker started"
+        down = time.time()
+        # In the orders first, so a Spark query that fails now knows why (`spark_reader`).
+        windows = self._control.setdefault("pg_down", [])
+        windows.append([down, None])
+        self._write_control()
+        try:
+            if kind == "pg_restart":
+                await asyncio.to_thread(pg.restart)
+            else:
+                await asyncio.to_thread(pg.crash)
+        finally:  # down until it accepts connections again, even when that failed
+            up = time.time()
+            self.faults.db_outage(down, up)
+            windows[-1][1] = up
+            self._write_control()
 
     async def _pause(self, w: _Proc, seconds: float) -> None:
         assert w.proc is not None
@@ -476,6 +573,11 @@ class Checker:
         await asyncio.gather(*self._pauses, return_exceptions=True)
         if self._redis is not None:
             await asyncio.to_thread(self._redis.start)
+        if self._pg is not None:  # a restart that failed half-way
+            try:
+                await asyncio.to_thread(self._pg.ensure_running)
+            except PlaitError as err:
+                problems.append(f"the checker's PostgreSQL did not come back: {err}")
         for w in self.writers:
             if not await w.until("started", START_TIMEOUT):
                 problems.append(f"{w.name} did not restart:\n{w.log_tail()}")
@@ -544,6 +646,21 @@ class Checker:
         if self.faults.journal is not None:
             self.faults.journal.close()
 
+    def _reader_deaths(self) -> dict[str, str]:
+        """Why a reader stopped reading before the end, in its own words: the last
+        error line of its standard error when its process exited, or a Spark query's
+        failure from its journal. The verdict shows it next to the rows it then lost."""
+        died: dict[str, str] = {}
+        for reader in self.readers:
+            for line in journal.read(self.plan.journal(reader.name)):
+                if line.kind == "S" and line.fields[0] == "query-failed":
+                    died[reader.name] = "a query failed: " + " ".join(line.fields[1:])
+            proc = reader.proc
+            if proc is not None and proc.returncode is not None and not reader.killed:
+                cause = last_error(reader.log_text()) or "(nothing on its standard error)"
+                died[reader.name] = f"exited with {proc.returncode}: {cause}"
+        return died
+
     def _dump_tasks(self) -> None:
         """Ask every process to log what each of its tasks awaits (`roles.dump_tasks`):
         for whoever reads why something never caught up or went idle."""
@@ -553,7 +670,7 @@ class Checker:
                     p.proc.send_signal(signal.SIGUSR1)
 
     async def _drop_schema(self) -> None:
-        async with await psycopg.AsyncConnection.connect(self.options.dsn, autocommit=True) as c:
+        async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
             await c.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
 
     # -- judging ------------------------------------------------------------------------------
@@ -564,8 +681,12 @@ class Checker:
         truth: dict[str, dict[int, str]],
         kv_truth: dict[str, dict[int, str]],
         elapsed: float,
+        died: dict[str, str],
     ) -> Report:
         self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
+        for line in journal.read(plan.journal(SPARK)):
+            if line.kind == "S" and line.fields[0] == "reviving":
+                self.faults.revived.append(" ".join(line.fields[2:]))
         history = History(deaths=self.faults.deaths, stops=self.faults.stops)
         rolled_back = failed = 0
         for w in plan.writers:
@@ -589,7 +710,14 @@ class Checker:
                     history.starts.setdefault(w, []).append(line.t)
         allowed = {s: allowed_positions(history, s, plan.writers) for s in plan.stream_names}
         verdicts = [
-            judge_reader(name, _reader_log(plan.journal(name)), kv_truth, None, per_writer=False)
+            judge_reader(
+                name,
+                _reader_log(plan.journal(name)),
+                kv_truth,
+                None,
+                per_writer=False,
+                died=died.get(name, ""),
+            )
             if name == WORKER
             else judge_reader(
                 name,
@@ -598,6 +726,8 @@ class Checker:
                 allowed,
                 per_writer=name == FOLLOWER,
                 outages=self._down(plan, name),
+                db_outages=self.faults.db_outages,
+                died=died.get(name, ""),
             )
             for name in self.options.readers
         ]
@@ -623,17 +753,25 @@ class Checker:
 
     def _down(self, plan: Plan, reader: str) -> list[tuple[float, float]]:
         """When `reader` could not read, through no fault of plait's: the transport
-        down for replication readers; a Spark query restarting (the fault stops it)."""
+        down for replication readers; a Spark query restarting (the fault stops it), or
+        started again after failing in a PostgreSQL fault, until its first batch.
+        (PostgreSQL's own down time is left out of every reader's stalls apart.)"""
         if reader in REPLICATION_READERS:
             return self.faults.outages
         if reader != SPARK:
             return []
+        # A restart (the fault) and a revival (a query failed in a PostgreSQL fault and
+        # started again, `spark_reader`) may overlap on one stream: paired apart.
+        ends = {"restarted": "restarting", "revived": "reviving"}
         down, began = [], {}
         for line in journal.read(plan.journal(reader)):
-            if line.kind == "S" and line.fields[0] == "restarting":
-                began[line.fields[1]] = line.t
-            elif line.kind == "S" and line.fields[0] == "restarted":
-                down.append((began.pop(line.fields[1]), line.t))
+            if line.kind != "S":
+                continue
+            what = line.fields[0]
+            if what in ends.values():
+                began[what, line.fields[1]] = line.t
+            elif what in ends and (ends[what], line.fields[1]) in began:
+                down.append((began.pop((ends[what], line.fields[1])), line.t))
         return down
 
 

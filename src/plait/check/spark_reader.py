@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from plait.check.journal import Journal
-from plait.check.plan import Plan
+from plait.check.plan import Plan, postgres_fault_near, read_control
 from plait.check.seen import Seen
+from plait.check.verdict import error_line
 from plait.core.tokens import StreamToken
 from plait.spark import offsets
 
@@ -41,6 +42,7 @@ TRIGGER = "0.5 seconds"
 IDLE_WAIT = 2.0  # how long a restart waits for the query to be between two batches
 MAX_ROWS_PER_TRIGGER = 20_000  # a backlog is read in several batches, through `cutoff`
 MAX_IDS_PER_PARTITION = 5_000  # several slices per batch
+REVIVE_FOR = 60.0  # how long a failed query's start is tried again
 
 logger = logging.getLogger("plait.check")
 
@@ -113,13 +115,13 @@ class _Queries:
             .start()
         )
 
-    def restart(self, stream: str) -> tuple[int | None, bool]:
-        """Stop the query and start it again from its checkpoint. With no batch in
-        flight, first remove the last batch's commit, as a crash between the sink and
-        the commit would: Spark runs that batch again from the offsets it logged, and
-        the sink must get the same rows. (A batch stopped in flight is run again by
-        Spark anyway; its commit log is left as it is.) Returns the batch to be run
-        again, and whether its commit was removed."""
+    def stop_for_restart(self, stream: str) -> tuple[int | None, bool]:
+        """Stop the query, to start it again from its checkpoint (`_start_again`). With
+        no batch in flight, first remove the last batch's commit, as a crash between
+        the sink and the commit would: Spark runs that batch again from the offsets it
+        logged, and the sink must get the same rows. (A batch stopped in flight is run
+        again by Spark anyway; its commit log is left as it is.) Returns the batch to
+        be run again, and whether its commit was removed."""
         query = self.running[stream]
         deadline = time.monotonic() + IDLE_WAIT
         while query.status.get("isTriggerActive") and time.monotonic() < deadline:
@@ -133,14 +135,14 @@ class _Queries:
             (checkpoint / "commits" / str(last)).unlink()
             (checkpoint / "commits" / f".{last}.crc").unlink(missing_ok=True)
             removed = True
-        self.start(stream)
         return planned, removed
 
-    def failed(self) -> str | None:
+    def failed(self) -> tuple[str, str] | None:
+        """A query that ended by itself: (its stream, its error)."""
         for stream, query in self.running.items():
             if not query.isActive:
                 error = query.exception()
-                return f"{stream}: {error}" if error is not None else f"{stream}: stopped"
+                return stream, str(error) if error is not None else "stopped"
         return None
 
     def committed(self, stream: str) -> StreamToken | None:
@@ -167,6 +169,22 @@ class _Queries:
             query.stop()
 
 
+async def _start_again(queries: _Queries, stream: str) -> None:
+    """Start a stopped or failed query again from its checkpoint, as a job's supervisor
+    would. While PostgreSQL is down or coming back (a PostgreSQL fault) the start fails
+    too, since the source reads the stream's writers: try again for a while."""
+    deadline = time.monotonic() + REVIVE_FOR
+    while True:
+        try:
+            await asyncio.to_thread(queries.start, stream)
+            return
+        except Exception as err:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("starting the query of %s again failed: %s", stream, err)
+            await asyncio.sleep(0.5)
+
+
 async def spark_reader(plan: Plan, name: str) -> None:
     from plait.check.roles import Control, read_until_stopped
     from plait.spark.session import quiet_session
@@ -180,6 +198,9 @@ async def spark_reader(plan: Plan, name: str) -> None:
     for s in plan.stream_names:
         await asyncio.to_thread(queries.start, s)
     restarted = 0
+    # Queries started again after a failure, until their first batch: the time from the
+    # failure to that batch is journalled as the query's restart ("reviving", "revived").
+    reviving: set[str] = set()
     seen.journal.write("S", "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
@@ -211,15 +232,31 @@ async def spark_reader(plan: Plan, name: str) -> None:
                 seen.token(s, "*", end.min)
                 for writer in plan.writers:
                     seen.token(s, writer, end.get(writer))
-        if (error := queries.failed()) is not None:
-            seen.journal.write("S", "query-failed", json.dumps(error.splitlines()[0]))
-            logger.error("spark query failed: %s", error)
-            break
+        for s in sorted(reviving):
+            if queries.running[s].lastProgress:
+                seen.journal.write("S", "revived", s)
+                reviving.discard(s)
+        if (failure := queries.failed()) is not None:
+            stream, error = failure
+            cause = json.dumps(f"{stream}: {error_line(error)}")
+            logger.error("spark query of %s failed: %s", stream, error)
+            if not postgres_fault_near(read_control(plan.control), time.time()):
+                seen.journal.write("S", "query-failed", cause)
+                break
+            # PostgreSQL was restarted or crashed just now: the plait source does not
+            # outlast that within a query, so the query is started again from its
+            # checkpoint, as a job's supervisor would; exactly once must hold across
+            # it, as across any restart. Down from now until its first batch.
+            if stream not in reviving:
+                seen.journal.write("S", "reviving", stream, cause)
+                reviving.add(stream)
+            await _start_again(queries, stream)
         if control.orders("restart", name) > restarted:
             restarted += 1
             stream = rng.choice(plan.stream_names)
             seen.journal.write("S", "restarting", stream)
-            batch, removed = await asyncio.to_thread(queries.restart, stream)
+            batch, removed = await asyncio.to_thread(queries.stop_for_restart, stream)
+            await _start_again(queries, stream)
             seen.journal.write("S", "restarted", stream, batch, "replay" if removed else "-")
         await asyncio.sleep(0.1)
     await read

@@ -20,17 +20,29 @@ def summary(report: Report) -> list[Table]:
     run.add_row("rolled back / failed IDs", f"{report.rolled_back:,} / {report.failed:,}")
     for kind, n in sorted(report.faults.counts.items()):
         run.add_row(f"faults: {kind}", str(n))
+    for kind, n in sorted(report.faults.failed.items()):
+        # Tried again later, so the count above still reached the schedule's.
+        reason = report.faults.last_failure.get(kind, "")
+        run.add_row(f"could not inject: {kind}", f"{n} (last: {reason})" if reason else str(n))
     if report.faults.outages:
         run.add_row("transport down", f"{report.faults.transport_down():.1f} s")
+    if report.faults.db_outages:
+        run.add_row("PostgreSQL down", f"{report.faults.db_down():.1f} s")
     run.add_row("writers fenced while alive", str(report.faults.fenced_alive))
     run.add_row("writer restarts", str(report.faults.restarts))
     run.add_row("crashes", str(len(report.faults.crashes)))
+    if report.faults.revived:
+        run.add_row(
+            "Spark queries restarted after failing in a PostgreSQL fault",
+            f"{len(report.faults.revived)} (last: {_short(report.faults.revived[-1])})",
+        )
     run.add_row("own positions gone back", str(len(report.own_regressions)))
     readers = Table(
         title=f"readers (stall bound {options.stall_bound:g} s"
         + (f", spark {options.spark_stall_bound:g} s" if options.spark else "")
         + "; replication readers' stalls leave out the time the transport was down"
         + (", Spark's the time its queries restarted" if options.spark else "")
+        + (", everyone's the time PostgreSQL was down" if report.faults.db_outages else "")
         + ")"
     )
     for column in ("reader", "delivered", "lost", "duplicated", "phantom", "regressions"):
@@ -51,4 +63,13 @@ def summary(report: Report) -> list[Table]:
             str(r.stale),
             stall,
         )
+    deaths = [f"{r.name} stopped reading: {r.died}" for r in report.readers if r.died]
+    if deaths:
+        readers.caption = "\n".join(deaths)
     return [run, readers]
+
+
+def _short(cause: str) -> str:
+    """The cause part of a Spark error line (`verdict.error_line`), at most 100 chars."""
+    text = cause.strip('"').split(" ... ")[-1]
+    return text if len(text) <= 100 else text[:99] + "…"

@@ -15,7 +15,10 @@ rebuilt from the writers' journals:
 A reader's *stall* on a committed ID is the time from the allowed position passing
 it to the reader's passing it, less the time the transport was down (a Redis restart,
 with `TRANSPORT_GRACE` to reconnect) for readers that follow replication: they cannot
-hear of a write then, and plait does not claim they can. So a slow commit (a live
+hear of a write then, and plait does not claim they can; and the time PostgreSQL was
+down (a restart or a crash, with `DATABASE_GRACE` to reconnect) for every reader: no
+one can commit or read then. Rows are never excused: a row lost or repeated across an
+outage is a violation like any other. So a slow commit (a live
 writer's open transaction) holds the IDs above it without counting as a stall, while
 a dead writer that is never fenced does. A writer paused with SIGSTOP is live but not
 progressing: what it would have published just before or during the pause counts from
@@ -27,6 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +46,10 @@ TICK = 0.1
 # After the transport comes back: the checker's reconnect backoff cap (1 s), then an
 # announce interval (1 s) before every writer has told its position again.
 TRANSPORT_GRACE = 2.0
+# After PostgreSQL comes back: pools reconnect with backoff (capped at 2 s for reads),
+# and a writer whose connections all died may have been fenced meanwhile and goes on
+# as a new incarnation (registered, positions flushed and announced) a moment later.
+DATABASE_GRACE = 4.0
 
 Steps = list[tuple[float, int]]  # (time, position), both non-decreasing
 
@@ -91,6 +99,8 @@ class ReaderVerdict:
     # dead writer that does not hold the linear position waits for its restart (only
     # the holder is fenced), so its stall is reported, not bounded.
     bounded: bool = True
+    # Why the reader stopped reading before the end (its last error), when it did.
+    died: str = ""
 
     def violations(self, bound: float) -> list[str]:
         found = [
@@ -105,6 +115,8 @@ class ReaderVerdict:
             )
             if n
         ]
+        if self.died:  # next to the losses it explains
+            found.append(f"stopped reading: {self.died}")
         if self.bounded and self.longest_stall > bound:
             found.append(f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}")
         if not self.caught_up:
@@ -236,9 +248,17 @@ def least(per_writer: Mapping[str, Steps]) -> Steps:
     return result
 
 
-def excused_windows(outages: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Transport outages, each with the grace to reconnect, merged and sorted."""
-    return merged_windows((a, b + TRANSPORT_GRACE) for a, b in outages)
+def excused_windows(
+    outages: Iterable[tuple[float, float]], db_outages: Iterable[tuple[float, float]] = ()
+) -> list[tuple[float, float]]:
+    """Transport and PostgreSQL outages, each with its grace to reconnect, merged and
+    sorted."""
+    return merged_windows(
+        [
+            *((a, b + TRANSPORT_GRACE) for a, b in outages),
+            *((a, b + DATABASE_GRACE) for a, b in db_outages),
+        ]
+    )
 
 
 def merged_windows(windows: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -293,16 +313,20 @@ def judge_reader(
     *,
     per_writer: bool,
     outages: Iterable[tuple[float, float]] = (),
+    db_outages: Iterable[tuple[float, float]] = (),
+    died: str = "",
 ) -> ReaderVerdict:
     """Exactly once, nothing uncommitted, no regression, and how long it stalled.
 
     `committed[stream]` maps each committed ID to its writer; a reader journals rows
     under their writer (per-writer readers) or under "*". `allowed[stream][writer]` are
     the writers' allowed positions (None: no stall check). `outages` are the times the
-    transport was down, for a reader that depends on it.
+    transport was down, for a reader that depends on it; `db_outages` the times
+    PostgreSQL was down. Both excuse stalls only. `died` is why the reader stopped
+    reading, if it did.
     """
-    excused = excused_windows(outages)
-    verdict = ReaderVerdict(name, caught_up=log.caught_up, bounded=not per_writer)
+    excused = excused_windows(outages, db_outages)
+    verdict = ReaderVerdict(name, caught_up=log.caught_up, bounded=not per_writer, died=died)
     verdict.regressions = log.violations["regression"] + log.violations["order"]
     verdict.stale = log.violations["stale"]
     verdict.replays = log.violations["replay"]
@@ -346,6 +370,39 @@ def judge_reader(
                 where = f"{stream}:{at}" + (f" ({w})" if w else "")
                 verdict.longest_stall, verdict.stall_at = stall, where
     return verdict
+
+
+_ERROR_LINE = re.compile(
+    r"^(?:[\w.]+(?:Error|Exception|Exit|Interrupt)\b|.*\b(?:ERROR|CRITICAL|FATAL)\b)"
+)
+
+
+def last_error(text: str) -> str:
+    """The last line of a process's standard error that states an error: a Python
+    exception's (`psycopg.OperationalError: ...`), or a log line at ERROR or worse;
+    else its last line; "" when it said nothing."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR_LINE.match(line):
+            return line
+    return lines[-1] if lines else ""
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception)\b: ")
+
+
+def error_line(error: str) -> str:
+    """One line for an error's text (a Spark query's, with a Python traceback and Java
+    frames inside): its first line, and the first Python exception line below it that
+    is not Spark's or Py4J's wrapper (`plait.errors.ConfigError: ...`): the cause."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    raised = [line for line in lines[1:] if _EXCEPTION_LINE.match(line)]
+    # Spark's and Py4J's own exceptions wrap the one that was raised: skip them.
+    causes = [line for line in raised if not line.startswith(("pyspark.", "py4j."))]
+    cause = (causes or raised or [""])[0]
+    return f"{lines[0]} ... {cause}" if cause else lines[0]
 
 
 def own_regressions(history: History) -> list[str]:
