@@ -9,6 +9,7 @@ Also Redis servers, a Spark session, and the internal HTTP API's servers and cli
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from http_api_helpers import MakeClient, StartApi, already_seen, no_streams
 from plait import Database
+from plait.check.postgres import RestartablePostgres
 from plait.replication.http_api import InternalApi, InternalClient
 from plait.storage.embedded import EmbeddedPostgres
 from redis_server import RedisServer, redis_server_binary
@@ -181,3 +183,19 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A plain HTTP session for requests the InternalClient would never send."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         yield session
+
+
+@pytest.fixture
+async def restartable_pg() -> AsyncIterator[RestartablePostgres]:
+    """An embedded PostgreSQL only this test uses, which it may restart or crash.
+
+    Not under pytest's tmp_path: its parents are private to root, and the server's user
+    (when run as root) must reach its data directory."""
+    base = Path(tempfile.mkdtemp(prefix="plait-pg-"))
+    os.chmod(base, 0o755)
+    server = await asyncio.to_thread(RestartablePostgres, base / "pg")
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.close)
+        shutil.rmtree(base, ignore_errors=True)

@@ -6,12 +6,8 @@ incarnation by itself, and its position never goes backwards through the fence."
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from psycopg.conninfo import make_conninfo
@@ -23,19 +19,6 @@ from plait.ports import free_port
 from plait.storage.incarnation import Incarnation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[RestartablePostgres]:
-    # Not under tmp_path, whose parents are private to root: the server's user needs in.
-    base = Path(tempfile.mkdtemp(prefix="plait-pg-crash-"))
-    os.chmod(base, 0o755)
-    server = await asyncio.to_thread(RestartablePostgres, base / "pg")
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.close)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 async def _until(what: str, condition: Callable[[], bool], within: float = 30.0) -> None:
@@ -58,8 +41,9 @@ async def _epoch_row(db: Database) -> tuple[int, int | None, object]:
 
 
 async def test_a_writer_fenced_after_a_crash_goes_on_as_a_new_incarnation(
-    server: RestartablePostgres,
+    restartable_pg: RestartablePostgres,
 ) -> None:
+    server = restartable_pg
     spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
     setup = await Database.connect(server.dsn, max_size=2)
     await setup.migrate()

@@ -13,12 +13,8 @@ died on its first failed load.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -51,17 +47,8 @@ asyncio.run(main())
 
 
 @pytest.fixture
-async def pg() -> AsyncIterator[RestartablePostgres]:
-    # Not under pytest's tmp_path: its parents are private to root, and the server's
-    # user (when run as root) must reach its data directory.
-    base = Path(tempfile.mkdtemp(prefix="plait-pg-restart-"))
-    os.chmod(base, 0o755)
-    server = await asyncio.to_thread(RestartablePostgres, base / "pg")
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.close)
-        shutil.rmtree(base, ignore_errors=True)
+def pg(restartable_pg: RestartablePostgres) -> RestartablePostgres:
+    return restartable_pg
 
 
 @pytest.mark.parametrize("outage", ["restart", "crash"])
