@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -87,6 +88,9 @@ class Processes:
         self.ports = {name: free_port() for name in ROLES}
         self.sync_port = free_port()
         self.hub_port = free_port()
+        # One per run, for the internal HTTP API and replication alike: the processes
+        # prove it to each other (and Redis lines are signed with it).
+        self.secret = secrets.token_hex(16)
         self.running: dict[str, asyncio.subprocess.Process] = {}
 
     @property
@@ -113,7 +117,7 @@ class Processes:
             database=self.dsn,
             event_writers=EVENT_WRITERS,
             http_ports=self.ports,
-            secret="plait-demo",
+            secret=self.secret,
             redis=self.redis,
             hub_port=self.hub_port,
         )

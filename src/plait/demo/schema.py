@@ -138,7 +138,7 @@ def config_dict(
         "streams": streams(event_writers),
         "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in http_ports.items()},
         "http": {"port": http_ports[name], "secret": secret},
-        "replication": {**replication, "announce_interval": 0.5},
+        "replication": {**replication, "announce_interval": 0.5, "secret": secret},
         "position_flush_interval": 0.5,
     }
 
