@@ -390,11 +390,13 @@ class _Lease:
 # psycopg_pool retries a failed connection with a doubling delay for up to this long,
 # then gives up until a client waits again. Its default (5 min) let the delay grow to
 # a minute or more during an outage, so a process found the server back that late; a
-# short chain starts over at once for a waiting lease (`_waiting` waits in short steps).
+# short chain starts over when a waiting lease looks again (`_waiting`).
 _RECONNECT_CHAIN = 5.0
-# While waiting for the pool, how often a lease looks whether the pool's connection
-# attempts found this run fenced: then it fails at once, not after the pool's timeout.
-_FENCE_LOOK_EVERY = 1.0
+# While waiting for the pool, a lease looks again after this long, then after twice
+# as long each time: whether the pool's connection attempts found this run fenced (then
+# it fails at once, not after the pool's timeout), and to start a fresh reconnect chain.
+# Doubling: each look puts the lease at the back of the pool's queue.
+_FIRST_LOOK = 1.0
 
 
 async def _waiting(db: Database, get: Callable[[float], Awaitable[T]]) -> T:
@@ -403,14 +405,19 @@ async def _waiting(db: Database, get: Callable[[float], Awaitable[T]]) -> T:
     identity, pool = db._identity, db._pool
     loop = asyncio.get_running_loop()
     deadline = loop.time() + pool.timeout
+    step = _FIRST_LOOK
     while True:
         try:
-            return await get(max(0.001, min(_FENCE_LOOK_EVERY, deadline - loop.time())))
+            return await get(max(0.001, min(step, deadline - loop.time())))
         except PoolTimeout:
             if identity.fenced is not None and not identity.may_renew():
                 raise identity.fenced from None
             if loop.time() >= deadline:
-                raise
+                raise PoolTimeout(
+                    f"no database connection within {pool.timeout:g} s: the server did not "
+                    "answer, or every connection of the pool stayed busy"
+                ) from None
+            step *= 2
 
 
 async def _pooled_connection(db: Database, lease: _Lease) -> AsyncConnection[TupleRow]:
