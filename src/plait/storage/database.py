@@ -239,7 +239,16 @@ class _Identity:
     written on a new connection below the position the fence moved readers past.
     Until then, and always without `renew`, every lease fails at once (`FencedError`)."""
 
-    __slots__ = ("fenced", "holds", "incarnation", "pooled", "renew", "renewed", "settings")
+    __slots__ = (
+        "_renewing",
+        "fenced",
+        "holds",
+        "incarnation",
+        "pooled",
+        "renew",
+        "renewed",
+        "settings",
+    )
 
     def __init__(
         self,
@@ -256,6 +265,7 @@ class _Identity:
         self.holds: list[Callable[[], bool]] = []
         # Called with the new incarnation (the pool names later connections after it).
         self.renewed: Callable[[Incarnation], None] | None = None
+        self._renewing = asyncio.Lock()  # one renewal at a time
         # A pooler sits between plait and the server (`_probe`): each connection learns
         # the id of the server process behind it (`server_pid`).
         self.pooled = False
@@ -283,20 +293,23 @@ class _Identity:
             if not self.may_renew():
                 self.fenced = err
                 raise
-            self.fenced = None
-            renewed = self.incarnation
-            if renewed is checked or renewed is None:  # else another connection did it
-                renewed = self.incarnation = Incarnation.new(checked.instance)
-                logger.warning(
-                    "%s; continuing as a new incarnation (epoch %d): its writers are "
-                    "registered again before they allocate",
-                    str(err).split(": another instance", 1)[0],
-                    renewed.epoch,
-                )
-                if self.renewed is not None:
-                    self.renewed(renewed)
-            await renew_incarnation(conn, checked, renewed)
-            return
+            async with self._renewing:
+                if self.incarnation is checked:  # else another connection renewed
+                    new = Incarnation.new(checked.instance)
+                    # The rows move first (committed), the name switches after: if
+                    # this fails, the next connection finds the old run fenced again
+                    # and retries, rather than living on under a name nobody fences by.
+                    await renew_incarnation(conn, checked, new)
+                    self.incarnation, self.fenced = new, None
+                    logger.warning(
+                        "%s; continuing as a new incarnation (epoch %d): its writers are "
+                        "registered again before they allocate",
+                        str(err).split(": another instance", 1)[0],
+                        new.epoch,
+                    )
+                    if self.renewed is not None:
+                        self.renewed(new)
+                    return
         current = self.incarnation
         assert current is not None
         if conn.info.parameter_status("application_name") != current.application_name:

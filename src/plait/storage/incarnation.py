@@ -59,13 +59,15 @@ async def renew_incarnation(
     """Make `conn` the new incarnation's: its name, and every position row the fenced
     `old` one had, moved to `new`'s epoch and no longer fenced (positions stay where
     the fence left them: forwards only). Under the rows' locks, so a fence in progress
-    is waited out, and one that comes later finds this connection alive."""
-    await name_connection(conn, new)
-    await conn.execute(
-        "UPDATE stream_positions SET epoch = %s, fenced_at = NULL, updated_at = now()"
-        " WHERE epoch = %s",
-        (new.epoch, old.epoch),
-    )
+    is waited out, and one that comes later finds this connection alive. One
+    transaction: both happen, or neither."""
+    async with conn.transaction():
+        await name_connection(conn, new)
+        await conn.execute(
+            "UPDATE stream_positions SET epoch = %s, fenced_at = NULL, updated_at = now()"
+            " WHERE epoch = %s",
+            (new.epoch, old.epoch),
+        )
 
 
 async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Incarnation) -> None:
