@@ -295,6 +295,8 @@ class Instance:
                     f"; {held} more refused since the last warning" if held else "",
                 )
             return False
+        if replicated.seen(instance) >= internal:
+            return True  # it arrived while the head was read: no release would come
         future = self._waiters.add(stream, instance, internal)
         try:
             async with asyncio.timeout(timeout):
