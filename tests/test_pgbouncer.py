@@ -215,15 +215,10 @@ async def test_a_killed_writer_behind_session_pooling_is_fenced(
         except TimeoutError:
             pytest.fail(f"the linear position did not pass the dead writer's IDs ({head}) in 15 s")
         print(f"linear position passed the dead writer {took:.2f} s after kill -9")
-        stop(*writers.values())
-        for process in writers.values():
-            await process.wait()
-        truth = await committed(db)
-        try:
-            await reader.until(truth[-1][0], within=15.0)
-        except TimeoutError:
-            pytest.fail(f"the linear position did not reach the last row ({truth[-1][0]}) in 15 s")
-        assert sorted(reader.seen) == truth  # every committed row once, nothing else
+        # Up to where the reader passed the dead writer: every committed row once,
+        # nothing else (the live writer goes on meanwhile).
+        truth = [row for row in await committed(db) if row[0] <= head]
+        assert sorted(row for row in reader.seen if row[0] <= head) == truth
         assert {w for _, w in truth} == {"w1", "w2"}
     finally:
         stop(*writers.values())
