@@ -22,9 +22,9 @@ from psycopg.conninfo import make_conninfo
 
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check.journal import Line, read
-from plait.check.plan import KV_KEYS, Plan, write_control
+from plait.check.plan import Plan, write_control
 from plait.check.postgres import RestartablePostgres
-from plait.storage.database import Database
+from plait.check.run import create_schema
 
 __all__ = ["RestartablePostgres", "Role", "control", "prepare_plan", "targets"]
 
@@ -46,28 +46,7 @@ async def prepare_plan(server_dsn: str, run_dir: Path, redis_url: str, **changes
         redis_url=redis_url,
         **changes,
     )
-    db = await Database.connect(dsn, max_size=2)
-    try:
-        await db.migrate()
-        async with db.transaction() as txn:
-            for s in plan.stream_names:
-                await txn.execute(
-                    f"CREATE TABLE {plan.table(s)} (stream_id bigint NOT NULL,"
-                    " instance_name text NOT NULL, payload text NOT NULL)"
-                )
-                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (instance_name, stream_id)")
-                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (stream_id)")
-            await txn.execute(
-                "CREATE TABLE check_kv (s int, k int, version bigint NOT NULL DEFAULT 0,"
-                " PRIMARY KEY (s, k))"
-            )
-            await txn.execute(
-                "INSERT INTO check_kv (s, k) SELECT s, k FROM generate_series(0, %s) s,"
-                " generate_series(0, %s) k",
-                (plan.streams - 1, KV_KEYS - 1),
-            )
-    finally:
-        await db.close()
+    await create_schema(plan)
     return plan
 
 

@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 
-from plait import Database, FencedError, MultiWriterIdGenerator
+from fence_helpers import LinearReader, committed, spawn, stop
+from plait import Database, FencedError
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
 from plait.storage.stream_store import StreamStore
 from replication_helpers import Seen, cluster_of, connected, until, write
 from stream_helpers import create_generator, create_table, spec_for
 
-ROLE = Path(__file__).with_name("fence_roles.py")
 INSERT = (
     "INSERT INTO events (stream_id, instance_name, payload)"
     " SELECT {id}, %s, 'p' || g FROM generate_series(1, %s) g RETURNING stream_id"
@@ -145,64 +141,6 @@ async def test_a_live_writer_holding_a_transaction_is_not_fenced(db: Database, d
         await w2.close()
         await w1_db.close()
         await w2_db.close()
-
-
-# -- processes ------------------------------------------------------------------------------
-
-
-async def spawn(dsn: str, name: str, config: Any = None) -> asyncio.subprocess.Process:
-    args: dict[str, Any] = {"dsn": dsn, "name": name, "writers": ["w1", "w2"]}
-    if config is not None:
-        args["config"] = config
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(ROLE),
-        json.dumps(args),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(30):
-        line = await process.stdout.readline()
-    assert line == b"started\n", (line, await process.stderr.read() if process.stderr else b"")
-    return process
-
-
-class LinearReader:
-    """Follows persisted-up-to, reading every row at or below it once."""
-
-    def __init__(self, gen: MultiWriterIdGenerator) -> None:
-        self.gen = gen
-        self.linear = gen.get_current_token()
-        self.seen: list[tuple[int, str]] = []
-
-    async def catch_up(self) -> int:
-        target = self.gen.get_current_token()
-        while self.linear < target:
-            rows, upto, _ = await self.gen.get_updates_since(None, self.linear, target, 500)
-            self.seen.extend((r.stream_id, r.instance_name) for r in rows)
-            self.linear = upto
-        return self.linear
-
-    async def until(self, position: int, within: float) -> float:
-        """Seconds until the linear position reached `position`."""
-        started = time.monotonic()
-        async with asyncio.timeout(within):
-            while await self.catch_up() < position:  # noqa: ASYNC110 - polls the database
-                await asyncio.sleep(0.02)
-        return time.monotonic() - started
-
-
-async def committed(db: Database) -> list[tuple[int, str]]:
-    async with db.connection() as conn:
-        cursor = await conn.execute("SELECT stream_id, instance_name FROM events ORDER BY 1")
-        return [(r[0], r[1]) for r in await cursor.fetchall()]
-
-
-def stop(*processes: asyncio.subprocess.Process) -> None:
-    for process in processes:
-        if process.returncode is None:
-            process.kill()
 
 
 @contextlib.asynccontextmanager

@@ -19,13 +19,13 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import TupleRow
 
+from fence_helpers import LinearReader, committed, spawn, stop
 from pgbouncer import PgBouncer, pgbouncer, pgbouncer_binary, role_with_schema
 from plait import Database, DatabaseUnavailableError, FencedError
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
 from plait.storage.stream_store import StreamStore
 from plait.storage.timeouts import DatabaseTimeouts
 from stream_helpers import create_generator, create_table, spec_for
-from test_fencing import LinearReader, committed, spawn, stop
 
 pytestmark = pytest.mark.skipif(
     pgbouncer_binary() is None,

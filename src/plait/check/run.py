@@ -324,28 +324,7 @@ class Checker:
             fence_after=options.fence_after,
             batch=options.batch,
         )
-        db = await Database.connect(dsn, max_size=2)
-        try:
-            await db.migrate()
-            async with db.transaction() as txn:
-                for s in plan.stream_names:
-                    await txn.execute(
-                        f"CREATE TABLE {plan.table(s)} (stream_id bigint NOT NULL,"
-                        " instance_name text NOT NULL, payload text NOT NULL)"
-                    )
-                    await txn.execute(f"CREATE INDEX ON {plan.table(s)} (instance_name, stream_id)")
-                    await txn.execute(f"CREATE INDEX ON {plan.table(s)} (stream_id)")
-                await txn.execute(
-                    "CREATE TABLE check_kv (s int, k int, version bigint NOT NULL DEFAULT 0,"
-                    " PRIMARY KEY (s, k))"
-                )
-                await txn.execute(
-                    "INSERT INTO check_kv (s, k) SELECT s, k FROM generate_series(0, %s) s,"
-                    " generate_series(0, %s) k",
-                    (options.streams - 1, KV_KEYS - 1),
-                )
-        finally:
-            await db.close()
+        await create_schema(plan)
         if options.transport == "redis":
             self._redis = RedisServer()
             await asyncio.to_thread(self._redis.start)
@@ -773,6 +752,33 @@ class Checker:
             elif what in ends and (ends[what], line.fields[1]) in began:
                 down.append((began.pop((ends[what], line.fields[1])), line.t))
         return down
+
+
+async def create_schema(plan: Plan) -> None:
+    """plait's tables, the plan's stream tables and the cache worker's `check_kv`, in
+    the plan's database (its DSN names the run's schema)."""
+    db = await Database.connect(plan.dsn, max_size=2)
+    try:
+        await db.migrate()
+        async with db.transaction() as txn:
+            for s in plan.stream_names:
+                await txn.execute(
+                    f"CREATE TABLE {plan.table(s)} (stream_id bigint NOT NULL,"
+                    " instance_name text NOT NULL, payload text NOT NULL)"
+                )
+                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (instance_name, stream_id)")
+                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (stream_id)")
+            await txn.execute(
+                "CREATE TABLE check_kv (s int, k int, version bigint NOT NULL DEFAULT 0,"
+                " PRIMARY KEY (s, k))"
+            )
+            await txn.execute(
+                "INSERT INTO check_kv (s, k) SELECT s, k FROM generate_series(0, %s) s,"
+                " generate_series(0, %s) k",
+                (plan.streams - 1, KV_KEYS - 1),
+            )
+    finally:
+        await db.close()
 
 
 def _reader_log(path: Path) -> ReaderLog:

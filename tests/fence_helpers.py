@@ -1,0 +1,70 @@
+"""Writer processes and a linear reader for the fencing tests (fence_roles.py is the
+process; PgBouncer's tests run the same set-up through a pooler)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from plait import Database, MultiWriterIdGenerator
+
+ROLE = Path(__file__).with_name("fence_roles.py")
+
+
+async def spawn(dsn: str, name: str, config: Any = None) -> asyncio.subprocess.Process:
+    args: dict[str, Any] = {"dsn": dsn, "name": name, "writers": ["w1", "w2"]}
+    if config is not None:
+        args["config"] = config
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(ROLE),
+        json.dumps(args),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(30):
+        line = await process.stdout.readline()
+    assert line == b"started\n", (line, await process.stderr.read() if process.stderr else b"")
+    return process
+
+
+class LinearReader:
+    """Follows persisted-up-to, reading every row at or below it once."""
+
+    def __init__(self, gen: MultiWriterIdGenerator) -> None:
+        self.gen = gen
+        self.linear = gen.get_current_token()
+        self.seen: list[tuple[int, str]] = []
+
+    async def catch_up(self) -> int:
+        target = self.gen.get_current_token()
+        while self.linear < target:
+            rows, upto, _ = await self.gen.get_updates_since(None, self.linear, target, 500)
+            self.seen.extend((r.stream_id, r.instance_name) for r in rows)
+            self.linear = upto
+        return self.linear
+
+    async def until(self, position: int, within: float) -> float:
+        """Seconds until the linear position reached `position`."""
+        started = time.monotonic()
+        async with asyncio.timeout(within):
+            while await self.catch_up() < position:  # noqa: ASYNC110 - polls the database
+                await asyncio.sleep(0.02)
+        return time.monotonic() - started
+
+
+async def committed(db: Database) -> list[tuple[int, str]]:
+    async with db.connection() as conn:
+        cursor = await conn.execute("SELECT stream_id, instance_name FROM events ORDER BY 1")
+        return [(r[0], r[1]) for r in await cursor.fetchall()]
+
+
+def stop(*processes: asyncio.subprocess.Process) -> None:
+    for process in processes:
+        if process.returncode is None:
+            process.kill()
