@@ -18,6 +18,7 @@ from typing import Any
 from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
 from plait.instance import Instance
 from plait.storage.incarnation import Incarnation
+from replication_helpers import TableRows
 
 INSERT = "INSERT INTO events (stream_id, instance_name, payload) VALUES (%s, %s, %s)"
 
@@ -26,6 +27,7 @@ async def main(args: dict[str, Any]) -> None:
     name = str(args["name"])
     if "config" in args:
         instance = Instance(args["config"])
+        instance.row_type("events", TableRows())  # as the tests' instances send them
         await instance.start()
         db, gen = instance.db, instance.generator("events")
     else:

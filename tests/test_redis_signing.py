@@ -215,7 +215,8 @@ async def test_a_signed_sender_speaks_only_for_itself_or_announces_a_fence(
         "RDATA s a 1 {}": True,
         "RDATA s b 2 {}": False,  # b's row, from a
         "POSITION s c 3 4": False,  # c's position, from a
-        "POSITION s c 5 5": True,  # a fenced c at 5 and says so
+        "POSITION s c 5 5": False,  # the old form of a fence: now FENCED only
+        "FENCED s c 5": True,  # a fenced c at 5 and says so (checked by the handler)
         "POSITION s a 1 2": True,
         "DEPART c": False,
         "DEPART a": True,
@@ -227,7 +228,7 @@ async def test_a_signed_sender_speaks_only_for_itself_or_announces_a_fence(
     assert [line for line in b.session.lines if line in sent] == [
         line for line, allowed in sent.items() if allowed
     ]
-    assert refusals(mb, "foreign") == 3
+    assert refusals(mb, "foreign") == 4
     assert a.session.authenticated  # signed: the handler takes a writer's own word
     assert b.session.authenticated
 

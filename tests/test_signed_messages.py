@@ -184,9 +184,8 @@ def test_lines_may_speak_only_for_their_sender_or_announce_a_fence(
     if other != sender:
         assert foreign(f"RDATA events {other} {new} []".encode(), s)
         assert foreign(f"DEPART {other}".encode(), s)
-        fence = f"POSITION events {other} {new} {new}".encode()
-        assert not foreign(fence, s)  # a fence announcement: from any holder of the secret
-        assert foreign(f"POSITION events {other} {prev} {new}".encode(), s) == (prev != new)
+        assert foreign(f"POSITION events {other} {prev} {new}".encode(), s)
+        assert not foreign(f"FENCED events {other} {new}".encode(), s)  # checked in the DB
 
 
 def test_the_finding_s_lines_are_foreign_to_any_other_sender() -> None:

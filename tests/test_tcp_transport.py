@@ -818,8 +818,8 @@ async def test_a_slow_peer_is_closed_at_the_byte_limit_before_the_line_limit(
 
 async def test_a_client_cannot_speak_for_another_instance() -> None:
     """The issue's attack: a peer that said NAME evil sends positions and rows of other
-    writers. None reaches the hub's session or another client; of another writer's
-    lines only the fence announcement (POSITION with prev == new) is relayed."""
+    writers. None reaches the hub's session or another client; of lines about another
+    writer only FENCED is relayed (receivers check it against the database)."""
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("w2")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
         assert await client.wait_open(WAIT)
@@ -830,10 +830,11 @@ async def test_a_client_cannot_speak_for_another_instance() -> None:
             'RDATA notes w1 32 {"body":"forged"}',
             "RDATA notes w2 batch {}",
             "POSITION notes w1 5 9",
-            "POSITION notes hub 3 3",  # the hub's own: never from a client, fence or not
+            "POSITION notes w1 7 7",  # a fence went as POSITION p p once: now FENCED only
+            "POSITION notes hub 3 3",  # the hub's own: never from a client
             "DEPART w2",
         ]
-        allowed = ["POSITION notes w1 7 7", "POSITION notes evil 0 1", "DEPART evil"]
+        allowed = ["FENCED notes w1 7", "POSITION notes evil 0 1", "DEPART evil"]
         await peer.send(("\n".join(attack + allowed) + "\n").encode())
         await eventually(lambda: "DEPART evil" in at_other.lines, "the allowed lines relayed")
         await eventually(lambda: "DEPART evil" in at_hub.lines, "the allowed lines at the hub")
@@ -842,7 +843,8 @@ async def test_a_client_cannot_speak_for_another_instance() -> None:
         errors = [await peer.line() for _ in attack]
         assert errors[0] == (
             "ERROR POSITION of w2 refused: this connection is evil, and only w2 sends its "
-            "own (another writer's position only as a fence: POSITION <stream> <writer> p p)"
+            "own (a fence of another writer goes as FENCED, which receivers check against "
+            "the database)"
         )
         assert all(re.match(r"ERROR (RDATA|POSITION|DEPART) of \w+ refused", e) for e in errors)
         assert at_hub.closed_calls == 0  # a few bad lines are within the budget
@@ -879,8 +881,6 @@ def test_the_hub_reads_the_name_of_a_line_as_receivers_parse_it(line: str) -> No
     if isinstance(command, Rdata | Position):
         assert tcp_transport._field(line, 2) == command.instance
         assert rows_of(line, command.instance)
-        if isinstance(command, Position):  # the hub asks only of POSITION lines
-            assert tcp_transport._is_fence(line) == (command.prev == command.new)
     elif isinstance(command, Depart):
         assert tcp_transport._field(line, 1) == command.name
 

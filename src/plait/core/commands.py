@@ -4,6 +4,7 @@ A line is a command name, and for most commands a space and arguments:
 
     RDATA <stream> <instance> <token|batch> <row-json>
     POSITION <stream> <instance> <prev> <new>
+    FENCED <stream> <writer> <position>
     REPLICATE
     NAME <name>
     CHALLENGE <name> <nonce>
@@ -173,6 +174,32 @@ class Position:
 
 
 @dataclass(frozen=True, slots=True)
+class Fenced:
+    """The sender fenced `writer` of `stream` up to `position`: none of the writer's
+    connections was alive, so all it wrote is committed or rolled back. Unlike POSITION,
+    which only the writer itself sends, any instance may send it, so receivers believe
+    it only once the writer's stored position is at or past `position` (the fence wrote
+    it there before announcing it)."""
+
+    NAME: ClassVar[str] = "FENCED"
+    stream: str
+    writer: str
+    position: int
+
+    @classmethod
+    def from_args(cls, args: str) -> Fenced:
+        stream, writer, position = split_args(args, 3, "FENCED <stream> <writer> <position>")
+        return cls(
+            parse_name(stream, "stream"),
+            parse_name(writer, "writer"),
+            parse_integer(position, "position"),
+        )
+
+    def to_args(self) -> str:
+        return f"{_checked(self.stream)} {_checked(self.writer)} {self.position}"
+
+
+@dataclass(frozen=True, slots=True)
 class Replicate:
     """Ask every peer for its current positions."""
 
@@ -308,6 +335,7 @@ class Error:
 BUILTIN: tuple[type[Command], ...] = (
     Rdata,
     Position,
+    Fenced,
     Replicate,
     Name,
     Server,

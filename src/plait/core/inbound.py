@@ -28,6 +28,10 @@ in-memory stream). Why no row is skipped or repeated:
   `batch` row gets its `Resync` only at its next numbered RDATA or POSITION (that
   command and the batch rows before it are dropped too, and counted in `upto`).
   Meanwhile the backlog holds one number for it, not its commands.
+- A FENCED (another instance's word that a writer was fenced) never folds into a
+  `Resync`, which the shell takes as the writer's own word: the backlog keeps the
+  highest one per writer instead, after the `Resync`s, for the shell to prove against
+  the database as when it arrives. Believed or not, it only ever moves a writer forward.
 
 The I/O shell feeds commands in per-stream order, does the catch-up reads this module
 asks for, calls `caught_up` after them, and delivers what it returns.
@@ -39,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.core.commands import Position, Rdata
+from plait.core.commands import Fenced, Position, Rdata
 
 # Commands a stream may have waiting on one connection (replication.inbound_queue).
 DEFAULT_INBOUND_QUEUE = 10_000
@@ -77,13 +81,13 @@ class Resync:
     upto: int
 
 
-Queued = Rdata | Position | Resync
+Queued = Rdata | Position | Fenced | Resync
 
 
 @dataclass(slots=True)
 class Backlog:
     """The commands of one stream waiting on one connection: never more than `bound`
-    (or one `Resync` per writer, when there are more writers than that)."""
+    (or one `Resync` and one FENCED per writer, when there are more writers than that)."""
 
     stream: str
     bound: int
@@ -106,10 +110,11 @@ class Backlog:
         """Nothing waits, nor is any writer cut off: a command may be handled at once."""
         return not self._commands and not self._cut
 
-    def push(self, command: Rdata | Position) -> bool:
+    def push(self, command: Rdata | Position | Fenced) -> bool:
         """Queue `command`; True when the backlog overflowed and dropped what it held."""
-        writer = command.instance
-        if writer in self._cut:
+        if isinstance(command, Fenced):
+            self._commands.append(command)  # not the writer's own: no part in its batches
+        elif (writer := command.instance) in self._cut:
             upto = _max(self._cut[writer], self._upto(command))
             if isinstance(command, Rdata) and command.token is None:
                 self._cut[writer] = upto  # still inside the batch
@@ -128,7 +133,7 @@ class Backlog:
         """The next command to handle, oldest first; None when none waits."""
         return self._commands.popleft() if self._commands else None
 
-    def _upto(self, command: Queued) -> int | None:
+    def _upto(self, command: Rdata | Position | Resync) -> int | None:
         if isinstance(command, Resync):
             return command.upto
         if isinstance(command, Position):
@@ -138,7 +143,13 @@ class Backlog:
     def _drop(self) -> None:
         upto: dict[str, int | None] = {}  # in order of first appearance
         inside_batch: set[str] = set()
+        fences: dict[str, Fenced] = {}  # the highest per writer
         for command in self._commands:
+            if isinstance(command, Fenced):
+                kept = fences.get(command.writer)
+                if kept is None or self.sign * command.position > self.sign * kept.position:
+                    fences[command.writer] = command
+                continue
             writer, token = command.instance, self._upto(command)
             upto[writer] = _max(upto.get(writer), token)
             if token is None:
@@ -152,6 +163,7 @@ class Backlog:
             else:
                 assert token is not None
                 self._commands.append(Resync(self.stream, writer, token))
+        self._commands.extend(fences.values())
 
 
 def _max(a: int | None, b: int | None) -> int | None:

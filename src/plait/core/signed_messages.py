@@ -27,8 +27,8 @@ What a receiver (`Verifier`) keeps, per subscription ("session") and across them
   accepted before (on any session of this process) and stamped within `max_skew_ms` of
   the receiver's clock.
 - A line that speaks for an instance (RDATA, POSITION, DEPART) must name the sender
-  (`foreign`), except a fence announcement: `POSITION <stream> <writer> p p`, sent by
-  the instance that fenced `writer` (any holder of the secret may send one).
+  (`foreign`). A FENCED names another writer by nature: any holder of the secret may
+  send one, and receivers believe it only once the database shows the fence.
 
 Why a replayed message is then harmless. An attacker who can SUBSCRIBE sees signed
 messages and can PUBLISH them again, unchanged (any change breaks the mac). On a session
@@ -215,14 +215,12 @@ _DEPART = b"DEPART "
 
 def foreign(line: bytes, sender: bytes) -> bool:
     """Whether `line` speaks for another instance than `sender`: its RDATA, POSITION or
-    DEPART, except a fence announcement (`POSITION <stream> <writer> p p`)."""
+    DEPART. (A FENCED is about another writer by nature: receivers check it against
+    the database.)"""
     if line.startswith(_RDATA):
         return not _names(line, len(_RDATA), sender)
     if line.startswith(_POSITION):
-        if _names(line, len(_POSITION), sender):
-            return False
-        fields = line.split(b" ")
-        return len(fields) != 5 or fields[3] != fields[4]
+        return not _names(line, len(_POSITION), sender)
     if line.startswith(_DEPART):
         return line[len(_DEPART) :] != sender
     return False

@@ -43,6 +43,7 @@ from plait.core.commands import (
     CommandSet,
     Depart,
     Error,
+    Fenced,
     Name,
     Ping,
     Position,
@@ -140,6 +141,8 @@ def _signed(command: Command, sign: int) -> Command:
         return dataclasses.replace(command, token=token)
     if isinstance(command, Position):
         return dataclasses.replace(command, prev=sign * command.prev, new=sign * command.new)
+    if isinstance(command, Fenced):
+        return dataclasses.replace(command, position=sign * command.position)
     return command
 
 
@@ -308,9 +311,9 @@ class ReplicationHandler:
 
     def _fenced(self, stream: ReplicatedStream, writer: str, signed: int) -> None:
         """This instance fenced a dead `writer` up to `signed`: tell the others, who
-        catch up its rows as for any POSITION (prev = new makes them read from wherever
-        they are), and catch them up here too before its position moves."""
-        self.broadcast([Position(stream.name, writer, signed, signed)])
+        check the writer's stored position and then catch up its rows as for a POSITION
+        from wherever they are, and catch them up here too before its position moves."""
+        self.broadcast([Fenced(stream.name, writer, signed)])
         task = asyncio.create_task(
             self._catch_up_fenced(stream, writer, stream.sign * signed),
             name=f"plait-fenced-{stream.name}-{writer}",
@@ -420,23 +423,36 @@ class ReplicationHandler:
         for listener in self.listeners.departures:
             await _call(listener, instance)
 
-    def refuse(self, stream: ReplicatedStream, command: Rdata | Position, link: str) -> None:
-        """A row or position claims an ID the stream's sequence has not handed out: it
-        is dropped, counted and logged (rate-limited), never adopted (R-ID-14)."""
+    def refuse(
+        self, stream: ReplicatedStream, command: Rdata | Position | Fenced, link: str
+    ) -> None:
+        """A row or position claims an ID the stream's sequence has not handed out, or
+        a fence the database does not show: it is dropped, counted and logged
+        (rate-limited), never adopted (R-ID-14)."""
         self.metrics.refused_positions.labels(stream.name).inc()
-        held = self._refusals.allow((link, stream.name, command.instance), time.monotonic())
+        writer = command.writer if isinstance(command, Fenced) else command.instance
+        held = self._refusals.allow((link, stream.name, writer), time.monotonic())
         if held is None:
             return
-        claim = command.token if isinstance(command, Rdata) else command.new
+        if isinstance(command, Fenced):
+            why = (
+                f"{writer}'s stored position is below {command.position}, so no fence "
+                "moved it there: the announcement is forged, or comes from another "
+                "database (every instance must use the same database)"
+            )
+        else:
+            claim = command.token if isinstance(command, Rdata) else command.new
+            why = (
+                f"{claim} names no ID yet (above the sequence head), so it is forged or "
+                "comes from another database; every instance must use the same database"
+            )
         logger.warning(
-            "replication: refused %s of %s for %s on %s: %s names no ID yet (above the "
-            "sequence head), so it is forged or comes from another database; every "
-            "instance must use the same database%s",
+            "replication: refused %s of %s for %s on %s: %s%s",
             command.NAME,
-            command.instance,
+            writer,
             stream.name,
             link,
-            claim,
+            why,
             f" ({held} more refused since the last warning)" if held else "",
         )
 
@@ -589,7 +605,8 @@ class _Session:
         # Unauthenticated lines may come from anyone: every claim above the sequence
         # head known here is checked against the sequence before it counts (R-ID-14).
         # Authenticated ones carry a writer's word about its own IDs, which it took
-        # from the sequence: only positions sent on another's behalf are checked.
+        # from the sequence (the transports refuse RDATA and POSITION in another's
+        # name). A FENCED, on another's behalf, is always checked against the database.
         self._check_every_claim = not authenticated
         self._inbound = Inbound(handler.instance_name)
         self._own_name = handler.instance_name
@@ -654,14 +671,15 @@ class _Session:
 
     def _dispatch(self, command: Command) -> None:
         handler = self._handler
-        if isinstance(command, Rdata | Position):
+        if isinstance(command, Rdata | Position | Fenced):
             stream = handler.stream(command.stream)
             if stream is None:
                 return
-            if stream.writers is not None and command.instance not in stream.writers:
+            writer = command.writer if isinstance(command, Fenced) else command.instance
+            if stream.writers is not None and writer not in stream.writers:
                 # Not a configured writer (removed, or a misconfigured peer): its
                 # position is never tracked here, so following it would re-read forever.
-                logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
+                logger.debug("replication: ignoring %s of %s", command.NAME, writer)
                 return
             backlog = self._backlogs.get(command.stream)
             if (
@@ -701,7 +719,7 @@ class _Session:
             self._start_worker(_APP_QUEUE, queue.get, queue.empty)
         queue.put_nowait(command)
 
-    def _enqueue_stream(self, stream: ReplicatedStream, command: Rdata | Position) -> None:
+    def _enqueue_stream(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
         backlog = self._backlogs.get(stream.name)
         if backlog is None:
             backlog = self._backlogs[stream.name] = Backlog(
@@ -769,6 +787,9 @@ class _Session:
         elif isinstance(command, Position):
             async with handler.delivering(command.stream, command.instance):
                 await self._position(command)
+        elif isinstance(command, Fenced):
+            async with handler.delivering(command.stream, command.writer):
+                await self._fence(command)
         elif isinstance(command, Resync):
             async with handler.delivering(command.stream, command.instance):
                 await self._resync(command)
@@ -822,13 +843,30 @@ class _Session:
         stream = handler.streams[command.stream]
         internal = _signed(command, stream.sign)
         assert isinstance(internal, Position)
-        # prev == new: a fence (or a REPLICATE answer), possibly on another's behalf.
-        if (
-            self._check_every_claim or internal.prev == internal.new
-        ) and not await stream.is_allocated(max(internal.prev, internal.new)):
+        if self._check_every_claim and not await stream.is_allocated(
+            max(internal.prev, internal.new)
+        ):
             handler.refuse(stream, command, self.link.label)
             return
         plan = self._inbound.position(internal, stream.seen(command.instance))
+        if plan is not None:
+            await self._follow(stream, plan)
+
+    async def _fence(self, command: Fenced) -> None:
+        """Another instance fenced a writer: follow it as that writer's POSITION from
+        wherever this process is, once the database shows the fence (R-ID-14)."""
+        handler = self._handler
+        stream = handler.streams[command.stream]
+        if command.writer == self._own_name:
+            return  # this instance's own run: its renewal reads the database itself
+        internal = stream.sign * command.position
+        if internal <= stream.seen(command.writer):
+            return  # nothing to move: no need to ask the database
+        if not await stream.is_proven_fence(command.writer, internal):
+            handler.refuse(stream, command, self.link.label)
+            return
+        claim = Position(command.stream, command.writer, internal, internal)
+        plan = self._inbound.position(claim, stream.seen(command.writer))
         if plan is not None:
             await self._follow(stream, plan)
 
@@ -838,9 +876,14 @@ class _Session:
         plan = self._inbound.resync(command, stream.seen(command.instance))
         if plan is None:
             return
-        # Claims of positions on another's behalf may be among the dropped commands:
-        # check as for a fence. Refused, the writer counts again at its next POSITION.
-        if plan.advance_to is not None and not await stream.is_allocated(plan.advance_to):
+        # The dropped commands were the writer's own (FENCED never folds into a Resync):
+        # checked as they would have been. Refused, the writer counts again at its next
+        # POSITION.
+        if (
+            self._check_every_claim
+            and plan.advance_to is not None
+            and not await stream.is_allocated(plan.advance_to)
+        ):
             signed = stream.sign * plan.advance_to
             claim = Position(command.stream, command.instance, signed, signed)
             self._handler.refuse(stream, claim, self.link.label)

@@ -133,8 +133,7 @@ _REFUSALS = {
     GAP: "message(s) after a missing one of the same sender (lost or replayed lines)",
     FOREIGN: (
         "line(s) of rows or positions (or a DEPART) of another instance than their "
-        "signed sender: only an instance itself may send them (or a fence: POSITION "
-        "with prev = new)"
+        "signed sender: only an instance itself may send them"
     ),
     OVERSIZED: "message(s) larger than any plait sends",
 }
@@ -419,7 +418,8 @@ class RedisTransport:
                 signer = Signer(self._key, self._channel, self._handler.instance_name, run)
             if self._verifier is not None:
                 self._verifier.new_session()
-            # Signed: every line is a proven sender's, in its own name (or a fence).
+            # Signed: every line is a proven sender's, in its own name (FENCED aside,
+            # which receivers check against the database).
             session = self._handler.open(
                 outbox, reply_errors=False, authenticated=self._verifier is not None
             )

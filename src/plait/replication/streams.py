@@ -70,6 +70,11 @@ class ReplicatedStream(Protocol):
         """`is_known_allocated`, asking the source of truth when it is not known."""
         ...
 
+    async def is_proven_fence(self, writer: str, token: int) -> bool:
+        """Whether a fence of `writer` up to `token`, announced by another instance, is
+        a fact: the writer's stored position is at or past it."""
+        ...
+
     def advance(self, writer: str, token: int) -> None:
         """This process has seen every row of `writer` up to `token` (never backwards)."""
         ...
@@ -189,6 +194,9 @@ class DatabaseStream:
 
     async def is_allocated(self, token: int) -> bool:
         return await self._gen.is_allocated(self._sign * token)
+
+    async def is_proven_fence(self, writer: str, token: int) -> bool:
+        return await self._gen.is_stored_at(writer, self._sign * token)
 
     def advance(self, writer: str, token: int) -> None:
         if token <= self._seen.get(writer, self._start):
@@ -350,6 +358,9 @@ class InMemoryStream:
 
     async def is_allocated(self, token: int) -> bool:
         return True
+
+    async def is_proven_fence(self, writer: str, token: int) -> bool:
+        return False  # nobody fences the writer of an in-memory stream
 
     def advance(self, writer: str, token: int) -> None:
         if token > self._seen.get(writer, 0):

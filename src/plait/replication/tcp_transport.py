@@ -18,9 +18,9 @@ The rules this module keeps:
   first, or no finished handshake within its handshake timeout: ERROR and close.
 - Names: a connection speaks for the instance it named (and proved, with a secret). The
   hub refuses RDATA, POSITION and DEPART in any other instance's name (ERROR, a bad
-  line, taken by no session and relayed to nobody), but for a fence announcement, a
-  POSITION with prev == new, which receivers check against the sequence head. Nobody
-  but the hub sends in the hub's name. One connection holds a name at a time: a newer
+  line, taken by no session and relayed to nobody). A FENCED, about another writer by
+  nature, is relayed: receivers check it against the database. Nobody but the hub
+  sends in the hub's name. One connection holds a name at a time: a newer
   one replaces the older (the instance reconnected before the hub noticed).
 - PING, ERROR and the handshake's commands (NAME, CHALLENGE, PROOF, SERVER) belong to
   the transport: never relayed, never given to a session (an ERROR received is logged).
@@ -651,12 +651,6 @@ def _field(line: str, index: int) -> str | None:
     return found or None
 
 
-def _is_fence(line: str) -> bool:
-    """Whether a POSITION line announces a fence: `POSITION <stream> <writer> p p`."""
-    parts = line.split(" ")
-    return len(parts) == 5 and parts[3] == parts[4]
-
-
 class TcpHub:
     """Accepts clients and relays commands between them; this instance's handler serves
     each client connection as it would any other. With a `secret`, clients must prove
@@ -968,12 +962,10 @@ class TcpHub:
                     f"RDATA of {writer} refused: this connection is {sender.name}, and only "
                     f"{writer} sends its own rows"
                 )
-            if _is_fence(line):  # relayed: receivers check it against the sequence head
-                return None
             return (
                 f"POSITION of {writer} refused: this connection is {sender.name}, and only "
-                f"{writer} sends its own (another writer's position only as a fence: "
-                "POSITION <stream> <writer> p p)"
+                f"{writer} sends its own (a fence of another writer goes as FENCED, which "
+                "receivers check against the database)"
             )
         if name == Depart.NAME:
             departing = _field(line, 1)

@@ -540,6 +540,23 @@ class StreamStore:
 
         return await self.db.retry_read(f"the positions of stream {self.spec.name}", load)
 
+    async def stored_position(self, instance: str) -> int | None:
+        """`instance`'s position in `stream_positions` (internal), None without a row.
+        Outlasts a server restart (`Database.retry_read`)."""
+
+        async def load() -> int | None:
+            async with self.db.connection() as conn:
+                row = await (
+                    await conn.execute(
+                        "SELECT stream_id FROM stream_positions"
+                        " WHERE stream_name = %s AND instance_name = %s",
+                        (self.spec.name, instance),
+                    )
+                ).fetchone()
+            return None if row is None else self._sign * int(row[0])
+
+        return await self.db.retry_read(f"the position of {instance} on {self.spec.name}", load)
+
     async def _load_positions_in(
         self, conn: AsyncConnection[TupleRow], drop_others: bool
     ) -> AsyncCursor[TupleRow]:

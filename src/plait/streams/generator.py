@@ -568,6 +568,13 @@ class MultiWriterIdGenerator:
                 self._head = max(self._head, await self._store.sequence_head())
         return internal <= self._head
 
+    async def is_stored_at(self, writer: str, position: int) -> bool:
+        """Whether `writer`'s position in `stream_positions` is at or past `position`
+        (signed): written there by the writer itself or by a fence that proved it dead,
+        so a fence another instance announces is a fact once this holds (R-ID-14)."""
+        stored = await self._store.stored_position(writer)
+        return stored is not None and stored >= self._sign * position
+
     async def refresh_positions(self) -> None:
         """Learn the other writers' positions from `stream_positions`."""
         if not self._keeps_rows:
