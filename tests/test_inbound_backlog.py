@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.config import InstanceConfig
-from plait.core.commands import Position, Rdata
+from plait.core.commands import Fenced, Position, Rdata
 from plait.core.inbound import DEFAULT_INBOUND_QUEUE, Backlog, Inbound, Plan, Queued, Resync
 from plait.errors import ConfigError
 
@@ -206,3 +206,56 @@ def test_the_bound_is_configured_with_one_default() -> None:
     assert small.replication.inbound_queue == 50
     with pytest.raises(ConfigError, match="inbound_queue: Input should be greater than"):
         InstanceConfig.load({"instance_name": "a", "replication": {"inbound_queue": 0}})
+
+
+_own_commands = st.one_of(
+    st.builds(
+        Rdata,
+        st.just(STREAM),
+        st.sampled_from(WRITERS),
+        st.integers(1, 50) | st.none(),  # None: a batch row
+        st.just("r"),
+    ),
+    st.builds(
+        Position, st.just(STREAM), st.sampled_from(WRITERS), st.integers(1, 50), st.integers(1, 50)
+    ),
+)
+_fences = st.builds(Fenced, st.just(STREAM), st.sampled_from(WRITERS), st.integers(1, 100))
+
+
+@given(st.lists(_own_commands | _fences, max_size=40), st.integers(1, 6))
+def test_a_fence_never_folds_into_a_writers_own_resync(
+    pushed: list[Rdata | Position | Fenced], bound: int
+) -> None:
+    """A FENCED is another instance's word, which the shell checks against the database;
+    a `Resync` is taken as the writer's own. Through any overflow the backlog keeps
+    the highest fence per writer as a FENCED, and no Resync reaches past what the
+    writer's own commands named."""
+    backlog = Backlog(STREAM, bound=bound)
+    for command in pushed:
+        backlog.push(command)
+    kept = []
+    while (queued := backlog.pop()) is not None:
+        kept.append(queued)
+    for writer in WRITERS:
+        own = [c for c in pushed if not isinstance(c, Fenced) and c.instance == writer]
+        own_upto = max([c.new if isinstance(c, Position) else c.token or 0 for c in own], default=0)
+        for queued in kept:
+            if isinstance(queued, Resync) and queued.instance == writer:
+                assert queued.upto <= own_upto
+        fences = [c.position for c in pushed if isinstance(c, Fenced) and c.writer == writer]
+        if fences:
+            assert Fenced(STREAM, writer, max(fences)) in kept
+
+
+def test_an_overflow_keeps_the_highest_fence_after_the_resyncs() -> None:
+    backlog = Backlog(STREAM, bound=3)
+    backlog.push(Rdata(STREAM, "a", 5, "x"))
+    backlog.push(Fenced(STREAM, "a", 20))
+    backlog.push(Fenced(STREAM, "a", 12))
+    assert backlog.push(Position(STREAM, "a", 5, 9))
+    assert [backlog.pop(), backlog.pop(), backlog.pop()] == [
+        Resync(STREAM, "a", 9),
+        Fenced(STREAM, "a", 20),
+        None,
+    ]
