@@ -802,7 +802,7 @@ async def test_a_forged_position_above_the_sequence_head_is_refused(cluster: Clu
         r.config.channel,
         [
             f"POSITION events w2 0 {huge}",
-            f"POSITION events w2 {huge} {huge}",  # as a fence announces it
+            f"FENCED events w2 {huge}",  # a fence nobody made
             f'RDATA events w1 {huge - 1} ["events",{huge - 1},"w1","forged"]',
         ],
     )
