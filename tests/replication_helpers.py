@@ -57,17 +57,27 @@ class Seen:
         return [row for _, _, rows in self.calls for row in rows]
 
     async def wait(self, count: int, within: float = 15.0) -> None:
-        async with asyncio.timeout(within):
-            while len(self.rows) < count:
-                self.changed.clear()
-                await self.changed.wait()
+        try:
+            async with asyncio.timeout(within):
+                while len(self.rows) < count:
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"waited {within} s for {count} rows; {len(self.rows)} arrived"
+            ) from None
 
 
-async def until(condition: Callable[[], bool], within: float = 10.0, step: float = 0.01) -> None:
+async def until(
+    condition: Callable[[], bool], within: float = 10.0, step: float = 0.01, *, what: str = ""
+) -> None:
     """Poll `condition` (state of another instance, which offers no event to wait on)."""
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110 - polling another component's state
-            await asyncio.sleep(step)
+    try:
+        async with asyncio.timeout(within):
+            while not condition():  # noqa: ASYNC110 - polling another component's state
+                await asyncio.sleep(step)
+    except TimeoutError:
+        raise TimeoutError(f"waited {within} s for {what or 'the condition'}") from None
 
 
 def metric(instance: Instance, name: str, **labels: str) -> float:

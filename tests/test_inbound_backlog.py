@@ -1,6 +1,7 @@
 """Bounded inbound queues (R-RP-9), pure: a `Backlog` never holds more than its bound,
 and a reader whose backlog overflows at random moments still gets every row of every
-writer exactly once, in order."""
+writer exactly once, in order; a writer's departure (R-RP-8) is handled after every row
+it sent before it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from hypothesis import strategies as st
 
 from plait.config import InstanceConfig
 from plait.core.commands import Fenced, Position, Rdata
-from plait.core.inbound import DEFAULT_INBOUND_QUEUE, Backlog, Inbound, Plan, Queued, Resync
+from plait.core.inbound import (
+    DEFAULT_INBOUND_QUEUE,
+    Backlog,
+    Departure,
+    Inbound,
+    Plan,
+    Queued,
+    Resync,
+)
 from plait.errors import ConfigError
 
 STREAM = "events"
@@ -55,15 +64,30 @@ def scripts(draw: st.DrawFn, writer: str, first: int) -> Script:
     return Script(writer, rows, sent)
 
 
+@st.composite
+def lives(draw: st.DrawFn, writer: str, first: int) -> list[Script]:
+    """A writer that restarts: each life goes on from the position the last one left
+    at (a durable stream)."""
+    result = []
+    for _ in range(draw(st.integers(1, 3))):
+        result.append(draw(scripts(writer, first)))
+        first = result[-1].sent[-1][1]
+    return result
+
+
 class Reader:
     """The shell's part, without I/O: handles what the backlog hands out, reads
-    catch-ups from the writers' rows (the database), delivers."""
+    catch-ups from the writers' rows (the database), delivers; notes, at each
+    departure, what it had of that writer."""
 
     def __init__(self, scripts: list[Script], starts: dict[str, int]) -> None:
         self.inbound = Inbound(own_name="reader")
         self.rows = {s.writer: s.rows for s in scripts}
         self.current = dict(starts)
         self.got: dict[str, list[tuple[int, str]]] = {s.writer: [] for s in scripts}
+        self.departures: dict[str, list[tuple[list[tuple[int, str]], int]]] = {
+            s.writer: [] for s in scripts
+        }
 
     def handle(self, command: Queued) -> None:
         writer = command.instance
@@ -75,6 +99,11 @@ class Reader:
                 self.current[writer] = deliver.token
         elif isinstance(command, Position):
             self.follow(self.inbound.position(command, current))
+        elif isinstance(command, Departure):
+            self.inbound.departed(command)
+            assert not self.inbound.is_connected(STREAM, writer)
+            seen = (list(self.got[writer]), current)
+            self.departures[writer] += [seen] * command.count
         else:
             self.follow(self.inbound.resync(command, current))
 
@@ -141,6 +170,109 @@ def test_every_row_arrives_exactly_once_in_order_through_overflowing_backlogs(
         start = starts[script.writer]
         assert reader.got[script.writer] == [(t, r) for t, r in script.rows if t > start]
         assert reader.current[script.writer] == max(start, script.sent[-1][1])
+
+
+@given(st.data())
+def test_a_departure_comes_after_the_writers_rows_through_overflowing_backlogs(
+    data: st.DataObject,
+) -> None:
+    """Writers leave (DEPART) and come back (their answer to REPLICATE, then more
+    rows); the reader's backlog overflows at random moments. Every row arrives once, in
+    order; each departure is handled with every row of that life delivered and none of
+    the next, at the position that life ended at."""
+    count = data.draw(st.integers(1, len(WRITERS)), label="writers")
+    writers = WRITERS[:count]
+    all_lives = {w: data.draw(lives(w, first=i + 1), label=w) for i, w in enumerate(writers)}
+    bound = data.draw(st.integers(1, 6), label="bound")
+
+    streams: list[list[Rdata | Position | Departure]] = []
+    starts: dict[str, int] = {}
+    for writer, its_lives in all_lives.items():
+        commands: list[Rdata | Position | Departure] = []
+        for n, life in enumerate(its_lives):
+            answer = life.sent[0][1]  # to the reader's REPLICATE, or after a restart
+            commands.append(Position(STREAM, writer, answer, answer))
+            commands += [c for c, _ in life.sent]
+            if n + 1 < len(its_lives) or data.draw(st.booleans(), label=f"{writer} leaves"):
+                commands.append(Departure(STREAM, writer))
+        streams.append(commands)
+        first = its_lives[0]
+        starts[writer] = data.draw(
+            st.sampled_from([first.sent[0][1], *[t for t, _ in first.rows]]),
+            label=f"start {writer}",
+        )
+
+    everything = [
+        Script(w, [row for life in ls for row in life.rows], []) for w, ls in all_lives.items()
+    ]
+    reader = Reader(everything, starts)
+    backlog = Backlog(STREAM, bound)
+    while any(streams):
+        i = data.draw(st.sampled_from([i for i, s in enumerate(streams) if s]), label="next")
+        backlog.push(streams[i].pop(0))
+        assert len(backlog) <= max(bound, 3 * count)
+        for _ in range(data.draw(st.integers(0, 2), label="handled")):
+            command = backlog.pop()
+            if command is not None:
+                reader.handle(command)
+    while (command := backlog.pop()) is not None:
+        reader.handle(command)
+    assert backlog.idle()
+
+    for writer, its_lives in all_lives.items():
+        start = starts[writer]
+        rows = [(t, r) for life in its_lives for t, r in life.rows if t > start]
+        assert reader.got[writer] == rows
+        end = max(start, its_lives[-1].sent[-1][1])
+        assert reader.current[writer] == end
+        departures = reader.departures[writer]
+        assert len(departures) in (len(its_lives) - 1, len(its_lives))
+        for life, (got, at) in zip(its_lives, departures, strict=False):
+            left_at = max(start, life.sent[-1][1])
+            assert got == [(t, r) for t, r in rows if t <= left_at]
+            assert at == left_at
+        stayed = len(departures) < len(its_lives)
+        assert reader.inbound.is_connected(STREAM, writer) == stayed
+
+
+def test_a_departure_waits_behind_its_writers_commands_and_survives_an_overflow() -> None:
+    backlog = Backlog(STREAM, bound=4)
+    backlog.push(Rdata(STREAM, "a", 4, "x"))
+    backlog.push(Rdata(STREAM, "b", 5, "y"))
+    backlog.push(Departure(STREAM, "a"))
+    assert backlog.pop() == Rdata(STREAM, "a", 4, "x")
+    assert backlog.pop() == Rdata(STREAM, "b", 5, "y")
+    assert backlog.pop() == Departure(STREAM, "a")
+
+    backlog.push(Rdata(STREAM, "a", 7, "x"))
+    backlog.push(Departure(STREAM, "a"))
+    backlog.push(Position(STREAM, "a", 9, 9))  # back: its answer to REPLICATE
+    backlog.push(Departure(STREAM, "a"))
+    assert backlog.push(Position(STREAM, "a", 9, 9))  # back again: past the bound
+    assert backlog.pop() == Resync(STREAM, "a", 9)
+    assert backlog.pop() == Departure(STREAM, "a", count=2)
+    assert backlog.pop() == Resync(STREAM, "a", 9)
+    assert backlog.pop() is None
+
+
+def test_a_writer_cut_inside_a_batch_that_departs_is_no_longer_cut() -> None:
+    """Its batch never ends: the backlog drains and the fast path is back."""
+    backlog = Backlog(STREAM, bound=2)
+    backlog.push(Rdata(STREAM, "a", 4, "x"))
+    backlog.push(Rdata(STREAM, "a", None, "y.0"))
+    assert backlog.push(Rdata(STREAM, "a", None, "y.1"))  # cut inside the batch
+    assert not backlog.idle()
+    backlog.push(Departure(STREAM, "a"))
+    assert backlog.pop() == Resync(STREAM, "a", 4)  # up to below the batch
+    assert backlog.pop() == Departure(STREAM, "a")
+    assert backlog.pop() is None
+    assert backlog.idle()
+
+    backlog.push(Rdata(STREAM, "b", None, "z.0"))
+    backlog.push(Rdata(STREAM, "b", None, "z.1"))
+    assert backlog.push(Departure(STREAM, "b"))  # overflows as it departs: no position
+    assert backlog.pop() == Departure(STREAM, "b")
+    assert backlog.idle()
 
 
 def test_an_overflow_keeps_one_resync_per_writer_at_its_highest_position() -> None:

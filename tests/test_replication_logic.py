@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.core.commands import Command, CommandSet, Position, Rdata, to_line
-from plait.core.inbound import Deliver, Inbound, Plan
+from plait.core.inbound import Deliver, Departure, Inbound, Plan
 from plait.core.outbound import Outbound
 
 COMMANDS = CommandSet()
@@ -167,8 +167,10 @@ def test_a_departed_writer_counts_again_only_after_its_next_position() -> None:
         inbound.caught_up(STREAM, writer)
         inbound.caught_up("other", writer)
     inbound.rdata(Rdata(STREAM, "a", None, "held"), current=1)
-    inbound.departed("a")
+    inbound.departed(Departure(STREAM, "a"))
     assert not inbound.is_connected(STREAM, "a")
+    assert inbound.is_connected("other", "a")  # until its own queue gets there
+    inbound.departed(Departure("other", "a"))
     assert not inbound.is_connected("other", "a")
     assert inbound.is_connected(STREAM, "b")
     assert inbound.rdata(Rdata(STREAM, "a", 3, "x"), current=1) is None

@@ -33,6 +33,18 @@ in-memory stream). Why no row is skipped or repeated:
   highest one per writer instead, after the `Resync`s, for the shell to prove against
   the database as when it arrives. Believed or not, it only ever moves a writer forward.
 
+A writer that leaves cleanly sends DEPART (R-RP-8). Its rows sent before it must still
+be handled, and only then does its RDATA stop counting (until its next POSITION, should
+it come back: a restarted writer's tokens follow its answer to REPLICATE). So a DEPART
+is not handled when it arrives but queued, as a `Departure`, in each stream's backlog
+behind that writer's commands:
+- An overflow keeps it in the writer's place: a `Resync` for what the writer sent
+  before its (last) departure, the `Departure` (counting the departures it stands for),
+  then what came after it (a restarted writer's commands), as for any writer.
+- A writer cut off inside a batch that departs ends its cut: the batch never ends.
+  Its position stays below the batch, whose rows are read at its next POSITION (its
+  return, or a fence).
+
 The I/O shell feeds commands in per-stream order, does the catch-up reads this module
 asks for, calls `caught_up` after them, and delivers what it returns.
 """
@@ -81,13 +93,25 @@ class Resync:
     upto: int
 
 
-Queued = Rdata | Position | Fenced | Resync
+@dataclass(frozen=True, slots=True)
+class Departure:
+    """`instance` left (DEPART), `count` times: queued per stream behind the commands of
+    it that arrived before, so they are handled first. Never on the wire."""
+
+    stream: str
+    instance: str
+    count: int = 1
+
+
+Queued = Rdata | Position | Fenced | Resync | Departure
 
 
 @dataclass(slots=True)
 class Backlog:
     """The commands of one stream waiting on one connection: never more than `bound`
-    (or one `Resync` and one FENCED per writer, when there are more writers than that)."""
+    (or, right after an overflow, one `Resync` per writer, and for a writer that
+    departed meanwhile a `Resync` and a `Departure` before it, when that is more; and
+    one FENCED per writer)."""
 
     stream: str
     bound: int
@@ -110,11 +134,19 @@ class Backlog:
         """Nothing waits, nor is any writer cut off: a command may be handled at once."""
         return not self._commands and not self._cut
 
-    def push(self, command: Rdata | Position | Fenced) -> bool:
+    def push(self, command: Rdata | Position | Fenced | Departure) -> bool:
         """Queue `command`; True when the backlog overflowed and dropped what it held."""
         if isinstance(command, Fenced):
             self._commands.append(command)  # not the writer's own: no part in its batches
-        elif (writer := command.instance) in self._cut:
+        elif (writer := command.instance) not in self._cut:
+            self._commands.append(command)
+        elif isinstance(command, Departure):
+            # It left inside the batch: no numbered command of it is coming to end it.
+            upto = self._cut.pop(writer)
+            if upto is not None:
+                self._commands.append(Resync(self.stream, writer, upto))
+            self._commands.append(command)
+        else:
             upto = _max(self._cut[writer], self._upto(command))
             if isinstance(command, Rdata) and command.token is None:
                 self._cut[writer] = upto  # still inside the batch
@@ -122,8 +154,6 @@ class Backlog:
             assert upto is not None
             del self._cut[writer]
             self._commands.append(Resync(self.stream, writer, upto))
-        else:
-            self._commands.append(command)
         if len(self._commands) <= self.bound:
             return False
         self._drop()
@@ -141,8 +171,7 @@ class Backlog:
         return None if command.token is None else self.sign * command.token
 
     def _drop(self) -> None:
-        upto: dict[str, int | None] = {}  # in order of first appearance
-        inside_batch: set[str] = set()
+        dropped: dict[str, _Dropped] = {}  # in order of first appearance
         fences: dict[str, Fenced] = {}  # the highest per writer
         for command in self._commands:
             if isinstance(command, Fenced):
@@ -150,20 +179,45 @@ class Backlog:
                 if kept is None or self.sign * command.position > self.sign * kept.position:
                     fences[command.writer] = command
                 continue
-            writer, token = command.instance, self._upto(command)
-            upto[writer] = _max(upto.get(writer), token)
-            if token is None:
-                inside_batch.add(writer)
+            of_writer = dropped.setdefault(command.instance, _Dropped())
+            if isinstance(command, Departure):
+                of_writer.departed(command.count)
             else:
-                inside_batch.discard(writer)
+                of_writer.add(self._upto(command))
         self._commands.clear()
-        for writer, token in upto.items():
-            if writer in inside_batch:
-                self._cut[writer] = token
-            else:
-                assert token is not None
-                self._commands.append(Resync(self.stream, writer, token))
+        for writer, of_writer in dropped.items():
+            if of_writer.before is not None:
+                self._commands.append(Resync(self.stream, writer, of_writer.before))
+            if of_writer.departures:
+                self._commands.append(Departure(self.stream, writer, of_writer.departures))
+            if of_writer.inside_batch:
+                self._cut[writer] = of_writer.since
+            elif of_writer.since is not None:
+                self._commands.append(Resync(self.stream, writer, of_writer.since))
         self._commands.extend(fences.values())
+
+
+@dataclass(slots=True)
+class _Dropped:
+    """What an overflow dropped of one writer: the highest position named before its
+    last departure, how many departures, and the highest since (None: none named)."""
+
+    before: int | None = None
+    departures: int = 0
+    since: int | None = None
+    inside_batch: bool = False
+
+    def add(self, upto: int | None) -> None:
+        self.since = _max(self.since, upto)
+        self.inside_batch = upto is None
+
+    def departed(self, count: int) -> None:
+        # Batch rows cut by a departure are never ended: the writer's position stays
+        # below them, and its return (or a fence) reads them.
+        self.before = _max(self.before, self.since)
+        self.departures += count
+        self.since = None
+        self.inside_batch = False
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -230,12 +284,12 @@ class Inbound:
         """The shell did what a `Plan` asked: that writer's RDATA counts from now on."""
         self._connected.add((stream, instance))
 
-    def departed(self, instance: str) -> None:
-        """That instance left: should it come back, its RDATA counts only after its next
-        POSITION on this connection."""
-        for key in [k for k in self._connected | self._held.keys() if k[1] == instance]:
-            self._connected.discard(key)
-            self._held.pop(key, None)
+    def departed(self, command: Departure) -> None:
+        """That writer left, after the commands of it handled so far on this stream:
+        should it come back, its RDATA counts only after its next POSITION here."""
+        key = (command.stream, command.instance)
+        self._connected.discard(key)
+        self._held.pop(key, None)
 
     def lost(self) -> None:
         """The connection dropped: everything starts over on the next one."""

@@ -11,6 +11,10 @@ failure while catching up closes the connection, so the transport reconnects aft
 growing delay and the catch-up starts over: no row is skipped. A queue holds at most
 `inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a catch-up
 from the source, counted in plait_inbound_overflows and logged at most every 10 s.
+A DEPART (R-RP-8) waits in each stream's queue behind the commands of its writer that
+arrived before it, and in the application commands' queue: the departure listeners run
+once that writer's rows sent before it were delivered on every stream (application
+commands after the DEPART wait for them).
 
 Delivery order (R-CA-3): rows to `on_rows` listeners (caches invalidate there), then
 the stream advances, then `on_position` listeners, then `wait_for_stream_position`
@@ -53,7 +57,15 @@ from plait.core.commands import (
     rows_of,
     to_line,
 )
-from plait.core.inbound import DEFAULT_INBOUND_QUEUE, Backlog, Inbound, Plan, Queued, Resync
+from plait.core.inbound import (
+    DEFAULT_INBOUND_QUEUE,
+    Backlog,
+    Departure,
+    Inbound,
+    Plan,
+    Queued,
+    Resync,
+)
 from plait.core.outbound import Outbound
 from plait.core.progress import Progress
 from plait.core.throttle import Throttle
@@ -593,6 +605,28 @@ class _Sender:
         self._handler.send_lines(lines)
 
 
+@dataclass(slots=True)
+class _Departing:
+    """A DEPART in the application commands' queue: its listeners run once every stream
+    in `waiting` handled the `Departure` queued behind the writer's commands."""
+
+    name: str
+    waiting: set[str]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# What a worker of a connection takes from its queue.
+_Work = Command | Queued | _Departing
+
+
+def _label(work: _Work) -> str:
+    if isinstance(work, Resync):
+        return "catch-up"
+    if isinstance(work, Departure | _Departing):
+        return "DEPART"
+    return work.NAME
+
+
 class _Session:
     """One connection: its inbound state and its per-stream queues."""
 
@@ -611,8 +645,9 @@ class _Session:
         self._inbound = Inbound(handler.instance_name)
         self._own_name = handler.instance_name
         self._own_bytes = self._own_name.encode()
-        self._commands: asyncio.Queue[Command] | None = None  # the application's
+        self._commands: asyncio.Queue[Command | _Departing] | None = None  # the application's
         self._backlogs: dict[str, Backlog] = {}  # per stream
+        self._departing: dict[str, list[_Departing]] = {}  # per writer, oldest first
         self._wakes: dict[str, asyncio.Event] = {}  # set when a backlog got a command
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._announced: set[tuple[str, str]] = set()
@@ -700,8 +735,8 @@ class _Session:
         elif isinstance(command, Replicate):
             handler.answer_replicate(self.link)
         elif isinstance(command, Depart):
-            self._inbound.departed(command.name)
-            self._enqueue(command)
+            if command.name != self._own_name:  # Redis hands our own back
+                self._depart(command.name)
         elif isinstance(command, Error):
             logger.warning("replication: %s says: %s", self.link.label, command.text)
         elif isinstance(command, _TRANSPORT_COMMANDS):
@@ -711,7 +746,40 @@ class _Session:
         else:
             logger.debug("replication: no listener for %s", command.NAME)
 
-    def _enqueue(self, command: Command) -> None:
+    def _depart(self, name: str) -> None:
+        """Queue the departure of `name` behind its commands on every stream it writes,
+        and its listeners behind the application commands."""
+        streams = self._handler.streams
+        waiting = {
+            stream
+            for stream in self._backlogs
+            if (writers := streams[stream].writers) is None or name in writers
+        }
+        departing = _Departing(name, set(waiting))
+        if waiting:
+            self._departing.setdefault(name, []).append(departing)
+        else:
+            departing.done.set()
+        for stream in sorted(waiting):
+            self._enqueue_stream(streams[stream], Departure(stream, name))
+        self._enqueue(departing)
+
+    def _stream_departed(self, command: Departure) -> None:
+        """A stream handled `command`: the `count` oldest departures of its writer that
+        waited for that stream no longer do."""
+        pending = self._departing.get(command.instance, [])
+        left = command.count
+        for departing in pending:
+            if left and command.stream in departing.waiting:
+                departing.waiting.discard(command.stream)
+                left -= 1
+                if not departing.waiting:
+                    departing.done.set()
+        pending[:] = [departing for departing in pending if departing.waiting]
+        if not pending:
+            self._departing.pop(command.instance, None)
+
+    def _enqueue(self, command: Command | _Departing) -> None:
         """An application command or a departure: in order, after the ones before it."""
         queue = self._commands
         if queue is None:
@@ -719,7 +787,9 @@ class _Session:
             self._start_worker(_APP_QUEUE, queue.get, queue.empty)
         queue.put_nowait(command)
 
-    def _enqueue_stream(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
+    def _enqueue_stream(
+        self, stream: ReplicatedStream, command: Rdata | Position | Fenced | Departure
+    ) -> None:
         backlog = self._backlogs.get(stream.name)
         if backlog is None:
             backlog = self._backlogs[stream.name] = Backlog(
@@ -741,7 +811,7 @@ class _Session:
     def _start_worker(
         self,
         key: str,
-        take: Callable[[], Awaitable[Command | Resync]],
+        take: Callable[[], Awaitable[_Work]],
         empty: Callable[[], bool],
     ) -> None:
         self._workers[key] = asyncio.create_task(
@@ -751,7 +821,7 @@ class _Session:
     async def _work(
         self,
         key: str,
-        take: Callable[[], Awaitable[Command | Resync]],
+        take: Callable[[], Awaitable[_Work]],
         empty: Callable[[], bool],
     ) -> None:
         # Not `while True`: a cancellation by `closed()` can be swallowed inside
@@ -768,7 +838,7 @@ class _Session:
                 # connection after the transport's backoff; nothing was skipped.
                 logger.warning(
                     "replication: %s on %s failed (%s: %s); reconnecting",
-                    "catch-up" if isinstance(command, Resync) else command.NAME,
+                    _label(command),
                     self.link.label,
                     type(err).__name__,
                     err,
@@ -779,7 +849,7 @@ class _Session:
                 if empty():
                     self._busy.discard(key)
 
-    async def _handle(self, command: Command | Resync) -> None:
+    async def _handle(self, command: _Work) -> None:
         handler = self._handler
         if isinstance(command, Rdata):
             async with handler.delivering(command.stream, command.instance):
@@ -793,7 +863,11 @@ class _Session:
         elif isinstance(command, Resync):
             async with handler.delivering(command.stream, command.instance):
                 await self._resync(command)
-        elif isinstance(command, Depart):
+        elif isinstance(command, Departure):
+            self._inbound.departed(command)
+            self._stream_departed(command)
+        elif isinstance(command, _Departing):
+            await command.done.wait()
             await handler.departed(command.name)
         else:
             await _call(handler.listeners.commands[command.NAME], command)

@@ -1,0 +1,103 @@
+"""A writer that shuts down cleanly (DEPART, R-RP-8) while its rows still wait behind a
+slow reader: the reader delivers every one of them exactly once, in order, ends at the
+writer's last position, and hears of the departure only after them. With the queue
+within its bound and past it (R-RP-9: the departure survives the catch-up). Real
+PostgreSQL, real Redis or TCP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from plait import Database
+from replication_helpers import (
+    Cluster,
+    Seen,
+    cluster_of,
+    connected,
+    metric,
+    until,
+    write,
+    write_many,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BURST = 600
+
+
+@pytest.fixture(params=["redis", "tcp"])
+async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
+        yield cluster
+
+
+class SlowRows(Seen):
+    """`on_rows` that blocks until released; notes, at each call, whether the writer's
+    departure was already heard of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.departed: list[str] = []
+        self.rows_after_departure = 0
+
+    async def on_rows_slowly(self, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        await self.release.wait()
+        if writer in self.departed:
+            self.rows_after_departure += len(rows)
+        self.on_rows(stream, writer, token, rows)
+
+
+@pytest.mark.parametrize("inbound_queue", [100_000, 50], ids=["within-bound", "past-bound"])
+async def test_a_departing_writers_queued_rows_are_all_delivered_once(
+    cluster: Cluster, inbound_queue: int
+) -> None:
+    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
+    w1 = await cluster.start(cluster.instance("w1"))
+    reader = SlowRows()
+    r = cluster.instance("r", replication={"inbound_queue": inbound_queue})
+    r.on_rows("events", reader.on_rows_slowly)
+    r.on_departure(reader.departed.append)
+    await cluster.start(r)
+    await connected(*others, w1, r)
+
+    # The reader's first on_rows blocks: everything after it waits in its queue.
+    ids = [await write(w1, "first")]
+    for i in range(5):  # IDs of three rows each: RDATA batches
+        ids.append(await write(w1, f"batch{i}", rows=3))
+    ids += await write_many(w1, BURST, "w1-")
+    ids.append(await write(w1, "last", rows=2))
+    rows_per_id = dict.fromkeys(ids, 1)
+    rows_per_id.update(dict.fromkeys(ids[1:6], 3))
+    rows_per_id[ids[-1]] = 2
+    gen = w1.generator("events")
+    await w1.stop()  # sends what is left, then DEPART
+    last = gen.get_current_token_for_writer("w1")
+    assert last >= ids[-1]
+
+    def received(command: str) -> float:
+        return metric(r, "plait_commands_received_total", command=command)
+
+    await until(lambda: received("DEPART") >= 1, within=30, what="the DEPART of w1")
+    assert received("RDATA") >= sum(rows_per_id.values())  # sent before the DEPART
+    reader.release.set()
+
+    await reader.wait(sum(rows_per_id.values()), within=60)
+    assert await r.wait_for_stream_position("w1", "events", last, timeout=30), "w1's last position"
+    await until(lambda: reader.departed == ["w1"], within=30, what="the departure listener")
+    await asyncio.sleep(0.5)  # nothing arrives twice later
+
+    rows = reader.rows
+    assert len(rows) == len(set(rows)) == sum(rows_per_id.values())  # exactly once
+    got = [row[1] for row in rows]
+    assert got == sorted(got)  # in order
+    assert set(got) == set(ids)
+    assert metric(r, "plait_stream_position", stream="events", writer="w1") == last
+    assert reader.rows_after_departure == 0  # the departure came after its rows
+    if inbound_queue < BURST:
+        assert metric(r, "plait_inbound_overflows_total", stream="events") >= 1
