@@ -178,6 +178,31 @@ def test_a_departed_writer_counts_again_only_after_its_next_position() -> None:
     assert inbound.rdata(Rdata(STREAM, "a", 4, "y"), current=1) == Deliver(STREAM, "a", 4, ["y"])
 
 
+def test_rows_of_a_batch_cut_off_by_a_death_are_not_handed_over_twice() -> None:
+    """The writer died inside a batch (y.0 arrived, its numbered row never did). Its
+    next life answers with a POSITION, the catch-up reads y.0 from the database, and
+    its next batch must not carry y.0 again."""
+    inbound = Inbound(own_name="me")
+    inbound.caught_up(STREAM, "a")
+    assert inbound.rdata(Rdata(STREAM, "a", None, "y.0"), current=4) is None
+    plan = inbound.position(Position(STREAM, "a", 9, 9), current=4)
+    assert plan == Plan(STREAM, "a", catch_up_from=4, advance_to=9)
+    inbound.caught_up(STREAM, "a")
+    assert inbound.rdata(Rdata(STREAM, "a", 12, "z"), current=9) == Deliver(STREAM, "a", 12, ["z"])
+
+
+def test_a_fence_between_the_lines_of_a_batch_keeps_its_rows() -> None:
+    """A FENCED of another sender may fall between a live writer's batch rows (a
+    renewed writer): the batch still ends with its numbered row, whole."""
+    inbound = Inbound(own_name="me")
+    inbound.caught_up(STREAM, "a")
+    assert inbound.rdata(Rdata(STREAM, "a", None, "y.0"), current=4) is None
+    assert inbound.fenced(Position(STREAM, "a", 5, 5), current=4) == Plan(STREAM, "a", 4, 5)
+    assert inbound.rdata(Rdata(STREAM, "a", 6, "y.1"), current=5) == Deliver(
+        STREAM, "a", 6, ["y.0", "y.1"]
+    )
+
+
 # -- the writer's side, and both sides together ----------------------------------------
 
 

@@ -257,9 +257,27 @@ class Inbound:
         return Deliver(command.stream, command.instance, command.token, rows)
 
     def position(self, command: Position, current: int) -> Plan | None:
-        """A writer announced its position; `current` is how far we have seen it."""
+        """A writer announced its position; `current` is how far we have seen it.
+
+        A writer never sends a POSITION inside one of its batches (a page of rows goes
+        out whole, its POSITION last), so batch rows still held then were cut off by
+        the writer's death or a lost link: a previous life's, never to be ended by
+        their numbered row. They are dropped, or they would be handed over with the
+        next batch, after the catch-up had read them from the source: twice."""
         if command.instance == self.own_name:
             return None
+        self._held.pop((command.stream, command.instance), None)
+        return self._plan(command, current)
+
+    def fenced(self, command: Position, current: int) -> Plan | None:
+        """Another instance fenced the writer (a proven fence, as a POSITION prev = new):
+        as `position`, but it may fall between the lines of one of the writer's own
+        batches, whose held rows are then kept."""
+        if command.instance == self.own_name:
+            return None
+        return self._plan(command, current)
+
+    def _plan(self, command: Position, current: int) -> Plan:
         advance_to = command.new if command.new > current else None
         catch_up_from = current if advance_to is not None and current < command.prev else None
         return Plan(command.stream, command.instance, catch_up_from, advance_to)

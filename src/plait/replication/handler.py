@@ -940,7 +940,7 @@ class _Session:
             handler.refuse(stream, command, self.link.label)
             return
         claim = Position(command.stream, command.writer, internal, internal)
-        plan = self._inbound.position(claim, stream.seen(command.writer))
+        plan = self._inbound.fenced(claim, stream.seen(command.writer))
         if plan is not None:
             await self._follow(stream, plan)
 
