@@ -151,13 +151,12 @@ class MultiWriterIdGenerator:
             instance_name,
             spec.sequence,
         )
-        if not await store.check_tables():
-            await store.ensure_sequence()
-        # Own latest row: only a configured writer of a stream with position rows.
-        own = instance_name if spec.writers and instance_name in spec.writers else None
-        survey = await store.survey(own)
-        await store.check_sequence(survey)
-        tracker = await _load_tracker(store, spec, instance_name, survey)
+        # Every step may run again (a server restart or crash meanwhile): creating the
+        # sequence checks first, repairing it and registering only move forwards.
+        survey, tracker = await db.retry_idempotent(
+            f"start stream {spec.name} as {instance_name}",
+            lambda: _load(db, store, spec, instance_name),
+        )
         gen = cls(
             db,
             spec,
@@ -169,16 +168,6 @@ class MultiWriterIdGenerator:
             fence_after=fence_after,
         )
         gen._head = max(gen._head, survey.head)
-        if gen._keeps_rows and tracker.is_writer:
-            # Registered before the first allocation, so database-only readers know
-            # every live writer, and a fence of an earlier run cannot claim new IDs.
-            incarnation = db.incarnation
-            epoch = (
-                incarnation.epoch
-                if incarnation is not None and incarnation.instance == instance_name
-                else None
-            )
-            await store.register(instance_name, tracker.local_position, epoch)
         gen._start()
         logger.info(
             "stream %s: %s ready; persisted up to %d, positions %s",
@@ -782,6 +771,30 @@ def _names(cursor: Any) -> list[str] | None:
 def _check_count(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"expected a positive number of IDs or rows, not {n!r}")
+
+
+async def _load(
+    db: Database, store: StreamStore, spec: StreamSpec, instance: str
+) -> tuple[Survey, PositionTracker]:
+    """Check the tables and sequence, load the positions, register this writer."""
+    if not await store.check_tables():
+        await store.ensure_sequence()
+    # Own latest row: only a configured writer of a stream with position rows.
+    own = instance if spec.writers and instance in spec.writers else None
+    survey = await store.survey(own)
+    await store.check_sequence(survey)
+    tracker = await _load_tracker(store, spec, instance, survey)
+    if spec.writers and tracker.is_writer:
+        # Registered before the first allocation, so database-only readers know
+        # every live writer, and a fence of an earlier run cannot claim new IDs.
+        incarnation = db.incarnation
+        epoch = (
+            incarnation.epoch
+            if incarnation is not None and incarnation.instance == instance
+            else None
+        )
+        await store.register(instance, tracker.local_position, epoch)
+    return survey, tracker
 
 
 async def _load_tracker(
