@@ -26,7 +26,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from plait.core.backoff import Backoff
 from plait.core.redact import redact
-from plait.errors import ConfigError, DatabaseUnavailableError, FencedError
+from plait.errors import ConfigError, DatabaseUnavailableError, FencedError, SupersededError
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.incarnation import (
     Incarnation,
@@ -251,7 +251,9 @@ class _Identity:
     is waited out. But only once nothing of the old run is pending (`holds`): an ID it
     took before the fence, still held by a `get_next` block, could otherwise be
     written on a new connection below the position the fence moved readers past.
-    Until then, and always without `renew`, every lease fails at once (`FencedError`)."""
+    Until then, and always without `renew`, every lease fails at once (`FencedError`).
+    A run superseded by a later run of the instance never goes on (`SupersededError`):
+    the later one writes under that name now."""
 
     __slots__ = (
         "_renewing",
@@ -259,6 +261,7 @@ class _Identity:
         "holds",
         "incarnation",
         "pooled",
+        "registered",
         "renew",
         "renewed",
         "settings",
@@ -277,6 +280,8 @@ class _Identity:
         self.renew = renew
         # Each says whether IDs of this run are still pending (the writers' trackers).
         self.holds: list[Callable[[], bool]] = []
+        # The streams this run registered its epoch on (`Database.registered`).
+        self.registered: set[str] = set()
         # Called with the new incarnation (the pool names later connections after it).
         self.renewed: Callable[[Incarnation], None] | None = None
         self._renewing = asyncio.Lock()  # one renewal at a time
@@ -285,6 +290,8 @@ class _Identity:
         self.pooled = False
 
     def may_renew(self) -> bool:
+        if isinstance(self.fenced, SupersededError):
+            return False
         return self.renew and not any(pending() for pending in self.holds)
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
@@ -302,9 +309,9 @@ class _Identity:
         if checked is None:
             return
         try:
-            await refuse_if_fenced(conn, checked)
+            await refuse_if_fenced(conn, checked, self.registered)
         except FencedError as err:
-            if not self.may_renew():
+            if isinstance(err, SupersededError) or not self.may_renew():
                 self.fenced = err
                 raise
             async with self._renewing:
@@ -398,6 +405,7 @@ class _Lease:
         db = self._db
         if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
             db._lost_one = True  # its idle neighbours are most likely gone too
+            db._connections_lost += 1
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return
@@ -517,6 +525,7 @@ class Database:
         # Set when a statement failed because its connection died: the next lease first
         # tests the idle connections (`_replace_lost`).
         self._lost_one = False
+        self._connections_lost = 0  # `connections_lost`
         self._replacing: asyncio.Task[None] | None = None
         self._outage = _Outage()  # one warning per outage, not per reader
         self._guard = asyncio.create_task(self._close_on_shutdown(), name="plait-pool-guard")
@@ -633,6 +642,13 @@ class Database:
     def incarnation(self) -> Incarnation | None:
         """Who this pool's connections say they are (`connect(incarnation=...)`)."""
         return self._identity.incarnation
+
+    @property
+    def connections_lost(self) -> int:
+        """How many statements failed because their connection died so far. When it
+        grows, the server may have restarted or crashed, and a crash loses what was
+        committed asynchronously since its last WAL flush (position rows)."""
+        return self._connections_lost
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[TupleRow]]:
         """A pooled connection in autocommit mode."""
@@ -891,6 +907,16 @@ class Database:
             self._instance_names[instance_id] = name
 
     # -- lifetime ------------------------------------------------------------------------
+
+    def registered(self, stream: str) -> None:
+        """This run registered its epoch on `stream`: a later run that registers there
+        supersedes it (its next new connection fails with `SupersededError`)."""
+        self._identity.registered.add(stream)
+
+    @property
+    def patience(self) -> float:
+        """Seconds plait waits for an unreachable server (`retry_reads_for`)."""
+        return self._retry_reads_for
 
     def hold_renewal(self, pending: Callable[[], bool]) -> None:
         """While `pending()` is true (IDs of this run not finished), a fenced run does

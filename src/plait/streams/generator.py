@@ -18,8 +18,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import psycopg
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
+from plait.core.backoff import Backoff
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
-from plait.errors import ConfigError, FencedError, NotAWriterError
+from plait.errors import ConfigError, FencedError, InstanceRunningError, NotAWriterError
 from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
@@ -90,6 +91,7 @@ class MultiWriterIdGenerator:
                 delay=min(MAX_UPSERT_DELAY, position_flush_interval / 10),
                 written=tracker.local_position,
                 name=f"{spec.name}/{instance_name}",
+                lost=lambda: db.connections_lost,
             )
         self._follow_database = follow_database
         self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
@@ -659,8 +661,19 @@ class MultiWriterIdGenerator:
         for listener in self._fence_listeners:
             listener(writer, signed)
 
-    async def _store_own_position(self, position: int) -> None:
-        await self._store.upsert_position(self._instance, position, durable=False)
+    async def _store_own_position(self, position: int, durable: bool) -> None:
+        """Routine stores commit asynchronously (see `PositionWriter`); a durable one (at
+        stop, after a lost connection) outlasts a server restart meanwhile."""
+
+        async def store() -> None:
+            await self._store.upsert_position(self._instance, position, durable=durable)
+
+        if not durable:
+            await store()
+            return
+        await self._db.retry_idempotent(
+            f"store the position of {self._instance} on stream {self._spec.name}", store
+        )
 
     async def close(self) -> None:
         """Stop background work and store the final position."""
@@ -776,25 +789,56 @@ def _check_count(n: int) -> None:
 async def _load(
     db: Database, store: StreamStore, spec: StreamSpec, instance: str
 ) -> tuple[Survey, PositionTracker]:
-    """Check the tables and sequence, load the positions, register this writer."""
+    """Check the tables and sequence, load the positions, register this writer.
+
+    A writer's own committed rows count as final at start-up (`_load_tracker`), which
+    holds once its previous run is over: registration waits until that run has no
+    server process left (up to the database's patience), loading again each time."""
     if not await store.check_tables():
         await store.ensure_sequence()
     # Own latest row: only a configured writer of a stream with position rows.
     own = instance if spec.writers and instance in spec.writers else None
-    survey = await store.survey(own)
-    await store.check_sequence(survey)
-    tracker = await _load_tracker(store, spec, instance, survey)
-    if spec.writers and tracker.is_writer:
+    incarnation = db.incarnation
+    epoch = (
+        incarnation.epoch if incarnation is not None and incarnation.instance == instance else None
+    )
+    loop = asyncio.get_running_loop()
+    backoff = Backoff(initial=0.05, cap=1.0)
+    waiting_since: float | None = None
+    while True:
+        survey = await store.survey(own)
+        await store.check_sequence(survey)
+        tracker = await _load_tracker(store, spec, instance, survey)
+        if not (spec.writers and tracker.is_writer):
+            return survey, tracker
         # Registered before the first allocation, so database-only readers know
         # every live writer, and a fence of an earlier run cannot claim new IDs.
-        incarnation = db.incarnation
-        epoch = (
-            incarnation.epoch
-            if incarnation is not None and incarnation.instance == instance
-            else None
-        )
-        await store.register(instance, tracker.local_position, epoch)
-    return survey, tracker
+        previous = await store.register(instance, tracker.local_position, epoch)
+        if previous is None:
+            if epoch is not None:
+                db.registered(spec.name)
+            return survey, tracker
+        now = loop.time()
+        if waiting_since is None:
+            waiting_since = now
+            logger.warning(
+                "stream %s: the previous run of %s (epoch %d) still has %d connection(s) "
+                "to PostgreSQL; waiting up to %.0f s for them to end before it starts",
+                spec.name,
+                instance,
+                previous.epoch,
+                previous.alive,
+                db.patience,
+            )
+        elif now - waiting_since >= db.patience:
+            raise InstanceRunningError(
+                f"stream {spec.name!r}: cannot start {instance!r}: its previous run (epoch "
+                f"{previous.epoch}) still has {previous.alive} connection(s) to PostgreSQL "
+                f"after {now - waiting_since:.0f} s, so IDs it holds may still commit. A "
+                f"process named {instance!r} is still running: stop it first (two processes "
+                "must never write under one name), or wait until its connections end"
+            )
+        await asyncio.sleep(backoff.next_delay())
 
 
 async def _load_tracker(
