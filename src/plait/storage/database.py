@@ -518,6 +518,7 @@ class Database:
         self._embedded = embedded
         self._instance_ids: dict[str, int] = {}
         self._instance_names: dict[int, str] = {}
+        self._heads: dict[str, int] = {}  # `known_head`
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
         self._identity = identity or _Identity()
@@ -905,6 +906,20 @@ class Database:
         for instance_id, name in await cur.fetchall():
             self._instance_ids[name] = instance_id
             self._instance_names[instance_id] = name
+
+    # -- sequence heads: what this process knows was handed out ------------------------
+
+    def known_head(self, sequence: str) -> int:
+        """The largest ID (internal domain) this process knows `sequence` has handed
+        out: what its generators took, and the heads they read. A position at or below
+        it names an ID; one above it must be checked against the sequence before a
+        writer takes it (R-ID-14). Shared by every generator on this Database."""
+        return self._heads.get(sequence, 0)
+
+    def note_head(self, sequence: str, head: int) -> None:
+        """`sequence` has handed out `head` (internal domain) at least."""
+        if head > self._heads.get(sequence, 0):
+            self._heads[sequence] = head
 
     # -- lifetime ------------------------------------------------------------------------
 

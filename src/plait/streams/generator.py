@@ -9,6 +9,7 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,14 @@ from psycopg.rows import TupleRow, scalar_row, tuple_row
 
 from plait.core.backoff import Backoff
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
-from plait.errors import ConfigError, FencedError, InstanceRunningError, NotAWriterError
+from plait.core.throttle import Throttle
+from plait.errors import (
+    ConfigError,
+    FencedError,
+    InstanceRunningError,
+    NotAWriterError,
+    PlaitError,
+)
 from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
@@ -74,7 +82,7 @@ class MultiWriterIdGenerator:
         self._tracker = tracker
         self._sign = spec.sign
         self._insert_sql: dict[str, str] = {}
-        self._fetches = Fetches(tracker)
+        self._fetches = Fetches(tracker, self._handed_out)
         self._allocator = IdAllocator(self._fetches, store.allocate, self._finish)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
@@ -95,11 +103,16 @@ class MultiWriterIdGenerator:
             )
         self._follow_database = follow_database
         self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
-        # The largest ID known handed out by the sequence (internal; start-up refused
-        # positions above the head, so every one loaded is below it). Another process's
-        # claim above it counts only once the sequence confirms it (R-ID-14).
-        self._head = tracker.max_seen
+        # What the sequence is known to have handed out is `db.known_head` (start-up
+        # refused positions above the head, so every one loaded is below it). Another
+        # process's claim above it counts only once the sequence confirms it (R-ID-14).
+        db.note_head(spec.sequence, tracker.max_seen)
         self._head_lock = asyncio.Lock()
+        # Positions given to `advance` that a writer must check against the sequence
+        # before it takes them (the largest per writer), and the task that checks.
+        self._unconfirmed: dict[str, int] = {}
+        self._confirming: asyncio.Task[None] | None = None
+        self._refused_advances = Throttle(10.0)  # one warning per writer this often
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._capture: WriteCapture | None = None
@@ -169,7 +182,7 @@ class MultiWriterIdGenerator:
             follow_database=follow_database,
             fence_after=fence_after,
         )
-        gen._head = max(gen._head, survey.head)
+        db.note_head(spec.sequence, survey.head)
         gen._start()
         logger.info(
             "stream %s: %s ready; persisted up to %d, positions %s",
@@ -513,7 +526,12 @@ class MultiWriterIdGenerator:
         return None if began is None else max(0.0, time.monotonic() - began)
 
     def advance(self, instance_name: str, position: int) -> None:
-        """Another writer reached `position` (signed); never moves anything backwards."""
+        """Another writer reached `position` (signed); never moves anything backwards.
+
+        A writer takes a position above the largest ID it knows handed out only once
+        the sequence confirms it (a moment later; one the sequence has not handed out
+        is refused with a warning): it would otherwise report it as its own, and
+        refuse its own next IDs. A reader takes it as given."""
         if isinstance(position, bool) or not isinstance(position, int):
             raise ConfigError(f"position must be an int, not {position!r}")
         internal = self._sign * position
@@ -532,19 +550,79 @@ class MultiWriterIdGenerator:
                 instance_name,
             )
             return
+        if self._tracker.is_writer and internal > self._known_head():
+            # A writer that took an ID the sequence has not handed out would report it
+            # as its own position (the idle rule), store it, and refuse its own next
+            # IDs as "the sequence went backwards". Replication checks first; a direct
+            # call is checked here, and the position taken once the sequence has
+            # handed it out (R-ID-14).
+            self._confirm_later(instance_name, internal)
+            return
         self._tracker.advance(instance_name, internal)
+
+    def _confirm_later(self, writer: str, position: int) -> None:
+        if position <= self._unconfirmed.get(writer, 0) or self._closed:
+            return
+        self._unconfirmed[writer] = position
+        if self._confirming is None or self._confirming.done():
+            self._confirming = asyncio.get_running_loop().create_task(
+                self._confirm_positions(), name=f"plait-confirm-{self._spec.name}"
+            )
+
+    async def _confirm_positions(self) -> None:
+        """Take the positions `advance` was given above the known head once the
+        sequence confirms them; refuse (and say so) the ones it has not handed out."""
+        while self._unconfirmed:
+            writer, position = self._unconfirmed.popitem()
+            try:
+                allocated = await self.is_allocated(self._sign * position)
+            except (psycopg.Error, PlaitError) as err:
+                logger.warning(
+                    "stream %s: could not check %s's position %d against the sequence "
+                    "(%s); not taking it (a later one will be)",
+                    self._spec.name,
+                    writer,
+                    self._sign * position,
+                    err,
+                )
+                continue
+            if allocated:
+                before = self._tracker.local_position
+                self._tracker.advance(writer, position)
+                self._poke_if_moved(before)
+            elif (held := self._refused_advances.allow(writer, time.monotonic())) is not None:
+                logger.warning(
+                    "stream %s: not taking position %d of %s given to advance(): sequence "
+                    "%s has handed out IDs up to %d only, so it names no ID (a wrong, "
+                    "forged or corrupted position); %s goes on at %d%s",
+                    self._spec.name,
+                    self._sign * position,
+                    writer,
+                    self._spec.sequence,
+                    self._sign * self._known_head(),
+                    self._instance,
+                    self.get_current_token_for_writer(self._instance),
+                    f"; {held} more refused since the last warning" if held else "",
+                )
+
+    def _known_head(self) -> int:
+        return self._db.known_head(self._spec.sequence)
+
+    def _handed_out(self, stream_id: int) -> None:
+        """This writer took IDs up to `stream_id` (internal) from the sequence."""
+        self._db.note_head(self._spec.sequence, stream_id)
 
     async def get_max_allocated_token(self) -> int:
         """The largest ID the sequence has handed out (signed)."""
         head = await self._store.sequence_head()
-        self._head = max(self._head, head)
+        self._db.note_head(self._spec.sequence, head)
         return self._sign * head
 
     def is_known_allocated(self, position: int) -> bool:
         """Whether `position` (signed) is at or below the largest ID this process knows
         the sequence handed out; no query. False says only "not known yet": ask
         `is_allocated`."""
-        return self._sign * position <= self._head
+        return self._sign * position <= self._known_head()
 
     async def is_allocated(self, position: int) -> bool:
         """Whether the sequence has handed out `position` (signed). A position above
@@ -552,19 +630,21 @@ class MultiWriterIdGenerator:
         Reads the head only when the one known is below `position`; callers that ask
         meanwhile share that read."""
         internal = self._sign * position
-        if internal <= self._head:
+        if internal <= self._known_head():
             return True
         async with self._head_lock:
-            if internal > self._head:
-                self._head = max(self._head, await self._store.sequence_head())
-        return internal <= self._head
+            if internal > self._known_head():
+                self._db.note_head(self._spec.sequence, await self._store.sequence_head())
+        return internal <= self._known_head()
 
     async def refresh_positions(self) -> None:
         """Learn the other writers' positions from `stream_positions`."""
         if not self._keeps_rows:
             return
         # Only configured writers' rows come back; our own is ignored by the tracker.
+        # Stored positions are at or below the head (`StreamStore.upsert_position`).
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
+            self._db.note_head(self._spec.sequence, position)
             self._tracker.advance(writer, position)
 
     async def _learn_stored_positions(self) -> None:
@@ -655,6 +735,8 @@ class MultiWriterIdGenerator:
         return positions
 
     def _on_fenced(self, writer: str, position: int) -> None:
+        # A fence moves a writer to a completed ID at or below the head it read.
+        self._db.note_head(self._spec.sequence, position)
         signed = self._sign * position
         if not self._fence_listeners:
             self.advance(writer, signed)
@@ -684,6 +766,10 @@ class MultiWriterIdGenerator:
         self._db.release_renewal(self._pending)
         for task in list(self._settling):
             task.cancel()
+        if self._confirming is not None:
+            self._confirming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._confirming
         if self._fencer is not None:
             await self._fencer.stop()
         await self._allocator.close()
