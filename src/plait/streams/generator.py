@@ -744,18 +744,8 @@ class MultiWriterIdGenerator:
             listener(writer, signed)
 
     async def _store_own_position(self, position: int, durable: bool) -> None:
-        """Routine stores commit asynchronously (see `PositionWriter`); a durable one (at
-        stop, after a lost connection) outlasts a server restart meanwhile."""
-
-        async def store() -> None:
-            await self._store.upsert_position(self._instance, position, durable=durable)
-
-        if not durable:
-            await store()
-            return
-        await self._db.retry_idempotent(
-            f"store the position of {self._instance} on stream {self._spec.name}", store
-        )
+        # Routine stores commit asynchronously; durable ones: see `PositionWriter`.
+        await self._store.upsert_position(self._instance, position, durable=durable)
 
     async def close(self) -> None:
         """Stop background work and store the final position."""

@@ -21,9 +21,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import psycopg
+
+from plait.storage.database import connection_lost
 from plait.streams.background import let_finish
 
 logger = logging.getLogger(__name__)
+FINAL_FLUSH_TIMEOUT = 5.0  # seconds: stopping never waits longer for the last store
 
 
 class PositionWriter:
@@ -124,7 +128,22 @@ class PositionWriter:
             await let_finish(task)
         if final_flush:
             try:
-                async with asyncio.timeout(5):
-                    await self.flush(durable=True)
+                async with asyncio.timeout(FINAL_FLUSH_TIMEOUT):
+                    await self._final_flush()
             except Exception as err:
                 logger.warning("%s: final position flush failed: %s", self._name, err)
+
+    async def _final_flush(self) -> None:
+        """Durable, and again on a new connection when the one it got was dead (the
+        server restarted since this process last used it): a restart right after this
+        one's must find the position (see the module docstring)."""
+        delay = 0.05
+        while True:
+            try:
+                await self.flush(durable=True)
+                return
+            except psycopg.OperationalError as err:
+                if not connection_lost(err):
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
