@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import psycopg
@@ -536,7 +537,60 @@ async def test_a_position_above_the_sequence_head_is_never_stored(
     assert not await gen.is_allocated(sign * 3)
     assert await gen.is_allocated(sign * 2)
     gen.advance("second", sign * 1_000_000_000)  # as a buggy caller would
-    with pytest.raises(PositionAboveHeadError):
-        await gen.flush_position()
+    await gen.flush_position()  # stores what it can (the next test)
     assert max(abs(p) for p in (await stored_positions(db)).values()) == 2
+    await gen.close()
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+async def test_a_writer_takes_no_position_above_the_head_from_advance(
+    db: Database, dsn: str, backwards: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: a wrong `advance` (trusted input) moved an idle writer's own position
+    to an ID the sequence had not handed out; its store was refused every interval, its
+    row stayed where it was for good, and its next write failed ("the sequence
+    returned 3, but IDs up to 1000000000 were already seen"). A writer now checks such
+    a position against the sequence first: it refuses it, says so once, and writes on;
+    a position the sequence has handed out is taken once that is confirmed."""
+    await create_table(db)
+    sign = -1 if backwards else 1
+    gen = await create_generator(
+        db, ["first", "second"], "first", backwards=backwards, position_flush_interval=0.05
+    )
+    insert = "INSERT INTO events VALUES ({id}, 'first') RETURNING stream_id"
+    await gen.insert(insert)
+    wrong = sign * 1_000_000_000
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        for _ in range(3):
+            gen.advance("second", wrong)  # as a buggy caller would
+            await asyncio.sleep(0.1)
+        assert gen.get_positions()["second"] != wrong
+        last = (await gen.insert(insert))[0]
+        for _ in range(2):
+            last = (await gen.insert(insert))[0]
+        assert gen.get_current_token_for_writer("first") == last
+        await gen.flush_position()
+        assert (await stored_positions(db))["first"] == last
+    said = [r for r in caplog.records if str(wrong) in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert "advance" in said[0].getMessage()  # what went wrong
+
+    # A true position from elsewhere (another process's sequence head is not known
+    # here yet) is taken once the sequence confirms it.
+    other_db = await Database.connect(dsn, max_size=2)
+    try:
+        second = await create_generator(
+            other_db, ["first", "second"], "second", backwards=backwards
+        )
+        taken = (await second.insert(insert.replace("'first'", "'second'")))[0]
+        assert not gen.is_known_allocated(taken)
+        gen.advance("second", taken)
+        deadline = asyncio.get_running_loop().time() + 10
+        while gen.get_positions()["second"] != taken:
+            assert asyncio.get_running_loop().time() < deadline, "the position was not taken"
+            await asyncio.sleep(0.02)
+        assert gen.get_current_token_for_writer("first") == taken  # idle: the idle rule
+        await second.close()
+    finally:
+        await other_db.close()
     await gen.close()

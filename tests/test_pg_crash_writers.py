@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
 from pg_restarts import RestartablePostgres
 from plait import Database, FencedError, MultiWriterIdGenerator, StreamSpec, TableSpec
 from plait.check.proxy import CutProxy
+from plait.errors import InstanceRunningError, SupersededError
 from plait.ports import free_port
 from plait.storage.incarnation import Incarnation
 
@@ -108,4 +110,170 @@ async def test_a_writer_fenced_after_a_crash_goes_on_as_a_new_incarnation(
     finally:
         await w1_db.close()
         await reader_db.close()
+        await proxy.stop()
+
+
+async def _stored(db: Database) -> int:
+    return (await _epoch_row(db))[0]
+
+
+async def _schema_with_slow_wal_writes(server: RestartablePostgres) -> None:
+    """The events table, and a WAL writer that writes asynchronous commits out only
+    every 10 s: a crash then loses every position row stored since the last commit
+    that waited for its WAL (deterministically, not one time in a few)."""
+    setup = await Database.connect(server.dsn, max_size=2)
+    try:
+        await setup.migrate()
+        async with setup.connection() as conn:
+            await conn.execute(
+                "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+                " payload TEXT); CREATE INDEX ON events (instance_name, stream_id)"
+            )
+            await conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+            await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await setup.close()
+
+
+async def test_a_writers_position_never_goes_back_through_a_crash_and_a_restart(
+    restartable_pg: RestartablePostgres,
+) -> None:
+    """R-ID-14 through a crash: position rows are stored with asynchronous commit, so a
+    kill -9 of PostgreSQL loses the last of them. A writer whose last IDs have no rows
+    (a rolled-back write) reported a position its rows cannot show; restarted after
+    the crash, it started below it (before: at 4, having reported 6)."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
+    w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    try:
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=0.2)
+        rows = [await w1.insert(insert) for _ in range(3)]  # 2, 3, 4: committed
+        for _ in range(2):
+            async with w1.get_next():  # 5, 6: taken, and the writes rolled back
+                pass
+        reported = w1.get_current_token_for_writer("w1")
+        assert reported == 6 > rows[-1][0]
+        await w1.flush_position()
+        assert await _stored(w1_db) == reported
+        await asyncio.to_thread(server.crash)
+        # The writer lives through the crash; then its process restarts.
+        await w1.close()
+    finally:
+        await w1_db.close()
+    again_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    try:
+        again = await MultiWriterIdGenerator.create(again_db, spec, "w1")
+        assert again.get_current_token_for_writer("w1") >= reported
+        assert await _stored(again_db) >= reported
+        await again.close()
+    finally:
+        await again_db.close()
+
+
+async def test_a_live_writer_stores_its_position_again_after_a_crash(
+    restartable_pg: RestartablePostgres,
+) -> None:
+    """The crash took the writer's last position row back; the writer, alive, finds a
+    connection dead and stores its position again, durably: a second crash keeps it."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    look = await Database.connect(server.dsn, max_size=2)
+    try:
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=0.2)
+        await w1.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+        async with w1.get_next():  # no row
+            pass
+        reported = w1.get_current_token_for_writer("w1")
+        await w1.flush_position()
+        await asyncio.to_thread(server.crash)
+        lost = await look.retry_read("w1's row", lambda: _stored(look))
+        assert lost < reported  # what the crash did (asynchronous commit)
+        await _until(
+            "w1 to store its position again after the crash",
+            lambda: w1_db.connections_lost > 0,
+        )
+        deadline = time.monotonic() + 30
+        while await look.retry_read("w1's row", lambda: _stored(look)) < reported:
+            assert time.monotonic() < deadline, "w1 did not store its position again in 30 s"
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(server.crash)
+        assert await look.retry_read("w1's row", lambda: _stored(look)) >= reported
+        await w1.close()
+    finally:
+        await w1_db.close()
+        await look.close()
+
+
+async def _refused_as_superseded(write: Callable[[], Awaitable[object]]) -> None:
+    """`write()` fails with SupersededError; a statement on a connection that died with
+    the cut may fail first (it is found dead only when used)."""
+    for _ in range(5):
+        try:
+            await write()
+        except SupersededError:
+            return
+        except psycopg.OperationalError:
+            continue
+        raise AssertionError("the superseded run wrote")
+    raise AssertionError("the superseded run was not refused")
+
+
+async def test_a_new_run_waits_for_the_previous_one_and_supersedes_it(
+    restartable_pg: RestartablePostgres,
+) -> None:
+    """A starting writer takes its own committed rows as final (its previous run is
+    over). Not while that run still has connections: it may still commit an ID below
+    them (before: the new run started at 3 while 2 was uncommitted, and 2 committed
+    after it). And once the new run registered, the old one, should it connect again,
+    may write nothing (before: it wrote the ID it held, below the new run)."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
+    # The old run reaches the server through a proxy: the test cuts it off, and decides
+    # when it may connect again (after the new run registered).
+    proxy = CutProxy(free_port(), server.port)
+    await proxy.start()
+    old_db = await Database.connect(
+        make_conninfo(server.dsn, port=str(proxy.port)),
+        max_size=4,
+        incarnation=Incarnation.new("w1"),
+    )
+    new_db = await Database.connect(
+        server.dsn, max_size=4, incarnation=Incarnation.new("w1"), retry_reads_for=3.0
+    )
+    try:
+        old = await MultiWriterIdGenerator.create(old_db, spec, "w1")
+        async with old_db.transaction() as txn:
+            slow = await old.get_next_txn(txn)  # 2, uncommitted while 3 commits
+            assert await old.insert(insert) == [3]
+            with pytest.raises(InstanceRunningError, match="is still running"):
+                await MultiWriterIdGenerator.create(new_db, spec, "w1")
+            await txn.execute("INSERT INTO events VALUES (%s, 'w1', 'slow')", (slow,))
+        held = old.get_next()  # the old run holds 4 when it is cut off
+        held_id = await held.__aenter__()
+        await proxy.stop()
+        new = await MultiWriterIdGenerator.create(new_db, spec, "w1")
+        assert new.get_current_token_for_writer("w1") >= 3
+        await proxy.start()
+
+        async def late_write() -> None:
+            async with old_db.transaction() as txn:
+                await txn.execute("INSERT INTO events VALUES (%s, 'w1', 'late')", (held_id,))
+
+        await _refused_as_superseded(late_write)
+        await held.__aexit__(None, None, None)
+        await _refused_as_superseded(lambda: old.insert(insert))
+        assert await new.insert(insert) == [held_id + 1]
+        rows, _, _ = await new.get_updates_since("w1", 0, held_id + 1)
+        assert [r.stream_id for r in rows] == [2, 3, held_id + 1]
+        await new.close()
+        await old.close()
+    finally:
+        await old_db.close()
+        await new_db.close()
         await proxy.stop()

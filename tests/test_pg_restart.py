@@ -13,6 +13,7 @@ died on its first failed load.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,9 +22,10 @@ import psycopg
 import pytest
 
 from pg_restarts import RestartablePostgres, Role, control, prepare_plan, targets
-from plait import Database
+from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
 from plait.check.plan import DB_LINEAR, LINEAR, WORKER
 from plait.errors import DatabaseUnavailableError
+from plait.instance import Instance
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,6 +188,113 @@ async def test_a_read_gives_up_after_retry_reads_for(pg: RestartablePostgres) ->
 
         with pytest.raises(DatabaseUnavailableError, match="could not read the answer"):
             await db.retry_read("the answer", read)
+    finally:
+        await asyncio.to_thread(pg.start)
+        await db.close()
+
+
+# -- start-up while PostgreSQL is down or restarting -----------------------------------------
+
+EVENTS_DDL = (
+    "CREATE TABLE IF NOT EXISTS events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+    " payload TEXT); CREATE INDEX IF NOT EXISTS events_writer ON events (instance_name, stream_id)"
+)
+EVENTS = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+
+
+def _instance(dsn: str, **changes: object) -> Instance:
+    instance = Instance(
+        {
+            "instance_name": "w1",
+            "database": dsn,
+            "streams": [{"name": "events", "tables": [{"name": "events"}], "writers": ["w1"]}],
+            "http": {"enabled": False},
+            **changes,
+        }
+    )
+    instance.add_schema(EVENTS_DDL)
+    return instance
+
+
+async def test_an_instance_started_before_postgresql_waits_for_it_and_writes(
+    pg: RestartablePostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: `Instance.start()` with the server down failed at once ("could not
+    connect"), and a start that met a restart half-way raised psycopg's error."""
+    await asyncio.to_thread(pg.stop)
+    instance = _instance(pg.dsn, database_patience=90.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="plait"):
+            starting = asyncio.create_task(instance.start())
+            await asyncio.sleep(3.0)
+            assert not starting.done(), starting.exception() if starting.done() else None
+            await asyncio.to_thread(pg.start)
+            async with asyncio.timeout(60):
+                await starting
+        waited = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+        assert waited, [r.getMessage() for r in caplog.records]
+        assert f":{pg.port}/" in waited[0], waited  # where it waits for
+        gen = instance.generator("events")
+        ids = await gen.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+        assert gen.get_current_token_for_writer("w1") == ids[-1]
+    finally:
+        await instance.stop()
+        await asyncio.to_thread(pg.ensure_running)
+
+
+async def test_an_instance_whose_postgresql_never_comes_fails_with_plaits_error(
+    pg: RestartablePostgres,
+) -> None:
+    await asyncio.to_thread(pg.stop)
+    instance = _instance(pg.dsn, database_patience=2.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DatabaseUnavailableError) as failed:
+            await instance.start()
+        took = time.monotonic() - started
+        assert 2.0 <= took < 30, took  # the bound, and not much more (a busy machine)
+        message = str(failed.value)
+        assert f"127.0.0.1:{pg.port}" in message, message
+        assert "database_patience" in message, message  # what to do
+    finally:
+        await instance.stop()
+        await asyncio.to_thread(pg.start)
+
+
+async def test_a_generator_started_during_a_restart_waits_for_the_server(
+    pg: RestartablePostgres,
+) -> None:
+    db = await Database.connect(pg.dsn, max_size=4)
+    try:
+        await db.migrate()
+        await db.run_schema(EVENTS_DDL)
+        await asyncio.to_thread(pg.stop)
+        starting = asyncio.create_task(MultiWriterIdGenerator.create(db, EVENTS, "w1"))
+        await asyncio.sleep(2.0)
+        assert not starting.done(), starting.exception() if starting.done() else None
+        await asyncio.to_thread(pg.start)
+        async with asyncio.timeout(60):
+            gen = await starting
+        ids = await gen.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+        assert ids == [2]
+    finally:
+        await asyncio.to_thread(pg.ensure_running)
+        await db.close()
+
+
+async def test_a_generator_whose_server_never_comes_back_fails_with_plaits_error(
+    pg: RestartablePostgres,
+) -> None:
+    db = await Database.connect(pg.dsn, max_size=4, retry_reads_for=2.0)
+    try:
+        await db.migrate()
+        await db.run_schema(EVENTS_DDL)
+        await asyncio.to_thread(pg.stop)
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailableError, match=f"127.0.0.1:{pg.port}"):
+            await MultiWriterIdGenerator.create(db, EVENTS, "w1")
+        took = time.monotonic() - started
+        assert took < 45, took  # a pool wait (30 s) at most, then the bound
     finally:
         await asyncio.to_thread(pg.start)
         await db.close()

@@ -17,6 +17,7 @@ from plait.caches.invalidations import CACHES_STREAM
 from plait.core.inbound import DEFAULT_INBOUND_QUEUE
 from plait.errors import ConfigError
 from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
+from plait.storage.database import DEFAULT_RETRY_READS_FOR
 from plait.storage.timeouts import DatabaseTimeouts
 from plait.streams.spec import StreamSpec, TableSpec
 
@@ -205,6 +206,10 @@ class InstanceConfig(_Model):
     # tcp_user_timeout, idle_in_transaction_session_timeout): a partitioned writer is
     # fenced only once its server processes end. What the DSN sets itself wins.
     database_timeouts: DatabaseTimeouts = Field(default_factory=DatabaseTimeouts)
+    # Seconds plait waits for a PostgreSQL it cannot reach (not up yet, restarting,
+    # crashed) before it fails with DatabaseUnavailableError: at start-up, and in its
+    # own reads. What it waits for is logged meanwhile.
+    database_patience: float = Field(DEFAULT_RETRY_READS_FOR, ge=0)
     streams: list[StreamConfig] = Field(default_factory=list)
     # Base URL of each instance's internal HTTP API, e.g. {"worker1": "http://127.0.0.1:8081"}.
     instance_map: dict[str, str] = Field(default_factory=dict)

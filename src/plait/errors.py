@@ -63,3 +63,14 @@ class FencedError(PlaitError):
     """This writer incarnation was fenced: another instance found none of its database
     connections alive and moved its positions past its IDs. It must not write again;
     restart the process (a new incarnation registers itself and goes on)."""
+
+
+class SupersededError(FencedError):
+    """A later run of this instance registered itself while this one still ran (it had
+    lost its connections, and connected again): two processes must never write under
+    one name. This run must not write again; stop it (the later one goes on)."""
+
+
+class InstanceRunningError(PlaitError):
+    """A writer cannot start: its instance's previous run still has connections to
+    PostgreSQL (a process of that name still runs), so IDs it holds may still commit."""

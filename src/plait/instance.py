@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -166,15 +167,22 @@ class Instance:
         try:
             if self._db is None:
                 # Its connections carry this run's name, so that its writers can be
-                # fenced should it die with IDs in flight.
-                self._db = await Database.connect(
+                # fenced should it die with IDs in flight. A server that is not up yet,
+                # or restarts meanwhile, is waited for (`database_patience`): every
+                # step below may run again.
+                db = self._db = await Database.connect(
                     config.database,
                     incarnation=Incarnation.new(self.name),
                     timeouts=config.database_timeouts,
+                    retry_reads_for=config.database_patience,
+                    wait_for_server=config.database_patience,
                 )
-                await self._db.migrate()
+                await db.retry_idempotent("migrate plait's schema", db.migrate)
             for statements in self._schema:
-                await self._db.run_schema(statements)
+                await self.db.retry_idempotent(
+                    "create the application's schema (add_schema)",
+                    functools.partial(self.db.run_schema, statements),
+                )
             for stream_config in config.streams:
                 self._streams[stream_config.name] = await self._open_stream(stream_config)
             if config.caches.enabled:
@@ -408,7 +416,7 @@ class Instance:
         """The `caches` stream: every instance writes it; its rows reach the registry
         before any other listener, and before its position moves (R-CA-3)."""
         config = self.config
-        gen = await fenced(self.db, self._open_caches_generator)
+        gen = await self.db.retry_idempotent("start the caches stream", self._fenced_caches)
         self._streams[CACHES_STREAM] = self._database_stream(gen, InvalidationRows())
         self._listeners.rows.setdefault(CACHES_STREAM, []).insert(0, self.caches.on_rows)
         self.caches.bind(gen, self.db)
@@ -423,6 +431,22 @@ class Instance:
                 on_deleted=metrics.invalidation_rows_deleted.inc,
             )
             self._cleanup = asyncio.create_task(cleanup.run(), name=f"plait-cleanup-{self.name}")
+
+    async def _fenced_caches(self) -> MultiWriterIdGenerator:
+        """The caches stream's generator, started under `fenced`'s lock; closed again
+        when the lock's transaction fails after it started (the step is retried)."""
+        made: list[MultiWriterIdGenerator] = []
+
+        async def start() -> MultiWriterIdGenerator:
+            made.append(await self._open_caches_generator())
+            return made[-1]
+
+        try:
+            return await fenced(self.db, start)
+        except BaseException:
+            for gen in made:
+                await gen.close()
+            raise
 
     async def _open_caches_generator(self) -> MultiWriterIdGenerator:
         return await MultiWriterIdGenerator.create(

@@ -26,6 +26,25 @@ head may be an ID another writer still has in flight. A reader told "W is at H" 
 treat H as completed and could step over it, then never see that row. So a starting
 writer reports the largest ID it *knows* completed; that is the head whenever the head
 is known to be complete.
+
+Positions through a crash or a restart (R-ID-14: never backwards). Position rows are
+stored with asynchronous commit (a WAL flush per write would cost more than the write),
+so a crash of PostgreSQL loses the ones of its last moments. A writer therefore starts
+at the largest of: its stored row, its own committed rows above it, and every completed
+ID the start-up survey sees (the idle rule). Its own rows count as completed IDs, and
+every own ID below them as finished, because its previous run is over: registration
+waits until no server process carries that run's name (everything it did is committed
+or rolled back), and a previous run still alive that connects again later finds itself
+superseded and may write nothing more (`storage/incarnation.py`). Committed rows are
+durable: their commits wait for the WAL.
+A position no row shows (the ID of a rolled-back write, or one the idle rule took from
+another writer) survives only in the stored row; so a writer stores it again, durably,
+once it found a connection dead (the server restarted or crashed), and stores
+durably when it stops (`streams/position_writer.py`). Left open: a writer process that
+dies before its first statement after a crash (both killed at once) starts below what
+it reported in its last moments. Nothing is lost or repeated by that (its next IDs are
+above the sequence head, and readers never move a position back); only durable
+upserts would close it.
 """
 
 from __future__ import annotations

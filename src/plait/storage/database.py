@@ -26,7 +26,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from plait.core.backoff import Backoff
 from plait.core.redact import redact
-from plait.errors import ConfigError, DatabaseUnavailableError, FencedError
+from plait.errors import ConfigError, DatabaseUnavailableError, FencedError, SupersededError
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.incarnation import (
     Incarnation,
@@ -40,9 +40,23 @@ from plait.storage.timeouts import DEFAULT_TIMEOUTS, DatabaseTimeouts
 logger = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = 140000
-# How long plait's own reads wait for a server that went away (a restart takes seconds,
-# a crash's recovery tens of them) before they fail with DatabaseUnavailableError.
+# How long plait waits for a server that went away or is not up yet (a restart takes
+# seconds, a crash's recovery tens of them) before it fails with
+# DatabaseUnavailableError: its own reads, and an `Instance`'s start-up (the
+# configuration's `database_patience`).
 DEFAULT_RETRY_READS_FOR = 60.0
+# A server that answered a connection attempt with one of these is there but not taking
+# connections yet (or any more, or is full): trying again later may succeed. libpq
+# gives connection failures no SQLSTATE, only the server's message.
+_NOT_ACCEPTING_YET = (
+    "starting up",
+    "shutting down",
+    "in recovery mode",
+    "not yet accepting connections",
+    "not accepting connections",
+    "too many clients",
+    "remaining connection slots",
+)
 # SQLSTATEs of a server that ended the session: shut down by an administrator, crashed,
 # or not accepting connections yet (starting up, shutting down, recovering).
 _SERVER_WENT_AWAY = frozenset({"57P01", "57P02", "57P03"})
@@ -237,7 +251,9 @@ class _Identity:
     is waited out. But only once nothing of the old run is pending (`holds`): an ID it
     took before the fence, still held by a `get_next` block, could otherwise be
     written on a new connection below the position the fence moved readers past.
-    Until then, and always without `renew`, every lease fails at once (`FencedError`)."""
+    Until then, and always without `renew`, every lease fails at once (`FencedError`).
+    A run superseded by a later run of the instance never goes on (`SupersededError`):
+    the later one writes under that name now."""
 
     __slots__ = (
         "_renewing",
@@ -245,6 +261,7 @@ class _Identity:
         "holds",
         "incarnation",
         "pooled",
+        "registered",
         "renew",
         "renewed",
         "settings",
@@ -263,6 +280,8 @@ class _Identity:
         self.renew = renew
         # Each says whether IDs of this run are still pending (the writers' trackers).
         self.holds: list[Callable[[], bool]] = []
+        # The streams this run registered its epoch on (`Database.registered`).
+        self.registered: set[str] = set()
         # Called with the new incarnation (the pool names later connections after it).
         self.renewed: Callable[[Incarnation], None] | None = None
         self._renewing = asyncio.Lock()  # one renewal at a time
@@ -271,6 +290,8 @@ class _Identity:
         self.pooled = False
 
     def may_renew(self) -> bool:
+        if isinstance(self.fenced, SupersededError):
+            return False
         return self.renew and not any(pending() for pending in self.holds)
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
@@ -288,9 +309,9 @@ class _Identity:
         if checked is None:
             return
         try:
-            await refuse_if_fenced(conn, checked)
+            await refuse_if_fenced(conn, checked, self.registered)
         except FencedError as err:
-            if not self.may_renew():
+            if isinstance(err, SupersededError) or not self.may_renew():
                 self.fenced = err
                 raise
             async with self._renewing:
@@ -384,6 +405,7 @@ class _Lease:
         db = self._db
         if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
             db._lost_one = True  # its idle neighbours are most likely gone too
+            db._connections_lost += 1
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return
@@ -496,6 +518,7 @@ class Database:
         self._embedded = embedded
         self._instance_ids: dict[str, int] = {}
         self._instance_names: dict[int, str] = {}
+        self._heads: dict[str, int] = {}  # `known_head`
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
         self._identity = identity or _Identity()
@@ -503,8 +526,9 @@ class Database:
         # Set when a statement failed because its connection died: the next lease first
         # tests the idle connections (`_replace_lost`).
         self._lost_one = False
+        self._connections_lost = 0  # `connections_lost`
         self._replacing: asyncio.Task[None] | None = None
-        self._unreachable_since: float | None = None  # for `retry_read`'s log lines
+        self._outage = _Outage()  # one warning per outage, not per reader
         self._guard = asyncio.create_task(self._close_on_shutdown(), name="plait-pool-guard")
 
     @classmethod
@@ -518,6 +542,7 @@ class Database:
         application_name: str = "plait",
         incarnation: Incarnation | None = None,
         retry_reads_for: float = DEFAULT_RETRY_READS_FOR,
+        wait_for_server: float = 0.0,
         timeouts: DatabaseTimeouts | None = None,
     ) -> Database:
         """Connect to `dsn`, or start (or reuse) the embedded server when it is None.
@@ -525,13 +550,19 @@ class Database:
         With an `incarnation` (what `Instance` passes) every connection carries its
         name, so that the instance's writers can be fenced when it dies, and a new
         connection is refused once they were (`FencedError`). plait's reads of
-        positions and rows outlast a server restart or crash of up to
-        `retry_reads_for` seconds (`retry_read`). `timeouts` (default:
+        positions and rows, and the start of a stream's generator, outlast a server
+        restart or crash of up to `retry_reads_for` seconds (`retry_read`,
+        `retry_idempotent`). Connecting itself waits up to `wait_for_server` seconds
+        for a server that is not up yet (refuses connections, is starting or
+        recovering); 0, the default, tries once. A server that refuses us for good (a
+        wrong password or database name) fails at once. `timeouts` (default:
         `DatabaseTimeouts()`) bound how long a silent peer keeps a connection, on both
         ends, so that a partitioned writer's server processes end and it can be fenced;
         what `dsn` sets itself wins."""
         if retry_reads_for < 0:
             raise ConfigError("retry_reads_for must be zero or more (seconds)")
+        if wait_for_server < 0:
+            raise ConfigError("wait_for_server must be zero or more (seconds)")
         embedded = None
         if dsn is None:
             embedded = await asyncio.to_thread(EmbeddedPostgres.acquire, data_dir)
@@ -546,7 +577,11 @@ class Database:
             "application_name": application_name,
             **client,
         }
-        try:
+        # A renewed incarnation names every later connection (the pool reads its
+        # kwargs for each one it makes).
+        identity.renewed = lambda new: kwargs.update(application_name=new.application_name)
+
+        async def open_pool() -> AsyncConnectionPool[AsyncConnection[TupleRow]]:
             identity.pooled = await _probe(dsn, client)
             pool: AsyncConnectionPool[AsyncConnection[TupleRow]] = AsyncConnectionPool(
                 dsn,
@@ -558,10 +593,37 @@ class Database:
                 name="plait",
                 reconnect_timeout=_RECONNECT_CHAIN,
             )
-            # A renewed incarnation names every later connection (the pool reads its
-            # kwargs for each one it makes).
-            identity.renewed = lambda new: kwargs.update(application_name=new.application_name)
-            await pool.open(wait=True, timeout=30)
+            try:
+                await pool.open(wait=True, timeout=30)
+            except BaseException:
+                await pool.close()  # its workers would retry on their own
+                raise
+            return pool
+
+        def unreachable(seconds: float, reason: str) -> DatabaseUnavailableError:
+            if not wait_for_server:
+                return DatabaseUnavailableError(
+                    f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. Check host, "
+                    "port, user, password and database name, or pass dsn=None to use the "
+                    "embedded server"
+                )
+            return DatabaseUnavailableError(
+                f"could not connect to PostgreSQL at {server_address(dsn)}: it has been "
+                f"unreachable for {seconds:.0f} s ({reason}). Check that the server is up "
+                "and reachable at that address (host, port), or give it longer "
+                "(database_patience in the configuration, wait_for_server here)"
+            )
+
+        try:
+            pool = await _outlast(
+                open_pool,
+                patience=wait_for_server,
+                server=server_address(dsn),
+                doing="connect",
+                transient=_may_come_up,
+                giving_up=unreachable,
+                outage=_Outage(),
+            )
         except BaseException:
             if embedded is not None:
                 await asyncio.to_thread(embedded.release)
@@ -581,6 +643,13 @@ class Database:
     def incarnation(self) -> Incarnation | None:
         """Who this pool's connections say they are (`connect(incarnation=...)`)."""
         return self._identity.incarnation
+
+    @property
+    def connections_lost(self) -> int:
+        """How many statements failed because their connection died so far. When it
+        grows, the server may have restarted or crashed, and a crash loses what was
+        committed asynchronously since its last WAL flush (position rows)."""
+        return self._connections_lost
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[TupleRow]]:
         """A pooled connection in autocommit mode."""
@@ -668,62 +737,42 @@ class Database:
         accepting connections), for up to `retry_reads_for` seconds; then
         `DatabaseUnavailableError`. For reads only: a write whose connection died may
         have committed. `what` names the read in the log lines and the error."""
-        loop = asyncio.get_running_loop()
-        backoff = Backoff(initial=0.05, cap=2.0)
-        first_failure: float | None = None
-        last: psycopg.OperationalError | None = None
-        while True:
-            try:
-                if first_failure is None:
-                    result = await read()
-                else:
-                    # A lease may wait for the pool's timeout (30 s) for a connection
-                    # the pool cannot make: the patience left bounds each attempt.
-                    left = first_failure + self._retry_reads_for - loop.time()
-                    async with asyncio.timeout(max(left, 0.0)):
-                        result = await read()
-            except psycopg.OperationalError as err:
-                if not connection_lost(err):
-                    raise
-                last = err
-            except TimeoutError:
-                if first_failure is None:
-                    raise  # the read's own, not the patience's
-            else:
-                since, self._unreachable_since = self._unreachable_since, None
-                if since is not None:
-                    logger.warning(
-                        "PostgreSQL at %s is back after %.1f s", self._server, loop.time() - since
-                    )
-                return result
-            now = loop.time()
-            reason = "no connection" if last is None else _reason(last)
-            if first_failure is None:
-                first_failure = now
-            if self._unreachable_since is None:  # one line per outage, not per reader
-                self._unreachable_since = now
-                logger.warning(
-                    "lost PostgreSQL at %s while reading %s (%s); reconnecting",
-                    self._server,
-                    what,
-                    reason,
-                )
-            if now - first_failure >= self._retry_reads_for:
-                raise DatabaseUnavailableError(
-                    f"could not read {what}: PostgreSQL at {self._server} has been unreachable "
-                    f"for {now - first_failure:.0f} s ({reason}); check that the server is up"
-                ) from last
-            await asyncio.sleep(backoff.next_delay())
+        return await _outlast(
+            read,
+            patience=self._retry_reads_for,
+            server=self._server,
+            doing=f"read {what}",
+            transient=connection_lost,
+            giving_up=lambda seconds, reason: DatabaseUnavailableError(
+                f"could not read {what}: PostgreSQL at {self._server} has been unreachable "
+                f"for {seconds:.0f} s ({reason}); check that the server is up"
+            ),
+            outage=self._outage,
+        )
+
+    async def retry_idempotent(self, what: str, step: Callable[[], Awaitable[T]]) -> T:
+        """`retry_read` for a step that may run twice with the same outcome, writes
+        included (start-up: migrating, creating a sequence, registering a writer
+        forwards only). `what` says what it does ("start stream events"), for the log
+        lines and the error, which names the server and what to do."""
+        return await _outlast(
+            step,
+            patience=self._retry_reads_for,
+            server=self._server,
+            doing=what,
+            transient=connection_lost,
+            giving_up=lambda seconds, reason: DatabaseUnavailableError(
+                f"could not {what}: PostgreSQL at {self._server} has been unreachable for "
+                f"{seconds:.0f} s ({reason}). Check that the server is up and reachable at "
+                "that address (host, port), or give it longer (database_patience in the "
+                "configuration, retry_reads_for of Database.connect)"
+            ),
+            outage=self._outage,
+        )
 
     @functools.cached_property
     def _server(self) -> str:
-        """Where the server is, for log lines: host, port and database, no secrets."""
-        try:
-            params = conninfo_to_dict(self._dsn)
-        except psycopg.ProgrammingError:
-            return redact(self._dsn)
-        host = params.get("host") or params.get("hostaddr") or "localhost"
-        return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+        return server_address(self._dsn)
 
     async def _replace_lost(self) -> None:
         """A connection died under a statement: the server restarted, crashed or failed
@@ -858,7 +907,31 @@ class Database:
             self._instance_ids[name] = instance_id
             self._instance_names[instance_id] = name
 
+    # -- sequence heads: what this process knows was handed out ------------------------
+
+    def known_head(self, sequence: str) -> int:
+        """The largest ID (internal domain) this process knows `sequence` has handed
+        out: what its generators took, and the heads they read. A position at or below
+        it names an ID; one above it must be checked against the sequence before a
+        writer takes it (R-ID-14). Shared by every generator on this Database."""
+        return self._heads.get(sequence, 0)
+
+    def note_head(self, sequence: str, head: int) -> None:
+        """`sequence` has handed out `head` (internal domain) at least."""
+        if head > self._heads.get(sequence, 0):
+            self._heads[sequence] = head
+
     # -- lifetime ------------------------------------------------------------------------
+
+    def registered(self, stream: str) -> None:
+        """This run registered its epoch on `stream`: a later run that registers there
+        supersedes it (its next new connection fails with `SupersededError`)."""
+        self._identity.registered.add(stream)
+
+    @property
+    def patience(self) -> float:
+        """Seconds plait waits for an unreachable server (`retry_reads_for`)."""
+        return self._retry_reads_for
 
     def hold_renewal(self, pending: Callable[[], bool]) -> None:
         """While `pending()` is true (IDs of this run not finished), a fenced run does
@@ -943,10 +1016,13 @@ async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
             "postgresql://user@host:5432/dbname, or dsn=None for the embedded server"
         ) from None
     except psycopg.OperationalError as err:
+        if _may_come_up(err):
+            raise  # `connect` tries again while it may wait, then says so
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise DatabaseUnavailableError(
-            f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. Check host, port, "
-            "user, password and database name, or pass dsn=None to use the embedded server"
+            f"could not connect to PostgreSQL at {redact(dsn)}: {redact(reason)}. Check "
+            "host, port, user, password and database name, or pass dsn=None to use the "
+            "embedded server"
         ) from None
     try:
         version = conn.info.server_version
@@ -1027,7 +1103,101 @@ def connection_lost(err: psycopg.OperationalError) -> bool:
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in _SERVER_WENT_AWAY
 
 
+def _may_come_up(err: psycopg.OperationalError) -> bool:
+    """Whether a failed connection attempt may succeed later with nothing changed: no
+    server answered (refused, timed out, no socket yet, a name not resolved yet), or
+    one answered that it is starting, stopping, recovering or full. One that refused
+    us for good (a wrong password, user or database name, no pg_hba.conf entry)
+    answers FATAL with another reason."""
+    if isinstance(err, PoolTimeout):
+        return True
+    text = str(err)
+    return "FATAL:" not in text or any(phrase in text for phrase in _NOT_ACCEPTING_YET)
+
+
 def _reason(err: BaseException) -> str:
-    """The first line of an error: libpq's messages go on with hints over lines."""
+    """The first line of an error, without secrets: libpq's messages go on with hints
+    over lines, and quote some DSNs back."""
     text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    return redact(text.splitlines()[0]) if text else type(err).__name__
+
+
+def server_address(dsn: str) -> str:
+    """Where the server is, for log lines and errors: host, port and database, no
+    secrets."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return redact(dsn)
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+
+
+class _Outage:
+    """When the server was first found unreachable, while it stays so: every waiter
+    of one `Database` shares it, so an outage logs one warning, not one per reader."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+
+async def _outlast(
+    step: Callable[[], Awaitable[T]],
+    *,
+    patience: float,
+    server: str,
+    doing: str,
+    transient: Callable[[psycopg.OperationalError], bool],
+    giving_up: Callable[[float, str], DatabaseUnavailableError],
+    outage: _Outage,
+) -> T:
+    """`await step()`, again after a `transient` failure, with backoff, until
+    `patience` seconds have passed since the first failure; then `giving_up(seconds,
+    reason)` is raised. The one retry loop of plait's database work (reads, start-up,
+    connecting): what it waits for ("could not `doing` yet") is logged when the outage
+    begins, and when it ends."""
+    loop = asyncio.get_running_loop()
+    backoff = Backoff(initial=0.05, cap=2.0)
+    first_failure: float | None = None
+    last: psycopg.OperationalError | None = None
+    while True:
+        try:
+            if first_failure is None:
+                result = await step()
+            else:
+                # A lease may wait for the pool's timeout (30 s) for a connection
+                # the pool cannot make: the patience left bounds each attempt.
+                left = first_failure + patience - loop.time()
+                async with asyncio.timeout(max(left, 0.0)):
+                    result = await step()
+        except psycopg.OperationalError as err:
+            if not transient(err):
+                raise
+            last = err
+        except TimeoutError:
+            if first_failure is None:
+                raise  # the step's own, not the patience's
+        else:
+            since, outage.since = outage.since, None
+            if since is not None:
+                logger.warning("PostgreSQL at %s is back after %.1f s", server, loop.time() - since)
+            return result
+        now = loop.time()
+        reason = "no connection" if last is None else _reason(last)
+        if first_failure is None:
+            first_failure = now
+        if now - first_failure >= patience:
+            raise giving_up(now - first_failure, reason) from None
+        if outage.since is None:  # one line per outage, not per waiter
+            outage.since = now
+            logger.warning(
+                "could not %s yet: PostgreSQL at %s is unreachable (%s); trying again with "
+                "backoff for up to %.0f s",
+                doing,
+                server,
+                reason,
+                patience,
+            )
+        await asyncio.sleep(backoff.next_delay())

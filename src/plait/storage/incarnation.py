@@ -6,18 +6,24 @@ before its first allocation. A fence then needs no timeout to be safe: once no s
 process carries that name, PostgreSQL has committed or rolled back everything the run
 did, and a fenced epoch may open no new connection (`refuse_if_fenced`), so nothing it
 still holds in memory can commit afterwards.
+
+A later run of the same instance takes over the same way: it registers its epoch only
+once no server process carries the previous run's (`StreamStore.register`), and the
+previous run, should it still live and connect again, finds itself superseded and may
+write nothing more. So a starting writer may take every row of its instance as final.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 
-from plait.errors import FencedError
+from plait.errors import FencedError, SupersededError
 
 PREFIX = "plait#"
 
@@ -70,22 +76,46 @@ async def renew_incarnation(
         )
 
 
-async def refuse_if_fenced(conn: psycopg.AsyncConnection[Any], incarnation: Incarnation) -> None:
-    """Run on every new (autocommit) connection of a writer: raise `FencedError` if its epoch was
-    fenced. The row lock (KEY SHARE) waits out a fence in progress, which holds the row
-    FOR UPDATE from before it looks for live connections: a connection either is seen
-    by the fence (which then gives up) or sees the fence."""
-    query = "SELECT stream_name, fenced_at FROM stream_positions WHERE epoch = %s"
+async def refuse_if_fenced(
+    conn: psycopg.AsyncConnection[Any],
+    incarnation: Incarnation,
+    registered: Collection[str] = (),
+) -> None:
+    """Run on every new (autocommit) connection of a writer: raise `FencedError` if its
+    epoch was fenced, `SupersededError` if a later run of the instance registered on
+    one of the streams this run `registered` on. The row lock (KEY SHARE) waits out a
+    fence or a registration in progress, which holds the row FOR UPDATE from before it
+    looks for live connections: a connection either is seen by it (which then gives
+    up, or waits) or sees it."""
+    query = (
+        "SELECT stream_name, fenced_at, epoch IS DISTINCT FROM %(epoch)s FROM stream_positions"
+        " WHERE epoch = %(epoch)s"
+        " OR (instance_name = %(instance)s AND stream_name = ANY(%(registered)s))"
+    )
+    names = {
+        "epoch": incarnation.epoch,
+        "instance": incarnation.instance,
+        "registered": sorted(registered),
+    }
     try:
         try:
-            cursor = await conn.execute(query + " FOR KEY SHARE", (incarnation.epoch,))
+            cursor = await conn.execute(query + " FOR KEY SHARE", names)
         except psycopg.errors.InsufficientPrivilege:
             # A role that may not lock the rows may not write them either: it is no
             # writer, has no IDs to protect, and only needs to know.
-            cursor = await conn.execute(query, (incarnation.epoch,))
-        fenced = [row[0] for row in await cursor.fetchall() if row[1] is not None]
+            cursor = await conn.execute(query, names)
+        rows = await cursor.fetchall()
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
-        fenced = []  # no plait schema yet (the first connection migrates it)
+        rows = []  # no plait schema yet (the first connection migrates it)
+    superseded = sorted(row[0] for row in rows if row[2])
+    if superseded:
+        raise SupersededError(
+            f"instance {incarnation.instance!r} (epoch {incarnation.epoch}) was superseded on "
+            f"{', '.join(superseded)}: a later run of it registered while this one had no "
+            "connection (two processes never write under one name: their positions would "
+            "cover each other's IDs). This process must not write again: stop it"
+        )
+    fenced = [row[0] for row in rows if row[1] is not None]
     if fenced:
         raise FencedError(
             f"instance {incarnation.instance!r} (epoch {incarnation.epoch}) was fenced on "

@@ -211,6 +211,15 @@ class _Table:
 
 
 @dataclass(frozen=True, slots=True)
+class PreviousRun:
+    """The run of an instance registered on a stream before, still connected: its
+    epoch and how many server processes carry its name."""
+
+    epoch: int
+    alive: int
+
+
+@dataclass(frozen=True, slots=True)
 class FenceResult:
     """What `StreamStore.fence` found: the writer's registered epoch (None: it has none
     and is never fenced), how many of its connections are alive (then nothing moved),
@@ -624,14 +633,39 @@ class StreamStore:
                 "forged or corrupted position, or the sequence was reset)"
             )
 
-    async def register(self, instance: str, position: int, epoch: int | None) -> None:
+    async def register(self, instance: str, position: int, epoch: int | None) -> PreviousRun | None:
         """This writer's row before its first allocation: its position (forwards only)
         and the epoch its connections carry (None: they carry none, and it can never be
         fenced). A fence of an earlier run no longer applies. Durable, and it waits for
-        a fence in progress on the row (which then finds this run's connections)."""
+        a fence in progress on the row (which then finds this run's connections).
+
+        Not while the previous run registered on the row still has server processes
+        (its name): nothing is changed then, and that run is returned. It may still
+        commit IDs below rows it committed, which start-up takes as final. Once this
+        run is registered, the previous one cannot connect again (`SupersededError`),
+        under the same row lock as a fence."""
         keep = ">" if self.spec.backwards else "<"
-        async with self.db.connection() as conn:
-            await conn.execute(
+        async with self.db.transaction() as txn:
+            row = await (
+                await txn.execute(
+                    "SELECT epoch FROM stream_positions"
+                    " WHERE stream_name = %s AND instance_name = %s FOR UPDATE",
+                    (self.spec.name, instance),
+                )
+            ).fetchone()
+            previous = None if row is None or row[0] is None else int(row[0])
+            if previous is not None and previous != epoch:
+                alive_row = await (
+                    await txn.execute(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE starts_with(application_name, %s)",
+                        (name_prefix(previous),),
+                    )
+                ).fetchone()
+                alive = int(alive_row[0]) if alive_row else 0
+                if alive:
+                    return PreviousRun(previous, alive)
+            await txn.execute(
                 "INSERT INTO stream_positions (stream_name, instance_name, stream_id, epoch)"
                 " VALUES (%s, %s, %s, %s)"
                 " ON CONFLICT (stream_name, instance_name) DO UPDATE SET"
@@ -640,6 +674,7 @@ class StreamStore:
                 " epoch = EXCLUDED.epoch, fenced_at = NULL, updated_at = now()",
                 (self.spec.name, instance, self._sign * position, epoch),
             )
+        return None
 
     async def fence(self, writer: str, target: int) -> FenceResult:
         """Move a dead writer's position up to `target` (internal; a completed ID, such

@@ -108,11 +108,14 @@ class Fetches:
     writer's position below IDs still on their way, and when the fetch began, for the
     age of the oldest unfinished ID (`PendingAges`)."""
 
-    __slots__ = ("_ages", "tracker")
+    __slots__ = ("_ages", "_handed_out", "tracker")
 
-    def __init__(self, tracker: PositionTracker) -> None:
+    def __init__(
+        self, tracker: PositionTracker, handed_out: Callable[[int], None] = lambda _: None
+    ) -> None:
         self.tracker = tracker
         self._ages = PendingAges()
+        self._handed_out = handed_out  # told the largest ID of each fetch
 
     def begin(self) -> FetchTicket:
         ticket = self.tracker.begin_fetch()
@@ -129,6 +132,8 @@ class Fetches:
             pending = [] if completed else ids
         finally:
             self._ages.ended(ticket.serial, pending, tracker.lowest_unfinished)
+        if ids:
+            self._handed_out(max(ids))
 
     def oldest_began(self) -> float | None:
         """When the work holding this writer's position began (`time.monotonic`)."""

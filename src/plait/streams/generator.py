@@ -9,6 +9,7 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,8 +19,16 @@ from typing import Any, Generic, Protocol, TypeVar
 import psycopg
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
+from plait.core.backoff import Backoff
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
-from plait.errors import ConfigError, FencedError, NotAWriterError
+from plait.core.throttle import Throttle
+from plait.errors import (
+    ConfigError,
+    FencedError,
+    InstanceRunningError,
+    NotAWriterError,
+    PlaitError,
+)
 from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
@@ -73,7 +82,7 @@ class MultiWriterIdGenerator:
         self._tracker = tracker
         self._sign = spec.sign
         self._insert_sql: dict[str, str] = {}
-        self._fetches = Fetches(tracker)
+        self._fetches = Fetches(tracker, self._handed_out)
         self._allocator = IdAllocator(self._fetches, store.allocate, self._finish)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
@@ -90,14 +99,20 @@ class MultiWriterIdGenerator:
                 delay=min(MAX_UPSERT_DELAY, position_flush_interval / 10),
                 written=tracker.local_position,
                 name=f"{spec.name}/{instance_name}",
+                lost=lambda: db.connections_lost,
             )
         self._follow_database = follow_database
         self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
-        # The largest ID known handed out by the sequence (internal; start-up refused
-        # positions above the head, so every one loaded is below it). Another process's
-        # claim above it counts only once the sequence confirms it (R-ID-14).
-        self._head = tracker.max_seen
+        # What the sequence is known to have handed out is `db.known_head` (start-up
+        # refused positions above the head, so every one loaded is below it). Another
+        # process's claim above it counts only once the sequence confirms it (R-ID-14).
+        db.note_head(spec.sequence, tracker.max_seen)
         self._head_lock = asyncio.Lock()
+        # Positions given to `advance` that a writer must check against the sequence
+        # before it takes them (the largest per writer), and the task that checks.
+        self._unconfirmed: dict[str, int] = {}
+        self._confirming: asyncio.Task[None] | None = None
+        self._refused_advances = Throttle(10.0)  # one warning per writer this often
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._capture: WriteCapture | None = None
@@ -151,13 +166,12 @@ class MultiWriterIdGenerator:
             instance_name,
             spec.sequence,
         )
-        if not await store.check_tables():
-            await store.ensure_sequence()
-        # Own latest row: only a configured writer of a stream with position rows.
-        own = instance_name if spec.writers and instance_name in spec.writers else None
-        survey = await store.survey(own)
-        await store.check_sequence(survey)
-        tracker = await _load_tracker(store, spec, instance_name, survey)
+        # Every step may run again (a server restart or crash meanwhile): creating the
+        # sequence checks first, repairing it and registering only move forwards.
+        survey, tracker = await db.retry_idempotent(
+            f"start stream {spec.name} as {instance_name}",
+            lambda: _load(db, store, spec, instance_name),
+        )
         gen = cls(
             db,
             spec,
@@ -168,17 +182,7 @@ class MultiWriterIdGenerator:
             follow_database=follow_database,
             fence_after=fence_after,
         )
-        gen._head = max(gen._head, survey.head)
-        if gen._keeps_rows and tracker.is_writer:
-            # Registered before the first allocation, so database-only readers know
-            # every live writer, and a fence of an earlier run cannot claim new IDs.
-            incarnation = db.incarnation
-            epoch = (
-                incarnation.epoch
-                if incarnation is not None and incarnation.instance == instance_name
-                else None
-            )
-            await store.register(instance_name, tracker.local_position, epoch)
+        db.note_head(spec.sequence, survey.head)
         gen._start()
         logger.info(
             "stream %s: %s ready; persisted up to %d, positions %s",
@@ -522,7 +526,12 @@ class MultiWriterIdGenerator:
         return None if began is None else max(0.0, time.monotonic() - began)
 
     def advance(self, instance_name: str, position: int) -> None:
-        """Another writer reached `position` (signed); never moves anything backwards."""
+        """Another writer reached `position` (signed); never moves anything backwards.
+
+        A writer takes a position above the largest ID it knows handed out only once
+        the sequence confirms it (a moment later; one the sequence has not handed out
+        is refused with a warning): it would otherwise report it as its own, and
+        refuse its own next IDs. A reader takes it as given."""
         if isinstance(position, bool) or not isinstance(position, int):
             raise ConfigError(f"position must be an int, not {position!r}")
         internal = self._sign * position
@@ -541,19 +550,79 @@ class MultiWriterIdGenerator:
                 instance_name,
             )
             return
+        if self._tracker.is_writer and internal > self._known_head():
+            # A writer that took an ID the sequence has not handed out would report it
+            # as its own position (the idle rule), store it, and refuse its own next
+            # IDs as "the sequence went backwards". Replication checks first; a direct
+            # call is checked here, and the position taken once the sequence has
+            # handed it out (R-ID-14).
+            self._confirm_later(instance_name, internal)
+            return
         self._tracker.advance(instance_name, internal)
+
+    def _confirm_later(self, writer: str, position: int) -> None:
+        if position <= self._unconfirmed.get(writer, 0) or self._closed:
+            return
+        self._unconfirmed[writer] = position
+        if self._confirming is None or self._confirming.done():
+            self._confirming = asyncio.get_running_loop().create_task(
+                self._confirm_positions(), name=f"plait-confirm-{self._spec.name}"
+            )
+
+    async def _confirm_positions(self) -> None:
+        """Take the positions `advance` was given above the known head once the
+        sequence confirms them; refuse (and say so) the ones it has not handed out."""
+        while self._unconfirmed:
+            writer, position = self._unconfirmed.popitem()
+            try:
+                allocated = await self.is_allocated(self._sign * position)
+            except (psycopg.Error, PlaitError) as err:
+                logger.warning(
+                    "stream %s: could not check %s's position %d against the sequence "
+                    "(%s); not taking it (a later one will be)",
+                    self._spec.name,
+                    writer,
+                    self._sign * position,
+                    err,
+                )
+                continue
+            if allocated:
+                before = self._tracker.local_position
+                self._tracker.advance(writer, position)
+                self._poke_if_moved(before)
+            elif (held := self._refused_advances.allow(writer, time.monotonic())) is not None:
+                logger.warning(
+                    "stream %s: not taking position %d of %s given to advance(): sequence "
+                    "%s has handed out IDs up to %d only, so it names no ID (a wrong, "
+                    "forged or corrupted position); %s goes on at %d%s",
+                    self._spec.name,
+                    self._sign * position,
+                    writer,
+                    self._spec.sequence,
+                    self._sign * self._known_head(),
+                    self._instance,
+                    self.get_current_token_for_writer(self._instance),
+                    f"; {held} more refused since the last warning" if held else "",
+                )
+
+    def _known_head(self) -> int:
+        return self._db.known_head(self._spec.sequence)
+
+    def _handed_out(self, stream_id: int) -> None:
+        """This writer took IDs up to `stream_id` (internal) from the sequence."""
+        self._db.note_head(self._spec.sequence, stream_id)
 
     async def get_max_allocated_token(self) -> int:
         """The largest ID the sequence has handed out (signed)."""
         head = await self._store.sequence_head()
-        self._head = max(self._head, head)
+        self._db.note_head(self._spec.sequence, head)
         return self._sign * head
 
     def is_known_allocated(self, position: int) -> bool:
         """Whether `position` (signed) is at or below the largest ID this process knows
         the sequence handed out; no query. False says only "not known yet": ask
         `is_allocated`."""
-        return self._sign * position <= self._head
+        return self._sign * position <= self._known_head()
 
     async def is_allocated(self, position: int) -> bool:
         """Whether the sequence has handed out `position` (signed). A position above
@@ -561,12 +630,12 @@ class MultiWriterIdGenerator:
         Reads the head only when the one known is below `position`; callers that ask
         meanwhile share that read."""
         internal = self._sign * position
-        if internal <= self._head:
+        if internal <= self._known_head():
             return True
         async with self._head_lock:
-            if internal > self._head:
-                self._head = max(self._head, await self._store.sequence_head())
-        return internal <= self._head
+            if internal > self._known_head():
+                self._db.note_head(self._spec.sequence, await self._store.sequence_head())
+        return internal <= self._known_head()
 
     async def is_stored_at(self, writer: str, position: int) -> bool:
         """Whether `writer`'s position in `stream_positions` is at or past `position`
@@ -580,7 +649,9 @@ class MultiWriterIdGenerator:
         if not self._keeps_rows:
             return
         # Only configured writers' rows come back; our own is ignored by the tracker.
+        # Stored positions are at or below the head (`StreamStore.upsert_position`).
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
+            self._db.note_head(self._spec.sequence, position)
             self._tracker.advance(writer, position)
 
     async def _learn_stored_positions(self) -> None:
@@ -671,14 +742,17 @@ class MultiWriterIdGenerator:
         return positions
 
     def _on_fenced(self, writer: str, position: int) -> None:
+        # A fence moves a writer to a completed ID at or below the head it read.
+        self._db.note_head(self._spec.sequence, position)
         signed = self._sign * position
         if not self._fence_listeners:
             self.advance(writer, signed)
         for listener in self._fence_listeners:
             listener(writer, signed)
 
-    async def _store_own_position(self, position: int) -> None:
-        await self._store.upsert_position(self._instance, position, durable=False)
+    async def _store_own_position(self, position: int, durable: bool) -> None:
+        # Routine stores commit asynchronously; durable ones: see `PositionWriter`.
+        await self._store.upsert_position(self._instance, position, durable=durable)
 
     async def close(self) -> None:
         """Stop background work and store the final position."""
@@ -689,6 +763,10 @@ class MultiWriterIdGenerator:
         self._db.release_renewal(self._pending)
         for task in list(self._settling):
             task.cancel()
+        if self._confirming is not None:
+            self._confirming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._confirming
         if self._fencer is not None:
             await self._fencer.stop()
         await self._allocator.close()
@@ -789,6 +867,61 @@ def _names(cursor: Any) -> list[str] | None:
 def _check_count(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"expected a positive number of IDs or rows, not {n!r}")
+
+
+async def _load(
+    db: Database, store: StreamStore, spec: StreamSpec, instance: str
+) -> tuple[Survey, PositionTracker]:
+    """Check the tables and sequence, load the positions, register this writer.
+
+    A writer's own committed rows count as final at start-up (`_load_tracker`), which
+    holds once its previous run is over: registration waits until that run has no
+    server process left (up to the database's patience), loading again each time."""
+    if not await store.check_tables():
+        await store.ensure_sequence()
+    # Own latest row: only a configured writer of a stream with position rows.
+    own = instance if spec.writers and instance in spec.writers else None
+    incarnation = db.incarnation
+    epoch = (
+        incarnation.epoch if incarnation is not None and incarnation.instance == instance else None
+    )
+    loop = asyncio.get_running_loop()
+    backoff = Backoff(initial=0.05, cap=1.0)
+    waiting_since: float | None = None
+    while True:
+        survey = await store.survey(own)
+        await store.check_sequence(survey)
+        tracker = await _load_tracker(store, spec, instance, survey)
+        if not (spec.writers and tracker.is_writer):
+            return survey, tracker
+        # Registered before the first allocation, so database-only readers know
+        # every live writer, and a fence of an earlier run cannot claim new IDs.
+        previous = await store.register(instance, tracker.local_position, epoch)
+        if previous is None:
+            if epoch is not None:
+                db.registered(spec.name)
+            return survey, tracker
+        now = loop.time()
+        if waiting_since is None:
+            waiting_since = now
+            logger.warning(
+                "stream %s: the previous run of %s (epoch %d) still has %d connection(s) "
+                "to PostgreSQL; waiting up to %.0f s for them to end before it starts",
+                spec.name,
+                instance,
+                previous.epoch,
+                previous.alive,
+                db.patience,
+            )
+        elif now - waiting_since >= db.patience:
+            raise InstanceRunningError(
+                f"stream {spec.name!r}: cannot start {instance!r}: its previous run (epoch "
+                f"{previous.epoch}) still has {previous.alive} connection(s) to PostgreSQL "
+                f"after {now - waiting_since:.0f} s, so IDs it holds may still commit. A "
+                f"process named {instance!r} is still running: stop it first (two processes "
+                "must never write under one name), or wait until its connections end"
+            )
+        await asyncio.sleep(backoff.next_delay())
 
 
 async def _load_tracker(

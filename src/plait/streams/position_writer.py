@@ -6,6 +6,13 @@ that window (a burst, or a steady stream) cost one upsert between them.
 Every `interval` it also refreshes the other writers' positions from the database (so
 an idle writer learns how far the others got) and flushes its idle-advanced position
 if that moved: readers that only see the database never stall on an idle writer.
+
+Upserts commit asynchronously (no wait for a WAL flush, `StreamStore.upsert_position`),
+so a crash of PostgreSQL loses those of its last moments (R-ID-14: a position must not
+go backwards, also through a restart). Two cheap stores make up for it: after a
+connection of the process was found dead (the server restarted or crashed; the
+count `lost()` grew) the current position is stored again, durably; and the last
+store, at stop, is durable. See "Positions through a crash" in `core/positions.py`.
 """
 
 from __future__ import annotations
@@ -14,9 +21,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import psycopg
+
+from plait.storage.database import connection_lost
 from plait.streams.background import let_finish
 
 logger = logging.getLogger(__name__)
+FINAL_FLUSH_TIMEOUT = 5.0  # seconds: stopping never waits longer for the last store
 
 
 class PositionWriter:
@@ -24,21 +35,27 @@ class PositionWriter:
         self,
         *,
         current: Callable[[], int],
-        upsert: Callable[[int], Awaitable[None]] | None,
+        upsert: Callable[[int, bool], Awaitable[None]] | None,
         refresh: Callable[[], Awaitable[None]] | None,
         interval: float,
         written: int,
         name: str,
         delay: float,
+        lost: Callable[[], int] = lambda: 0,
     ) -> None:
         self._current = current
-        self._upsert = upsert
+        self._upsert = upsert  # (position, durable)
         self._refresh = refresh
         self._interval = interval
         # After a write, wait this long before storing, so the writes of that window
         # cost one upsert between them instead of one each.
         self._delay = delay
+        # Stored, perhaps only asynchronously (a crash may take it back to `_durable`),
+        # and stored durably (`written` was registered so).
         self._written = written
+        self._durable = written
+        self._lost = lost
+        self._lost_seen = lost()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -52,12 +69,25 @@ class PositionWriter:
         """A write completed: store the new position soon."""
         self._wake.set()
 
-    async def flush(self) -> None:
+    async def flush(self, *, durable: bool = False) -> None:
+        """Store the current position if it moved since the last store; `durable`: if
+        it moved since the last durable one."""
+        if self._upsert is None:
+            return
+        lost = self._lost()
+        if lost != self._lost_seen:
+            # A connection died since the last store: if the server crashed, what was
+            # stored asynchronously before may be gone. Store it again, durably.
+            self._written = self._durable
+            durable = True
         value = self._current()
-        if self._upsert is not None and value > self._written:
-            await self._upsert(value)
+        if value > (self._durable if durable else self._written):
+            await self._upsert(value, durable)
             self._written = max(self._written, value)
+            if durable:
+                self._durable = max(self._durable, value)
             self.upserts += 1
+        self._lost_seen = lost  # only once stored: a failed store is tried again
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -98,7 +128,22 @@ class PositionWriter:
             await let_finish(task)
         if final_flush:
             try:
-                async with asyncio.timeout(5):
-                    await self.flush()
+                async with asyncio.timeout(FINAL_FLUSH_TIMEOUT):
+                    await self._final_flush()
             except Exception as err:
                 logger.warning("%s: final position flush failed: %s", self._name, err)
+
+    async def _final_flush(self) -> None:
+        """Durable, and again on a new connection when the one it got was dead (the
+        server restarted since this process last used it): a restart right after this
+        one's must find the position (see the module docstring)."""
+        delay = 0.05
+        while True:
+            try:
+                await self.flush(durable=True)
+                return
+            except psycopg.OperationalError as err:
+                if not connection_lost(err):
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
