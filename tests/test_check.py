@@ -1,7 +1,8 @@
 """`plait check`'s short schedule, as CI runs it: every fault kind at least 20 times
-(PostgreSQL restarts and crashes twice each, Spark query restarts five times), on real
-processes, the TCP hub, a redis-server of the test's own and a PostgreSQL of the
-checker's own, which it restarts and crashes (never the machine's service)."""
+(PostgreSQL restarts, crashes and partitions twice each, Spark query restarts five
+times), on real processes, the TCP hub, a redis-server of the test's own and a
+PostgreSQL of the checker's own, which it restarts and crashes (never the machine's
+service), behind a fault proxy per writer (a partition black-holes one)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,19 @@ async def test_short_schedule_finds_no_violation(transport: str, tmp_path: Path)
     report = await Checker(options).run()
     assert report.ok, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
     kinds = kinds_for(options.transport, spark=spark, postgres=True)
-    assert {"pg_restart", "pg_crash"} <= set(kinds)
-    least = {"spark_restart": 5, "pg_restart": 2, "pg_crash": 2}
+    assert {"pg_restart", "pg_crash", "pg_partition"} <= set(kinds)
+    least = {"spark_restart": 5, "pg_restart": 2, "pg_crash": 2, "pg_partition": 2}
     for kind in kinds:
         assert report.faults.counts[kind] >= least.get(kind, 20), kind
     assert report.faults.db_down() > 0
+    # Each partition outlasted the keepalive bound, then dropped its connections (what
+    # the writer did next, with kills and pauses around: tests/test_check_faults.py).
+    partitions = [p for ps in report.faults.partitions.values() for p in ps]
+    assert len(partitions) == report.faults.counts["pg_partition"]
+    for p in partitions:
+        assert p.cut is not None
+        assert p.healed is not None
+        assert p.cut - p.hole >= report.keepalive_bound > 0
     assert report.committed > 500
     names = ["follower", "linear", "dblinear", "worker", *(["spark"] if spark else [])]
     assert [r.name for r in report.readers] == names
@@ -61,6 +70,7 @@ async def test_short_schedule_finds_no_violation(transport: str, tmp_path: Path)
     text = console.export_text()
     assert "plait check: OK" in text
     assert "faults: pg_crash" in text
+    assert "writers partitioned from PostgreSQL" in text
     assert "PostgreSQL down" in text
     assert f"{report.committed:,}" in text
     assert all(name in text for name in names)

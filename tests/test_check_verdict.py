@@ -139,6 +139,91 @@ def test_a_paused_writer_publishes_when_it_runs_again() -> None:
     assert at(steps["w0"], 4.0) >= 1
 
 
+def test_a_partitioned_writer_holds_until_its_connections_end_then_may_be_fenced() -> None:
+    # w1 holds 2 (open) when its database connections are black-holed at 2.0; they end
+    # at 8.0 (the keepalive bound), the partition heals at 11.0. w0 commits 1, 3, 4.
+    # Nothing passes 2 before 8.0 (nor 1: w1 is at its registration, R-ID-3): a live
+    # writer cut off cannot be fenced while its server processes live. From 8.0 it is
+    # dead, where a fence may move it.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w0", "C", [1]),
+        (1.5, "w1", "A", [2]),
+        (1.6, "w0", "A", [3, 4]),
+        (1.7, "w0", "C", [3, 4]),
+        partitions={"w1": [(2.0, 8.0, 11.0)]},
+    )
+    linear = least(allowed_positions(h, "s", W))
+    assert at(linear, 7.9) == 0
+    assert at(linear, 8.0) == 4
+    # A reader that passes 4 one second after the cut trailed by one second, not seven.
+    stall, at_id = longest_stall(linear, [(1.2, 1), (9.0, 4)], [1, 3, 4])
+    assert (round(stall, 3), at_id) == (1.0, 3)
+
+
+def test_a_partitioned_writer_could_not_publish_what_it_did_just_before() -> None:
+    # w1 commits 2 just before the partition: it publishes through the database (it
+    # reads its rows back to send them), so nothing may count on 2 before the cut.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w0", "C", [1]),
+        (1.5, "w1", "A", [2]),
+        (1.6, "w0", "A", [3]),
+        (1.7, "w0", "C", [3]),
+        (1.95, "w1", "C", [2]),
+        (1.96, "w1", "F", [9]),  # its next fetch waits for the partition
+        partitions={"w1": [(2.0, 8.0, 11.0)]},
+    )
+    steps = allowed_positions(h, "s", W)
+    assert at(steps["w1"], 7.9) == 0
+    assert at(least(steps), 8.0) == 3
+
+
+def test_a_writer_killed_behind_a_partition_is_fenced_only_once_it_ends() -> None:
+    # Its connections' ends were held by the partition too: the server sees them alive
+    # until the cut, whatever happened to the process.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w0", "C", [1]),
+        (1.5, "w1", "A", [2]),
+        (1.6, "w0", "A", [3]),
+        (1.7, "w0", "C", [3]),
+        deaths={"w1": [4.0]},
+        partitions={"w1": [(2.0, 8.0, 11.0)]},
+    )
+    linear = least(allowed_positions(h, "s", W))
+    assert at(linear, 7.9) == 0
+    assert at(linear, 8.0) == 3
+    # Healed, a killed writer stays dead until it starts again.
+    h.starts["w1"].append(12.0)
+    h.events["s"] += [(11.5, "w0", "A", [5]), (11.6, "w0", "C", [5])]
+    assert at(least(allowed_positions(h, "s", W)), 11.9) == 5
+
+
+def test_a_healed_writer_is_alive_again_and_holds_what_it_takes() -> None:
+    # Healed at 11.0 (fenced meanwhile), w1 goes on: its fetch on its way since the
+    # partition returns 6 at 11.2, open until 20.0. Nothing passes 6 before that.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w0", "C", [1]),
+        (1.5, "w1", "A", [2]),
+        (1.6, "w0", "A", [3]),
+        (1.7, "w0", "C", [3]),
+        (7.0, "w1", "F", [9]),
+        (11.2, "w1", "f", [9]),
+        (11.2, "w1", "A", [6]),
+        (11.3, "w0", "A", [7]),
+        (11.4, "w0", "C", [7]),
+        (20.0, "w1", "C", [6]),
+        partitions={"w1": [(2.0, 8.0, 11.0)]},
+    )
+    linear = least(allowed_positions(h, "s", W))
+    assert at(linear, 8.0) == 3
+    assert at(linear, 19.9) == 3
+    assert at(linear, 20.0) == 6
+    assert at(linear, 20.0 + IDLE_GRACE) == 7  # idle again: at the head a grace later
+
+
 def test_a_writer_idles_only_while_it_runs() -> None:
     # w0 starts at 1.0 and is paused at once until 4.0: it could not learn of w1's IDs
     # nor publish an advance meanwhile. At 4.0 it takes 5 and holds it (a slow commit):
@@ -321,9 +406,39 @@ def test_the_schedule_has_every_kind_in_the_run() -> None:
     assert "redis_restart" in kinds_for("redis")
     assert "spark_restart" in kinds_for("tcp", spark=True)
     plan = schedule(counts_for(kinds, 20), 30.0, random.Random(1))
-    assert len(plan) == 20 * len(kinds)
+    assert len(plan) == 20 * (len(kinds) - 1) + 2  # a tenth as many partitions
     assert all(1.0 <= t <= 29.0 for t, _ in plan)
     assert plan == sorted(plan)
+
+
+def test_a_partition_is_a_tenth_as_often_on_any_server_and_ends_in_the_run() -> None:
+    # One writer's connections only: also against a server the user named.
+    assert "pg_partition" in kinds_for("tcp")
+    assert "pg_partition" in Options(dsn="postgresql://db/x").fault_counts
+    kinds = kinds_for("redis", postgres=True)
+    assert counts_for(kinds, 20)["pg_partition"] == 2
+    assert counts_for(kinds, 3)["pg_partition"] == 1
+    counts = {"pg_partition": 50, "kill": 50}
+    plan = schedule(counts, 25.0, random.Random(3), {"pg_partition": 10.0})
+    partitions = [t for t, kind in plan if kind == "pg_partition"]
+    assert len(partitions) == 50
+    assert all(1.0 <= t <= 14.0 for t in partitions)  # over before the last second
+    assert max(t for t, kind in plan if kind == "kill") > 14.0
+    # A run too short for one still has it, as early as may be.
+    assert schedule({"pg_partition": 1}, 8.0, random.Random(4), {"pg_partition": 10.0}) == [
+        (1.0, "pg_partition")
+    ]
+
+
+def test_a_run_may_ask_for_some_kinds_only() -> None:
+    assert set(Options(kinds=("pg_partition",), faults=20).fault_counts) == {"pg_partition"}
+    assert Options(kinds=("kill", "pg_crash")).fault_counts == {"kill": 20, "pg_crash": 2}
+    with pytest.raises(ConfigError, match="unknown fault kind pg_flood"):
+        Options(kinds=("pg_flood",))
+    with pytest.raises(ConfigError, match="cannot have pg_crash"):
+        Options(dsn="postgresql://db/x", kinds=("pg_crash",))
+    with pytest.raises(ConfigError, match="cannot have redis_restart"):
+        Options(transport="tcp", kinds=("redis_restart",))
 
 
 def test_postgresql_faults_need_a_server_of_the_checkers_own() -> None:
@@ -346,7 +461,7 @@ def test_spark_queries_restart_a_quarter_as_often_and_at_least_once() -> None:
     kinds = kinds_for("redis", spark=True)
     counts = counts_for(kinds, 20)
     assert counts["spark_restart"] == 5
-    assert all(n == 20 for k, n in counts.items() if k != "spark_restart")
+    assert all(n == 20 for k, n in counts.items() if k not in ("spark_restart", "pg_partition"))
     assert counts_for(kinds, 3)["spark_restart"] == 1
     plan = schedule(counts, 30.0, random.Random(2))
     assert sum(kind == "spark_restart" for _, kind in plan) == 5

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -21,7 +22,7 @@ import pytest
 
 from fence_helpers import LinearReader, committed, spawn, stop
 from plait import Database, FencedError
-from plait.storage.incarnation import Incarnation, refuse_if_fenced
+from plait.storage.incarnation import Incarnation, name_prefix, refuse_if_fenced
 from plait.storage.stream_store import StreamStore
 from replication_helpers import Seen, cluster_of, connected, until, write
 from stream_helpers import create_generator, create_table, spec_for
@@ -116,6 +117,59 @@ async def test_a_connection_opened_during_a_fence_sees_it(db: Database, dsn: str
     with pytest.raises(FencedError):
         await check
     await late.close()
+
+
+async def test_a_connection_refused_to_a_fenced_run_is_closed_at_once(
+    db: Database, dsn: str
+) -> None:
+    """A fenced run that cannot go on as a new incarnation (IDs of it still pending)
+    keeps trying to connect: each connection is made under its name, then refused by
+    the pool's hook. Before: psycopg_pool drops a connection its hook refused without
+    closing it, so its server process lived on, under the fenced run's name, until the
+    garbage collector got to it (about a second, in `plait check`'s partitions, each
+    retry making another): the run looked alive, and the others could not fence it
+    again while its position held them all."""
+    await create_table(db)
+    run = Incarnation.new("w1")
+    w1_db = await Database.connect(dsn, incarnation=run, min_size=2)
+    w1 = await create_generator(w1_db, ["w1", "w2"], "w1")
+    w1_db.hold_renewal(lambda: True)  # as a writer holding IDs of the fenced run
+    store = StreamStore(db, spec_for(["w1", "w2"]))
+    gc.disable()  # what the collector would close late, it does not close at all here
+    try:
+        # Cut off, as a partition ends: every connection of the run gone, and fenced.
+        async with db.connection() as conn:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE starts_with(application_name, %s)",
+                (name_prefix(run.epoch),),
+            )
+        await fenced_within(store, 10.0, "the first fence of w1")
+
+        # Back, the run learns it was fenced, trying to connect again.
+        async def select_one() -> None:
+            async with w1_db.connection() as conn:
+                await conn.execute("SELECT 1")
+
+        with contextlib.suppress(psycopg.OperationalError, FencedError):
+            await select_one()  # may find its old connection dead
+        with pytest.raises(FencedError):
+            await select_one()
+        # Its refused connections are gone: the others fence it again.
+        await fenced_within(store, 10.0, "w1 fenced again, its refused connections gone")
+    finally:
+        gc.enable()
+        await w1.close()
+        await w1_db.close()
+
+
+async def fenced_within(store: StreamStore, within: float, what: str) -> None:
+    """Fence w1 as far as it goes, trying until it works; fails saying what for."""
+    deadline = time.monotonic() + within
+    while (await store.fence("w1", 10**9)).position is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {within:g} s for {what}")
+        await asyncio.sleep(0.05)
 
 
 async def test_a_live_writer_holding_a_transaction_is_not_fenced(db: Database, dsn: str) -> None:

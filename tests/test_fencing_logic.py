@@ -113,3 +113,27 @@ def test_level_writers_below_the_sequence_head_are_candidates_once_quiet() -> No
     assert watch.candidate(positions, 1.0, head=50) is None  # at the head: nothing held
     assert watch.candidate(positions, 1.0, head=57) in {"w1", "w2"}
     assert not watch.needs_head({"w1": 50, "w2": 60}, 5.0)  # not level: no head needed
+
+
+def test_a_holder_gets_its_turn_while_another_is_fenced_again_without_moving() -> None:
+    """Every writer dead and level below the sequence head (a checker run: four writers
+    killed within 4 s). w0 was fenced once, so it is fenced again every fence_after / 10
+    while it holds; each time it moves nothing (nothing of it is above the others).
+    Before: the holders went in the order they had held the stream, w0 first, and w0
+    was due again at every look, so w1, whose last rows only a fence of w1 claims, never
+    had its turn: readers stalled until a writer came back (8 s, in CI)."""
+    fence_after, tick, head = 1.0, 0.1, 922
+    watch = HoldWatch(fence_after, own="reader")
+    watch.candidate({"w0": 914, "w1": 900}, 0.0)  # w0 holds from 0.0, w1 from 0.5
+    watch.candidate({"w0": 914, "w1": 914}, 0.5)
+    watch.tried("w0", 0.5, fenced=True)
+    positions = {"w0": 914, "w1": 914}
+    now, chosen = 0.5, []
+    while now < 0.5 + 3 * fence_after and "w1" not in chosen:
+        now = round(now + tick, 6)
+        seen_head = head if watch.needs_head(positions, now) else None
+        writer = watch.candidate(positions, now, seen_head)
+        if writer is not None:
+            chosen.append(writer)
+            watch.tried(writer, now, fenced=True)  # w0's fence moves nothing
+    assert "w1" in chosen, f"only {sorted(set(chosen))} fenced in {3 * fence_after:g} s"

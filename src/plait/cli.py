@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from plait.check.options import Options as _CHECK  # its defaults are the command's
+from plait.check.plan import FAULT_KINDS
 from plait.errors import ConfigError, PlaitError
 from plait.storage.embedded import dsn_or_embedded
 
@@ -188,6 +189,13 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
     " server it started.",
 )
 @click.option(
+    "--kind",
+    "kinds",
+    multiple=True,
+    type=click.Choice(FAULT_KINDS),
+    help="Only this fault kind (repeat for several); default: every kind the run can have.",
+)
+@click.option(
     "--transport",
     type=click.Choice(["tcp", "redis"]),
     default=_CHECK.transport,
@@ -229,7 +237,8 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
 def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     """Run writers and readers of every kind, break them on a schedule (kill -9 and
     restart, SIGSTOP, slow commits, terminated connections, cut transport connections,
-    Redis restarts, PostgreSQL restarts and crashes), then check that every committed
+    Redis restarts, PostgreSQL restarts and crashes, a writer partitioned from
+    PostgreSQL), then check that every committed
     row reached every reader exactly once, nothing else did, nothing went back and
     nothing stalled past the bound. A fault that cannot be injected is counted and tried
     again. Exits 1 on any violation."""
@@ -245,6 +254,7 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
             " server it started: leave out --dsn (and unset $PLAIT_DSN) to let it start its"
             " own, or leave out --pg-faults"
         )
+    options["kinds"] = tuple(options["kinds"]) or None
     try:
         checker = Checker(_CHECK(dsn=dsn or None, **options))
     except ConfigError as err:

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from plait.check.journal import Journal
-from plait.check.plan import FAULT_KINDS, PG_OUTAGES, Transport
+from plait.check.plan import FAULT_KINDS, PG_OUTAGES, PG_PARTITION, Transport
 from plait.check.verdict import merged_windows
 
 
@@ -16,7 +16,8 @@ def kinds_for(
 ) -> tuple[str, ...]:
     """Every fault kind but a Redis restart, which needs Redis, a Spark query restart,
     which needs the Spark reader, and PostgreSQL restarts and crashes, which need a
-    server the checker may restart (`postgres`)."""
+    server the checker may restart (`postgres`). A partition touches one writer's
+    connections only: it needs no server of the checker's own."""
     return tuple(
         k
         for k in FAULT_KINDS
@@ -29,26 +30,49 @@ def kinds_for(
 def counts_for(kinds: tuple[str, ...], per_kind: int) -> dict[str, int]:
     """How many faults of each kind: `per_kind`, but a quarter as many Spark query
     restarts (at least one), since one takes seconds: more would leave the query
-    restarting more than reading; and a tenth as many PostgreSQL restarts and crashes
-    (at least one each), since each stops every process for one to three seconds."""
+    restarting more than reading; and a tenth as many PostgreSQL restarts, crashes and
+    partitions (at least one each), since each stops every process for one to three
+    seconds, or one writer for longer than the keepalive bound."""
     return {
         k: max(1, per_kind // 4)
         if k == "spark_restart"
         else max(1, per_kind // 10)
-        if k in PG_OUTAGES
+        if k in (*PG_OUTAGES, PG_PARTITION)
         else per_kind
         for k in kinds
     }
 
 
 def schedule(
-    counts: dict[str, int], duration: float, rng: random.Random
+    counts: dict[str, int],
+    duration: float,
+    rng: random.Random,
+    lasting: dict[str, float] | None = None,
 ) -> list[tuple[float, str]]:
     """`counts[kind]` faults of each kind at random times in the run, leaving its first
-    and last second alone (start-up, and the drain that follows)."""
+    and last second alone (start-up, and the drain that follows). A kind that lasts
+    (`lasting[kind]` seconds at most: a partition) begins early enough to end in the
+    run, when the run is long enough: the drain does not wait for it."""
     low, high = min(1.0, duration / 4), max(duration - 1.0, duration * 3 / 4)
-    times = [(rng.uniform(low, high), kind) for kind, n in counts.items() for _ in range(n)]
+    lasts = lasting or {}
+    times = [
+        (rng.uniform(low, max(low, high - lasts.get(kind, 0.0))), kind)
+        for kind, n in counts.items()
+        for _ in range(n)
+    ]
     return sorted(times)
+
+
+@dataclass
+class Partition:
+    """One `pg_partition` of one writer: when its database proxy began holding every
+    byte (`hole`), when it dropped the connections it held, as both ends' keepalives
+    would have by then (`cut`, None if healed before), and when it forwarded again
+    (`healed`, None while it lasts)."""
+
+    hole: float
+    cut: float | None = None
+    healed: float | None = None
 
 
 @dataclass
@@ -60,6 +84,8 @@ class FaultLog:
     counts: Counter[str] = field(default_factory=Counter)
     deaths: dict[str, list[float]] = field(default_factory=dict)
     stops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # Partitions per writer: (black hole, connections dropped, healed); see `Partition`.
+    partitions: dict[str, list[Partition]] = field(default_factory=dict)
     outages: list[tuple[float, float]] = field(default_factory=list)  # transport down
     db_outages: list[tuple[float, float]] = field(default_factory=list)  # PostgreSQL down
     # Faults that could not be injected when asked (each retried later), and why.
@@ -106,6 +132,15 @@ class FaultLog:
     def outage(self, start: float, end: float) -> None:
         self.outages.append((start, end))
         self.note("up", f"{start:.4f}")
+
+    def partitioned(self, writer: str, at: float) -> Partition:
+        partition = Partition(at)
+        self.partitions.setdefault(writer, []).append(partition)
+        return partition
+
+    def partitioned_windows(self, writer: str) -> list[list[float | None]]:
+        """[start, end or None] of each partition of `writer` (`plan.fault_near`)."""
+        return [[p.hole, p.healed] for p in self.partitions.get(writer, [])]
 
     def stop(self, writer: str, start: float, end: float) -> None:
         self.stops.setdefault(writer, []).append((start, end))

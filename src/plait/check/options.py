@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.check.faults import counts_for, kinds_for
-from plait.check.plan import READERS, SPARK, Transport
+from plait.check.plan import FAULT_KINDS, READERS, SPARK, Transport
 from plait.errors import ConfigError
 
 
@@ -35,6 +35,8 @@ class Options:
     # PostgreSQL restarts and crashes (`pg_restart`, `pg_crash`). None: on when the
     # checker starts its own server (no `dsn`), off otherwise.
     pg_faults: bool | None = None
+    # Only these fault kinds (`--kind`); None: every kind the run can have.
+    kinds: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dsn is not None and self.pg_faults:
@@ -43,6 +45,21 @@ class Options:
                 " only a server it started itself: leave out the DSN to let it start its"
                 " own, or leave out the PostgreSQL faults"
             )
+        if self.kinds is not None:
+            unknown = sorted(set(self.kinds) - set(FAULT_KINDS))
+            if unknown:
+                raise ConfigError(
+                    f"unknown fault kind {', '.join(unknown)}: the kinds are"
+                    f" {', '.join(FAULT_KINDS)}"
+                )
+            possible = self._possible_kinds()
+            impossible = [k for k in self.kinds if k not in possible]
+            if impossible:
+                raise ConfigError(
+                    f"this run cannot have {', '.join(impossible)}: redis_restart needs"
+                    " --transport redis, spark_restart --spark, and pg_restart and pg_crash"
+                    " a server of the checker's own (no DSN, PostgreSQL faults on)"
+                )
 
     @property
     def postgres_faults(self) -> bool:
@@ -52,9 +69,14 @@ class Options:
     def readers(self) -> tuple[str, ...]:
         return (*READERS, SPARK) if self.spark else READERS
 
+    def _possible_kinds(self) -> tuple[str, ...]:
+        return kinds_for(self.transport, spark=self.spark, postgres=self.postgres_faults)
+
     @property
     def fault_counts(self) -> dict[str, int]:
-        kinds = kinds_for(self.transport, spark=self.spark, postgres=self.postgres_faults)
+        kinds = self._possible_kinds()
+        if self.kinds is not None:
+            kinds = tuple(k for k in kinds if k in self.kinds)
         return counts_for(kinds, self.faults)
 
     def bound(self, reader: str) -> float:

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from plait.errors import ConfigError
+from plait.storage.timeouts import DatabaseTimeouts
 
 Transport = Literal["tcp", "redis"]
 
@@ -37,8 +42,28 @@ FAULT_KINDS = (
     "spark_restart",
     "pg_restart",
     "pg_crash",
+    "pg_partition",
 )
 PG_OUTAGES = ("pg_restart", "pg_crash")  # only against a server the checker started
+# One writer's database connections black-holed (its fault proxy), longer than the
+# keepalive bound: on any server, since only that writer's connections are touched.
+PG_PARTITION = "pg_partition"
+
+
+def keepalive_bound(timeouts: DatabaseTimeouts) -> float:
+    """How long both ends of a database connection take to give up a silent peer, by
+    the writers' `database_timeouts`: keepalives end an idle connection after
+    `dead_after`, `tcp_user_timeout` one whose data goes unacknowledged. A partition
+    (`pg_partition`) drops the connections it holds after this long, as the kernels
+    would have: the proxy's own kernel answers both ends, so neither would notice."""
+    bounds = [b for b in (timeouts.dead_after, timeouts.tcp_user_timeout) if b is not None]
+    if not bounds:
+        raise ConfigError(
+            "pg_partition needs a bound on a silent database connection: keepalives or"
+            " tcp_user_timeout in database_timeouts (without either a partitioned"
+            " writer's idle connections live for hours and it is never fenced)"
+        )
+    return max(bounds)
 
 
 @dataclass(frozen=True)
@@ -55,6 +80,8 @@ class Plan:
     concurrency: int = 4  # transactions in flight per writer
     batch: int = 1  # IDs per transaction: 1 to 13, times this
     slow_commit: float = 10.0
+    # Where each writer reaches PostgreSQL: its own fault proxy (`pg_partition`).
+    db_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def stream_names(self) -> list[str]:
@@ -62,6 +89,23 @@ class Plan:
 
     def table(self, stream: str) -> str:
         return f"check_{stream}"
+
+    def database(self, name: str) -> str:
+        """The DSN process `name` connects with: a writer's goes through its fault
+        proxy, every other process connects directly. A host name stays (TLS checks
+        the server's certificate against it); the address is the proxy's."""
+        port = self.db_ports.get(name)
+        if port is None:
+            return self.dsn
+        params = conninfo_to_dict(self.dsn)
+        host = str(params.get("host") or "")
+        if host and not host.startswith("/") and "," not in host:
+            params["hostaddr"] = "127.0.0.1"
+        else:  # a Unix socket's directory, the default, or several hosts
+            params.pop("hostaddr", None)
+            params["host"] = "127.0.0.1"
+        params["port"] = str(port)
+        return make_conninfo("", **params)
 
     def journal(self, process: str) -> Path:
         return self.run_dir / f"{process}.journal"
@@ -84,7 +128,7 @@ class Plan:
         return {
             "instance_name": name,
             "deployment": "check",
-            "database": self.dsn,
+            "database": self.database(name),
             "streams": [
                 {"name": s, "tables": [{"name": self.table(s)}], "writers": list(self.writers)}
                 for s in self.stream_names
@@ -139,7 +183,12 @@ PG_SETTLE = 20.0
 def postgres_fault_near(control: dict[str, Any], now: float) -> bool:
     """Whether PostgreSQL is down now, or was less than `PG_SETTLE` seconds ago, by the
     orchestrator's orders (`pg_down`: [start, end or null] of each PostgreSQL fault)."""
-    windows = control.get("pg_down")
+    return fault_near(control.get("pg_down"), now)
+
+
+def fault_near(windows: Any, now: float) -> bool:
+    """Whether one of `windows` ([start, end or null] each) is open now, or ended less
+    than `PG_SETTLE` seconds ago."""
     if not isinstance(windows, list):
         return False
     for window in windows:

@@ -10,7 +10,9 @@ in both directions, closing nothing, as a network partition would: whatever eith
 sends (an end of stream too) waits in the proxy until `heal()`. Unlike a real partition,
 the proxy's kernel still acknowledges both sides' packets, so neither side's TCP
 keepalives or `tcp_user_timeout` notice it: only time-based limits do
-(`idle_in_transaction_session_timeout`).
+(`idle_in_transaction_session_timeout`). `drop_all()` plays the kernels' part: every
+connection held ends both ways at once, as each end's keepalives would end it once the
+silence outlasted them (the checker's `pg_partition` calls it after that long).
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ class CutProxy:
         target_port: int,
         host: str = "127.0.0.1",
         target_host: str | None = None,
+        target_unix: str | None = None,
     ) -> None:
         self._listen = listen_port  # 0: any free port (see `port`)
         self._target = (target_host or host, target_port)
+        self._target_unix = target_unix  # a Unix socket's path in place of the target
         self._host = host
         self._server: asyncio.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self._pipes: dict[
+            tuple[asyncio.StreamWriter, asyncio.StreamWriter], list[asyncio.Task[None]]
+        ] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lose_answer = False
         self.answers_lost = 0
@@ -59,10 +66,23 @@ class CutProxy:
         """Abort one proxied connection, both ways; False when there is none."""
         if not self._pairs:
             return False
-        pair = self._pairs.pop(rng.randrange(len(self._pairs)))
+        self._end(self._pairs.pop(rng.randrange(len(self._pairs))))
+        return True
+
+    def drop_all(self) -> int:
+        """Abort every connection made so far, both ways, and drop what it held (a
+        black hole goes on for new ones): how many there were."""
+        pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            self._end(pair)
+        return len(pairs)
+
+    def _end(self, pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter]) -> None:
+        """A reset both ways; its pipes end too, also those a black hole holds."""
         for writer in pair:
             writer.transport.abort()
-        return True
+        for task in self._pipes.get(pair, []):
+            task.cancel()
 
     def black_hole(self) -> None:
         """Forward nothing more, either way, on any connection (new ones too), and close
@@ -92,7 +112,10 @@ class CutProxy:
             writer.transport.abort()
             return
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self._target)
+            if self._target_unix is not None:
+                up_reader, up_writer = await asyncio.open_unix_connection(self._target_unix)
+            else:
+                up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
             writer.transport.abort()
             return
@@ -103,10 +126,13 @@ class CutProxy:
             asyncio.create_task(self._pipe(up_reader, writer, pair)),
         ]
         self._tasks.update(pipes)
+        self._pipes[pair] = pipes
         await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
         for task in pipes:
             task.cancel()
             self._tasks.discard(task)
+        await asyncio.gather(*pipes, return_exceptions=True)
+        del self._pipes[pair]
         with contextlib.suppress(ValueError):
             self._pairs.remove(pair)
         writer.transport.abort()

@@ -5,8 +5,9 @@ file: writers write until the phase is "idle", readers read until told to "stop"
 say when they have caught up with the targets the orchestrator computed.
 
 A writer exits with `FENCED_EXIT` when it learns it was fenced (all its connections
-were cut for longer than `fence_after`): a fenced run must not write again, and the
-orchestrator restarts it as an operator would.
+were cut for longer than `fence_after`) and cannot go on as a new incarnation (IDs of
+the fenced run still pending): a fenced run must not write again, and the orchestrator
+restarts it as an operator would. One that went on journals `S renewed EPOCH`.
 """
 
 from __future__ import annotations
@@ -150,6 +151,15 @@ async def writer(plan: Plan, name: str) -> None:
     }
     fenced = asyncio.Event()
     fetches = itertools.count()
+    incarnation = instance.db.incarnation
+
+    def renewed() -> None:
+        """Journal a new incarnation (this run was fenced, and went on) once."""
+        nonlocal incarnation
+        now = instance.db.incarnation
+        if now is not None and now != incarnation:
+            incarnation = now
+            journal.write("S", "renewed", now.epoch)
 
     async def one() -> None:
         nonlocal slow_taken
@@ -168,6 +178,7 @@ async def writer(plan: Plan, name: str) -> None:
                 try:
                     ids = await gens[s].get_next_mult_txn(txn, rng.choice(SIZES) * plan.batch)
                 finally:  # the fetch ended, with IDs or without
+                    renewed()  # before IDs the new incarnation took
                     journal.write("A", s, ",".join(map(str, ids)) or "-", fetch)
                 payloads = [f"{name}:{i}" for i in ids]
                 await txn.execute(inserts[s], (ids, name, payloads))
@@ -207,6 +218,7 @@ async def writer(plan: Plan, name: str) -> None:
     async def positions() -> None:
         last: dict[str, int] = {}
         while True:
+            renewed()
             for s, gen in gens.items():
                 position = gen.get_current_token_for_writer(name)
                 if last.get(s) != position:

@@ -2,7 +2,8 @@
 
 One run, in order:
 1. a fresh schema in the database; the streams' tables; Redis of our own or the hub
-   behind a proxy that can cut its connections;
+   behind a proxy that can cut its connections; a fault proxy in front of PostgreSQL
+   for each writer (`_proxy_databases`);
 2. the readers, then the writers, each a process of its own;
 3. the fault schedule, while the writers write;
 4. the drain: every fault undone, dead writers restarted, writers told to go idle; the
@@ -32,17 +33,20 @@ from redis.asyncio import Redis
 
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check import journal
-from plait.check.faults import FaultLog, schedule
+from plait.check.faults import FaultLog, Partition, schedule
 from plait.check.options import Options
 from plait.check.plan import (
     FOLLOWER,
     KV_CHANGED,
     KV_KEYS,
     PG_OUTAGES,
+    PG_PARTITION,
     REPLICATION_READERS,
     SPARK,
     WORKER,
     Plan,
+    fault_near,
+    keepalive_bound,
     postgres_fault_near,
     write_control,
 )
@@ -59,6 +63,7 @@ from plait.check.verdict import (
     last_error,
     own_regressions,
 )
+from plait.config import InstanceConfig
 from plait.errors import PlaitError
 from plait.ports import free_port
 from plait.storage.database import Database
@@ -70,6 +75,10 @@ START_TIMEOUT = 60.0
 SPARK_START_TIMEOUT = 180.0
 WRITER_FAULTS = ("kill", "stop", "slow_commit", "pg_terminate")  # the rest hit a transport
 CATCH_UP_TIMEOUT = 60.0
+# A partition lasts the keepalive bound (then its connections are dropped), `fence_after`
+# (for the others to fence the writer), and this long again, at random: the writer comes
+# back after the fence, a fenced live writer.
+PARTITION_AFTER_FENCE = (2.0, 4.0)
 
 
 @dataclass
@@ -85,6 +94,10 @@ class Report:
     readers: list[ReaderVerdict]
     own_regressions: list[str]
     problems: list[str] = field(default_factory=list)
+    # Writers that found themselves fenced when a partition healed and went on as a new
+    # incarnation (the others exited with FENCED_EXIT: `faults.fenced_alive`).
+    renewed: int = 0
+    keepalive_bound: float = 0.0  # when a partition drops the connections it holds
 
     @property
     def ok(self) -> bool:
@@ -102,6 +115,8 @@ class Report:
             "failed": self.failed,
             "faults": dict(self.faults.counts),
             "fenced_alive": self.faults.fenced_alive,
+            "renewed": self.renewed,
+            "partitions": sum(len(p) for p in self.faults.partitions.values()),
             "restarts": self.faults.restarts,
             "crashes": self.faults.crashes,
             "transport_down": round(self.faults.transport_down(), 1),
@@ -246,6 +261,10 @@ class Checker:
         self._pg: RestartablePostgres | None = None  # a server of the checker's own
         self._server_dsn = options.dsn or ""
         self._proxy: CutProxy | None = None
+        self._db_proxies: dict[str, CutProxy] = {}  # per writer, in front of PostgreSQL
+        self._partitions: set[asyncio.Task[None]] = set()  # partitions waiting to heal
+        self._cut_off: set[str] = set()  # writers partitioned now
+        self._keepalive_bound = 0.0
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
         self._control: dict[str, Any] = {}  # the orders in the control file
 
@@ -314,6 +333,7 @@ class Checker:
         options = self.options
         async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
             await c.execute(f'CREATE SCHEMA "{self._schema}"')
+            server = (c.info.hostaddr or c.info.host, c.info.port)  # where it really is
         dsn = make_conninfo(self._server_dsn, options=f"-c search_path={self._schema}")
         plan = Plan(
             dsn=dsn,
@@ -325,6 +345,7 @@ class Checker:
             batch=options.batch,
         )
         await create_schema(plan)
+        plan = await self._proxy_databases(plan, *server)
         if options.transport == "redis":
             self._redis = RedisServer()
             await asyncio.to_thread(self._redis.start)
@@ -333,6 +354,24 @@ class Checker:
         self._proxy = CutProxy(proxy_port, hub_port)
         await self._proxy.start()
         return replace(plan, hub_port=hub_port, proxy_port=proxy_port)
+
+    async def _proxy_databases(self, plan: Plan, host: str, port: int) -> Plan:
+        """A fault proxy in front of PostgreSQL for each writer (`pg_partition` black-holes
+        one); the readers connect directly. Always, on the checker's own server or one
+        named with a DSN alike: a partition touches only one writer's connections, never
+        the server, and the writers reach the database the same way whatever the run's
+        faults. The writers' `database_timeouts` say how long a partition holds its
+        connections before it drops them (`keepalive_bound`)."""
+        unix = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else None
+        for w in plan.writers:
+            proxy = CutProxy(0, port, target_host=host, target_unix=unix)
+            await proxy.start()
+            self._db_proxies[w] = proxy
+        plan = replace(plan, db_ports={w: p.port for w, p in self._db_proxies.items()})
+        timeouts = InstanceConfig.load(plan.instance_config(plan.writers[0])).database_timeouts
+        if PG_PARTITION in self.options.fault_counts:
+            self._keepalive_bound = keepalive_bound(timeouts)
+        return plan
 
     def _write_control(self, **changes: Any) -> None:
         self._control.update(changes)
@@ -363,7 +402,10 @@ class Checker:
             if w.killed:
                 await asyncio.sleep(w.restart_delay)
                 w.killed = False
-            elif code == UNAVAILABLE_EXIT and self._pg_recently_down(now):
+            elif code == UNAVAILABLE_EXIT and (
+                self._pg_recently_down(now)
+                or fault_near(self.faults.partitioned_windows(w.name), now)
+            ):
                 self.faults.death(w.name, now)
                 self.faults.note("unavailable", w.name)
                 await asyncio.sleep(0.5)
@@ -382,7 +424,8 @@ class Checker:
     async def _inject(self, t0: float) -> None:
         options = self.options
         counts = options.fault_counts
-        plan = schedule(counts, options.duration, self.rng)
+        lasting = {PG_PARTITION: self._partition_length(PARTITION_AFTER_FENCE[1])}
+        plan = schedule(counts, options.duration, self.rng, lasting)
         for at, kind in plan:
             await asyncio.sleep(max(0.0, t0 + at - time.time()))
             deadline = time.time() + 5.0
@@ -423,8 +466,9 @@ class Checker:
     async def _try_fault(self, kind: str) -> bool:
         rng = self.rng
         target: _Proc | None = None
-        if kind in WRITER_FAULTS:
-            live = [w for w in self.writers if w.live]
+        if kind in WRITER_FAULTS or kind == PG_PARTITION:
+            # One partition of a writer at a time (other faults may hit it meanwhile).
+            live = [w for w in self.writers if w.live and not self._partitioned(kind, w)]
             if not live:
                 return False
             target = rng.choice(live)
@@ -458,6 +502,14 @@ class Checker:
             self.faults.outage(down, time.time())
         elif kind in PG_OUTAGES:
             await self._pg_outage(kind)
+        elif kind == PG_PARTITION and target is not None:
+            length = self._partition_length(rng.uniform(*PARTITION_AFTER_FENCE))
+            partition = self.faults.partitioned(target.name, time.time())
+            self._cut_off.add(target.name)
+            self._db_proxies[target.name].black_hole()
+            task = asyncio.create_task(self._partition(target.name, partition, length))
+            self._partitions.add(task)
+            task.add_done_callback(self._partitions.discard)
         elif kind == "spark_restart":
             spark = next(r for r in self.readers if r.name == SPARK)
             if not spark.live:
@@ -465,6 +517,33 @@ class Checker:
             self._order("restart", spark.name)
         self.faults.injected(kind, name)
         return True
+
+    def _partitioned(self, kind: str, w: _Proc) -> bool:
+        return kind == PG_PARTITION and w.name in self._cut_off
+
+    def _partition_length(self, after_fence: float) -> float:
+        """How long a partition lasts: the keepalive bound, `fence_after`, then
+        `after_fence` seconds more."""
+        return self._keepalive_bound + self.options.fence_after + after_fence
+
+    async def _partition(self, writer: str, partition: Partition, length: float) -> None:
+        """Writer `writer`'s database proxy is a black hole now (`_try_fault`): after the
+        keepalive bound, drop the connections it holds, as both ends' keepalives would
+        (the server's processes of that run end: the others may fence it, while it
+        lives on, cut off); heal `length` seconds after it began. The writer must then
+        go on by itself: a new incarnation (`renewed` in its journal), or an exit with
+        FENCED_EXIT that its supervisor restarts."""
+        proxy = self._db_proxies[writer]
+        try:
+            await asyncio.sleep(max(0.0, partition.hole + self._keepalive_bound - time.time()))
+            partition.cut = time.time()
+            self.faults.note("cut", f"{writer} {proxy.drop_all()}")
+            await asyncio.sleep(max(0.0, partition.hole + length - time.time()))
+        finally:
+            proxy.heal()
+            partition.healed = time.time()
+            self._cut_off.discard(writer)
+            self.faults.note("healed", writer)
 
     def _pg_recently_down(self, now: float) -> bool:
         return postgres_fault_near(self._control, now)
@@ -549,7 +628,7 @@ class Checker:
 
     async def _drain(self) -> list[str]:
         problems = []
-        await asyncio.gather(*self._pauses, return_exceptions=True)
+        await asyncio.gather(*self._pauses, *self._partitions, return_exceptions=True)
         if self._redis is not None:
             await asyncio.to_thread(self._redis.start)
         if self._pg is not None:  # a restart that failed half-way
@@ -615,11 +694,13 @@ class Checker:
             except TimeoutError:
                 p.proc.kill()
                 await p.proc.wait()
-        for task in [*self._tasks, *self._pauses]:
+        for task in [*self._tasks, *self._pauses, *self._partitions]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._pauses, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._pauses, *self._partitions, return_exceptions=True)
         if self._proxy is not None:
             await self._proxy.stop()
+        for proxy in self._db_proxies.values():
+            await proxy.stop()
         if self._redis is not None:
             await asyncio.to_thread(self._redis.close)
         if self.faults.journal is not None:
@@ -662,12 +743,20 @@ class Checker:
         elapsed: float,
         died: dict[str, str],
     ) -> Report:
-        self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
+        if "slow_commit" in self.options.fault_counts:
+            self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
         for line in journal.read(plan.journal(SPARK)):
             if line.kind == "S" and line.fields[0] == "reviving":
                 self.faults.revived.append(" ".join(line.fields[2:]))
-        history = History(deaths=self.faults.deaths, stops=self.faults.stops)
-        rolled_back = failed = 0
+        history = History(
+            deaths=self.faults.deaths,
+            stops=self.faults.stops,
+            partitions={
+                w: [(p.hole, p.cut, p.healed) for p in partitions]
+                for w, partitions in self.faults.partitions.items()
+            },
+        )
+        rolled_back = failed = renewed = 0
         for w in plan.writers:
             for line in journal.read(plan.journal(w)):
                 if line.kind == "F":  # a fetch of IDs began
@@ -687,6 +776,8 @@ class Checker:
                     positions.append(int(line.fields[1]))
                 elif line.kind == "S" and line.fields[0] == "started":
                     history.starts.setdefault(w, []).append(line.t)
+                elif line.kind == "S" and line.fields[0] == "renewed":
+                    renewed += 1
         allowed = {s: allowed_positions(history, s, plan.writers) for s in plan.stream_names}
         verdicts = [
             judge_reader(
@@ -728,6 +819,8 @@ class Checker:
             readers=verdicts,
             own_regressions=regressions,
             problems=problems,
+            renewed=renewed,
+            keepalive_bound=self._keepalive_bound,
         )
 
     def _down(self, plan: Plan, reader: str) -> list[tuple[float, float]]:

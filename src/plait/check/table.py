@@ -28,7 +28,16 @@ def summary(report: Report) -> list[Table]:
         run.add_row("transport down", f"{report.faults.transport_down():.1f} s")
     if report.faults.db_outages:
         run.add_row("PostgreSQL down", f"{report.faults.db_down():.1f} s")
-    run.add_row("writers fenced while alive", str(report.faults.fenced_alive))
+    partitions = [p for ps in report.faults.partitions.values() for p in ps]
+    if partitions:
+        cut = sum(1 for p in partitions if p.cut is not None)
+        bound = f"{report.keepalive_bound:g} s"
+        run.add_row(
+            "writers partitioned from PostgreSQL",
+            f"{len(partitions)} (connections dropped after {bound}: {cut})",
+        )
+    run.add_row("writers fenced while alive (exited)", str(report.faults.fenced_alive))
+    run.add_row("writers fenced while alive (renewed)", str(report.renewed))
     run.add_row("writer restarts", str(report.faults.restarts))
     run.add_row("crashes", str(len(report.faults.crashes)))
     if report.faults.revived:

@@ -10,6 +10,11 @@ rebuilt from the writers' journals:
 - a dead writer is where a fence may move it: the highest of the other writers'
   positions, or its own last row (so with every writer dead nothing may move until
   one comes back, and a restart registers at the head);
+- a writer cut off from PostgreSQL (`pg_partition`) holds what it held, dead or alive,
+  until its connections end (the partition's `cut`: the keepalive bound), and what it
+  did just before (it publishes through the database): from then on it is dead until
+  the partition heals, then alive again where the fence left it, held by its fetches
+  still on their way (it goes on, renewed, or exits);
 - the linear position is the least of them.
 
 A reader's *stall* on a committed ID is the time from the allowed position passing
@@ -67,6 +72,11 @@ class History:
     starts: dict[str, list[float]] = field(default_factory=dict)
     deaths: dict[str, list[float]] = field(default_factory=dict)
     stops: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # Per writer: (hole, cut, healed) of each partition of its database connections;
+    # cut and healed None when that never happened.
+    partitions: dict[str, list[tuple[float, float | None, float | None]]] = field(
+        default_factory=dict
+    )
     own_positions: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
 
@@ -135,6 +145,9 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
         timeline += [(t, 0, w, "death", []) for t in history.deaths.get(w, [])]
         for start, end in history.stops.get(w, []):
             timeline += [(start, 0, w, "pause", []), (end, 0, w, "cont", [])]
+        for hole, cut, healed in history.partitions.get(w, []):
+            timeline.append((hole, 0, w, "hole", []))
+            timeline += [(t, 0, w, kind, []) for t, kind in ((cut, "cut"), (healed, "heal")) if t]
     if timeline:  # idle writers move with time, not only at events
         first, last = min(e[0] for e in timeline), max(e[0] for e in timeline)
         ticks = int((last - first + 2 * IDLE_GRACE) / TICK) + 1
@@ -142,6 +155,8 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
     timeline.sort(key=lambda e: (e[0], e[1]))
     started = dict.fromkeys(writers, False)
     dead = dict.fromkeys(writers, False)
+    held = dict.fromkeys(writers, False)  # partitioned, its connections not ended yet
+    cut_off = dict.fromkeys(writers, False)  # dead by a partition that cut it, not a kill
     unfinished: dict[str, set[int]] = {w: set() for w in writers}
     waiting: dict[str, list[int]] = {w: [] for w in writers}  # heap of unfinished (lazy)
     completed: dict[str, list[int]] = {w: [] for w in writers}  # heap, above the position
@@ -170,6 +185,20 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             idle_since[w] = None
         elif kind == "f":
             fetching[w].pop(ids[0], None)
+        elif kind == "hole":
+            held[w] = True
+        elif kind == "cut":
+            held[w] = False
+            if started[w] and not dead[w]:  # as a death, but its fetches go on waiting
+                dead[w] = cut_off[w] = True
+                unfinished[w].clear()
+                waiting[w].clear()
+                completed[w].clear()
+                idle_since[w] = None
+        elif kind == "heal":
+            held[w] = False
+            if cut_off[w]:
+                dead[w] = cut_off[w] = False
         elif kind == "A":
             unfinished[w].update(ids)
             for i in ids:
@@ -187,6 +216,7 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
         else:
             started[w] = True
             dead[w] = kind == "death"
+            cut_off[w] = False
             unfinished[w].clear()
             waiting[w].clear()
             completed[w].clear()
@@ -200,7 +230,9 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             if not started[v]:
                 continue
             new = position[v]
-            if dead[v]:  # what a fence may claim: the others' highest, its own last row
+            if dead[v] and held[v]:
+                pass  # its connections live on behind the partition: no fence yet
+            elif dead[v]:  # what a fence may claim: the others' highest, its own last row
                 others = [position[o] for o in writers if o != v]
                 new = max(new, last_row[v], *others) if others else max(new, last_row[v])
             else:
@@ -224,12 +256,19 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             if new > position[v]:
                 position[v] = new
                 steps[v].append((t, new))
-    for w, pauses in history.stops.items():
-        if w in steps:
-            for start, end in pauses:
-                steps[w] = [
-                    (end if start - PUBLISH_WINDOW <= t <= end else t, p) for t, p in steps[w]
-                ]
+    # What a writer could not publish: paused, or cut off from the database (it reads
+    # its rows back to send them, and flushes its position there) until its
+    # connections end, when a fence may move it.
+    unpublished: list[tuple[str, float, float | None]] = [
+        (w, start, end) for w, pauses in history.stops.items() for start, end in pauses
+    ]
+    for w, partitions in history.partitions.items():
+        unpublished += [(w, hole, cut or healed) for hole, cut, healed in partitions]
+    for w, since, until in unpublished:
+        if w in steps and until is not None:
+            steps[w] = [
+                (until if since - PUBLISH_WINDOW <= t <= until else t, p) for t, p in steps[w]
+            ]
     return steps
 
 

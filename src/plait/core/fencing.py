@@ -15,7 +15,8 @@ dead writer or one with a transaction open gets there, and the fence tells those
 apart. A failed attempt (the writer was alive) waits `fence_after` before the next one;
 a writer fenced once is dead for good (a fenced run can open no connection), so while
 it keeps holding it is fenced again after only `fence_after / 10`, and readers follow
-the others with about that lag instead of stalling.
+the others with about that lag instead of stalling. Of several holders due, the one
+tried least recently goes first, so each gets its turn.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class HoldWatch:
                 else:
                     self._ahead_since.pop(writer, None)
         holders = [w for w, p in positions.items() if p == low < top and w != self._own]
-        for writer in sorted(holders, key=self._held_since):
+        for writer in sorted(holders, key=self._turn):
             wait = self._wait(writer)
             if (
                 now - self._held_since(writer) >= wait
@@ -109,6 +110,12 @@ class HoldWatch:
             if self._last.get(writer) != position:
                 self._last[writer] = position
                 self._moved_at[writer] = now
+
+    def _turn(self, writer: str) -> tuple[float, float]:
+        """Holders go least recently tried first, then longest held: one fenced again
+        and again without moving (level with the others) must not keep another holder
+        from its turn."""
+        return (self._tried.get(writer, float("-inf")), self._held_since(writer))
 
     def _held_since(self, writer: str) -> float:
         return max(self._moved_at[writer], self._ahead_since[writer])

@@ -295,7 +295,17 @@ class _Identity:
         return self.renew and not any(pending() for pending in self.holds)
 
     async def configure(self, conn: AsyncConnection[TupleRow]) -> None:
-        """The pool's hook for each new connection."""
+        """The pool's hook for each new connection. One it refuses is closed here:
+        psycopg_pool drops it unclosed, and its server process, named after this run,
+        would live on until the garbage collector got to it, keeping a fenced run
+        looking alive to the others' fences while it retried (issue 18)."""
+        try:
+            await self._configure(conn)
+        except BaseException:
+            await conn.close()
+            raise
+
+    async def _configure(self, conn: AsyncConnection[TupleRow]) -> None:
         if self.settings or self.pooled:
             # SET after connecting rather than `options` in the startup packet, which
             # PgBouncer refuses: one round trip per new connection, which also asks for
