@@ -500,3 +500,11 @@ def test_a_spark_error_is_named_by_its_cause() -> None:
         "... plait.errors.ConfigError: plait source: cannot connect to the database"
     )
     assert error_line("stopped") == "stopped"
+
+
+def test_the_long_kinds_take_their_own_count_when_given() -> None:
+    kinds = kinds_for("redis", spark=True, postgres=True)
+    counts = counts_for(kinds, 100, long_per_kind=100)
+    assert set(counts.values()) == {100}
+    assert counts_for(kinds, 100)["pg_crash"] == 10
+    assert counts_for(kinds, 100)["spark_restart"] == 25

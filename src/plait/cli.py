@@ -208,6 +208,13 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
     "--duration", default=_CHECK.duration, show_default=True, help="Seconds of writes and faults."
 )
 @_count("--faults", _CHECK.faults, "Faults of each kind.")
+@click.option(
+    "--long-faults",
+    type=click.IntRange(min=1),
+    help="Faults of each kind that lasts seconds (PostgreSQL restarts, crashes and"
+    " partitions, Spark query restarts). Default: a tenth of --faults (Spark: a quarter),"
+    " at least one.",
+)
 @_count("--batch", _CHECK.batch, "Scales the IDs per transaction.")
 @click.option("--seed", type=int, help="Seed of the fault schedule (default: random, printed).")
 @click.option(

@@ -27,20 +27,27 @@ def kinds_for(
     )
 
 
-def counts_for(kinds: tuple[str, ...], per_kind: int) -> dict[str, int]:
-    """How many faults of each kind: `per_kind`, but a quarter as many Spark query
-    restarts (at least one), since one takes seconds: more would leave the query
-    restarting more than reading; and a tenth as many PostgreSQL restarts, crashes and
-    partitions (at least one each), since each stops every process for one to three
-    seconds, or one writer for longer than the keepalive bound."""
-    return {
-        k: max(1, per_kind // 4)
-        if k == "spark_restart"
-        else max(1, per_kind // 10)
-        if k in (*PG_OUTAGES, PG_PARTITION)
-        else per_kind
-        for k in kinds
-    }
+LONG_KINDS = ("spark_restart", *PG_OUTAGES, PG_PARTITION)  # each lasts seconds
+
+
+def counts_for(
+    kinds: tuple[str, ...], per_kind: int, long_per_kind: int | None = None
+) -> dict[str, int]:
+    """How many faults of each kind: `per_kind`, but fewer of the kinds that last
+    seconds (`LONG_KINDS`), unless `long_per_kind` says how many: a quarter as many
+    Spark query restarts (at least one), since more would leave the query restarting
+    more than reading; and a tenth as many PostgreSQL restarts, crashes and partitions
+    (at least one each), since each stops every process for one to three seconds, or
+    one writer for longer than the keepalive bound."""
+
+    def count(kind: str) -> int:
+        if kind not in LONG_KINDS:
+            return per_kind
+        if long_per_kind is not None:
+            return long_per_kind
+        return max(1, per_kind // 4 if kind == "spark_restart" else per_kind // 10)
+
+    return {k: count(k) for k in kinds}
 
 
 def schedule(

@@ -21,6 +21,8 @@ class Options:
     streams: int = 2
     duration: float = 30.0
     faults: int = 20  # of each kind
+    # Of each kind that lasts seconds (`faults.LONG_KINDS`); None: derived from `faults`.
+    long_faults: int | None = None
     batch: int = 1  # scales the IDs per transaction (1 to 13)
     seed: int | None = None
     fence_after: float = 1.0
@@ -77,7 +79,7 @@ class Options:
         kinds = self._possible_kinds()
         if self.kinds is not None:
             kinds = tuple(k for k in kinds if k in self.kinds)
-        return counts_for(kinds, self.faults)
+        return counts_for(kinds, self.faults, self.long_faults)
 
     def bound(self, reader: str) -> float:
         return self.spark_stall_bound if reader == SPARK else self.stall_bound

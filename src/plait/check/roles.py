@@ -43,7 +43,7 @@ from plait.check.plan import (
 )
 from plait.check.seen import Seen
 from plait.config import InstanceConfig
-from plait.errors import DatabaseUnavailableError, FencedError
+from plait.errors import DatabaseUnavailableError, FencedError, InstanceRunningError
 from plait.instance import Instance
 from plait.storage.database import Database
 from plait.streams.generator import MultiWriterIdGenerator
@@ -132,9 +132,11 @@ async def writer(plan: Plan, name: str) -> None:
     instance = Instance(plan.instance_config(name))
     try:
         await instance.start()
-    except (DatabaseUnavailableError, psycopg.Error) as err:
+    except (DatabaseUnavailableError, InstanceRunningError, psycopg.Error) as err:
         # PostgreSQL unreachable, or gone in the middle of the start (a restart or a
-        # crash): the start fails with the error printed, as plait's does.
+        # crash), or this writer's previous run still connected after the patience: the
+        # start fails with the error printed, as plait's does (a crash, away from a
+        # PostgreSQL fault).
         logger.error("writer %s: could not start: %s", name, err)
         journal.write("S", "unavailable")
         os._exit(UNAVAILABLE_EXIT)  # nothing of this run ever wrote
