@@ -191,13 +191,28 @@ def test_rows_of_a_batch_cut_off_by_a_death_are_not_handed_over_twice() -> None:
     assert inbound.rdata(Rdata(STREAM, "a", 12, "z"), current=9) == Deliver(STREAM, "a", 12, ["z"])
 
 
+def test_a_fence_does_not_make_a_writers_rows_count_on_a_connection() -> None:
+    """A new connection drops w's RDATA 12 (w's own POSITION not yet there); a FENCED
+    of w at 8 arrives from another sender. Were w's rows to count from then on, its
+    RDATA 13 would be handed over, and its POSITION 13 13 would read nothing: 12
+    skipped. They count only after w's own POSITION, which catches 12 up."""
+    inbound = Inbound(own_name="me")
+    assert inbound.rdata(Rdata(STREAM, "w", 12, "twelve"), current=5) is None
+    plan = inbound.fenced(Position(STREAM, "w", 8, 8), current=5)
+    assert plan == Plan(STREAM, "w", 5, 8, counts_rows=False)
+    assert not inbound.is_connected(STREAM, "w")
+    assert inbound.rdata(Rdata(STREAM, "w", 13, "thirteen"), current=8) is None
+    plan = inbound.position(Position(STREAM, "w", 13, 13), current=8)
+    assert plan == Plan(STREAM, "w", catch_up_from=8, advance_to=13)  # reads 12 and 13
+
+
 def test_a_fence_between_the_lines_of_a_batch_keeps_its_rows() -> None:
     """A FENCED of another sender may fall between a live writer's batch rows (a
     renewed writer): the batch still ends with its numbered row, whole."""
     inbound = Inbound(own_name="me")
     inbound.caught_up(STREAM, "a")
     assert inbound.rdata(Rdata(STREAM, "a", None, "y.0"), current=4) is None
-    assert inbound.fenced(Position(STREAM, "a", 5, 5), current=4) == Plan(STREAM, "a", 4, 5)
+    assert inbound.fenced(Position(STREAM, "a", 5, 5), current=4) == Plan(STREAM, "a", 4, 5, False)
     assert inbound.rdata(Rdata(STREAM, "a", 6, "y.1"), current=5) == Deliver(
         STREAM, "a", 6, ["y.0", "y.1"]
     )

@@ -74,13 +74,17 @@ class Deliver:
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What a POSITION asks for: read (catch_up_from, advance_to] first when
-    `catch_up_from` is set, then advance the writer to `advance_to` (when set), then
-    call `caught_up(stream, instance)`."""
+    `catch_up_from` is set, then advance the writer to `advance_to` (when set), then,
+    when `counts_rows`, call `caught_up(stream, instance)`."""
 
     stream: str
     instance: str
     catch_up_from: int | None
     advance_to: int | None
+    # Whether the writer's RDATA counts on this connection afterwards: only after its
+    # own POSITION, which comes after the RDATA it sent before (R-RP-2); a FENCED of
+    # another sender is in no order with the writer's lines.
+    counts_rows: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,11 +275,14 @@ class Inbound:
 
     def fenced(self, command: Position, current: int) -> Plan | None:
         """Another instance fenced the writer (a proven fence, as a POSITION prev = new):
-        as `position`, but it may fall between the lines of one of the writer's own
-        batches, whose held rows are then kept."""
+        catch up and advance as for a POSITION, but the writer's RDATA counts here no
+        sooner for it (a row it sent before, dropped while it did not count, would be
+        stepped over by its next POSITION), and held rows of a batch it may fall inside
+        are kept."""
         if command.instance == self.own_name:
             return None
-        return self._plan(command, current)
+        plan = self._plan(command, current)
+        return Plan(plan.stream, plan.instance, plan.catch_up_from, plan.advance_to, False)
 
     def _plan(self, command: Position, current: int) -> Plan:
         advance_to = command.new if command.new > current else None

@@ -965,15 +965,18 @@ class _Session:
         await self._follow(stream, plan)
 
     async def _follow(self, stream: ReplicatedStream, plan: Plan) -> None:
-        """Do what a `Plan` asks, then count the writer's RDATA on this connection."""
+        """Do what a `Plan` asks, then (unless it came from a fence) count the writer's
+        RDATA on this connection."""
         handler = self._handler
-        self._announced.add((plan.stream, plan.instance))
+        if plan.counts_rows:
+            self._announced.add((plan.stream, plan.instance))
         if plan.catch_up_from is not None and plan.advance_to is not None:
             await handler.catch_up(stream, plan.instance, plan.catch_up_from, plan.advance_to)
         elif plan.advance_to is not None:
             await handler.deliver(stream, plan.instance, plan.advance_to, [])
-        self._inbound.caught_up(plan.stream, plan.instance)
-        self._changed.set()
+        if plan.counts_rows:
+            self._inbound.caught_up(plan.stream, plan.instance)
+            self._changed.set()
 
     async def _watch_up(self) -> None:
         handler = self._handler

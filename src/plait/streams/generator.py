@@ -108,6 +108,8 @@ class MultiWriterIdGenerator:
         # process's claim above it counts only once the sequence confirms it (R-ID-14).
         db.note_head(spec.sequence, tracker.max_seen)
         self._head_lock = asyncio.Lock()
+        # The highest stored position read per writer (`is_stored_at`; internal).
+        self._stored_at_least: dict[str, int] = {}
         # Positions given to `advance` that a writer must check against the sequence
         # before it takes them (the largest per writer), and the task that checks.
         self._unconfirmed: dict[str, int] = {}
@@ -641,8 +643,16 @@ class MultiWriterIdGenerator:
         """Whether `writer`'s position in `stream_positions` is at or past `position`
         (signed): written there by the writer itself or by a fence that proved it dead,
         so a fence another instance announces is a fact once this holds (R-ID-14)."""
+        internal = self._sign * position
+        if internal <= self._stored_at_least.get(writer, 0):
+            return True  # stored positions only grow: read once per claim above
+        if not await self.is_allocated(position):
+            return False  # above the head: no stored position can be there
         stored = await self._store.stored_position(writer)
-        return stored is not None and stored >= self._sign * position
+        if stored is None:
+            return False
+        self._stored_at_least[writer] = max(self._stored_at_least.get(writer, 0), stored)
+        return stored >= internal
 
     async def refresh_positions(self) -> None:
         """Learn the other writers' positions from `stream_positions`."""
