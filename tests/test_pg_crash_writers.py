@@ -246,6 +246,8 @@ async def test_a_new_run_waits_for_the_previous_one_and_supersedes_it(
     new_db = await Database.connect(
         server.dsn, max_size=4, incarnation=Incarnation.new("w1"), retry_reads_for=3.0
     )
+    superseded: list[bool] = []
+    old_db.on_superseded(lambda: superseded.append(old_db.superseded))
     try:
         old = await MultiWriterIdGenerator.create(old_db, spec, "w1")
         async with old_db.transaction() as txn:
@@ -268,6 +270,7 @@ async def test_a_new_run_waits_for_the_previous_one_and_supersedes_it(
         await _refused_as_superseded(late_write)
         await held.__aexit__(None, None, None)
         await _refused_as_superseded(lambda: old.insert(insert))
+        assert superseded == [True]  # told once (an Instance stops replicating then)
         assert await new.insert(insert) == [held_id + 1]
         rows, _, _ = await new.get_updates_since("w1", 0, held_id + 1)
         assert [r.stream_id for r in rows] == [2, 3, held_id + 1]

@@ -97,6 +97,7 @@ class Instance:
         # Caches can be declared (`@instance.caches.cached()`) before start().
         self.caches = CacheRegistry(self.name, self.metrics)
         self._cleanup: asyncio.Task[None] | None = None
+        self._retiring: asyncio.Task[None] | None = None  # replication ends: superseded
         self._started = False
         self._stopped = False
 
@@ -178,6 +179,7 @@ class Instance:
                     wait_for_server=config.database_patience,
                 )
                 await db.retry_idempotent("migrate plait's schema", db.migrate)
+            self.db.on_superseded(self._superseded)
             for statements in self._schema:
                 await self.db.retry_idempotent(
                     "create the application's schema (add_schema)",
@@ -205,10 +207,10 @@ class Instance:
             self._cleanup.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._cleanup
-        if self._handler is not None:
-            await self._handler.stop()
-        if self._transport is not None:
-            await self._transport.stop()
+        if self._retiring is not None:
+            await self._retiring
+        else:
+            await self._stop_replication(depart=self._db is None or not self._db.superseded)
         if self._api is not None:
             await self._api.stop()
         if self._client is not None:
@@ -217,6 +219,28 @@ class Instance:
             await gen.close()
         if self._db is not None and self._given_db is None:
             await self._db.close()
+
+    async def _stop_replication(self, *, depart: bool) -> None:
+        if self._handler is not None:
+            await self._handler.stop(depart=depart)
+        if self._transport is not None:
+            await self._transport.stop()
+
+    def _superseded(self) -> None:
+        """A later run of this instance registered: it speaks for the name now. This run
+        stops replicating (without a DEPART, which would be taken as the live run's) and
+        may write nothing more (`SupersededError`)."""
+        logger.error(
+            "instance %s: a later run of %s has started on the same database and "
+            "superseded this one: this run stops replicating and can write nothing more; "
+            "stop this process",
+            self.name,
+            self.name,
+        )
+        if self._retiring is None and not self._stopped:
+            self._retiring = asyncio.get_running_loop().create_task(
+                self._stop_replication(depart=False), name=f"plait-retire-{self.name}"
+            )
 
     async def __aenter__(self) -> Instance:
         await self.start()

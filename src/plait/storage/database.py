@@ -265,6 +265,7 @@ class _Identity:
         "renew",
         "renewed",
         "settings",
+        "superseded",
     )
 
     def __init__(
@@ -284,6 +285,8 @@ class _Identity:
         self.registered: set[str] = set()
         # Called with the new incarnation (the pool names later connections after it).
         self.renewed: Callable[[Incarnation], None] | None = None
+        # Called once when a later run of the instance superseded this one.
+        self.superseded: list[Callable[[], None]] = []
         self._renewing = asyncio.Lock()  # one renewal at a time
         # A pooler sits between plait and the server (`_probe`): each connection learns
         # the id of the server process behind it (`server_pid`).
@@ -322,7 +325,13 @@ class _Identity:
             await refuse_if_fenced(conn, checked, self.registered)
         except FencedError as err:
             if isinstance(err, SupersededError) or not self.may_renew():
+                first = isinstance(err, SupersededError) and not isinstance(
+                    self.fenced, SupersededError
+                )
                 self.fenced = err
+                if first:
+                    for listener in self.superseded:
+                        listener()
                 raise
             async with self._renewing:
                 if self.incarnation is checked:  # else another connection renewed
@@ -942,6 +951,15 @@ class Database:
     def patience(self) -> float:
         """Seconds plait waits for an unreachable server (`retry_reads_for`)."""
         return self._retry_reads_for
+
+    def on_superseded(self, listener: Callable[[], None]) -> None:
+        """Call `listener` once, when a later run of this instance has registered (this
+        run may then write nothing more, and must not speak for the instance)."""
+        self._identity.superseded.append(listener)
+
+    @property
+    def superseded(self) -> bool:
+        return isinstance(self._identity.fenced, SupersededError)
 
     def hold_renewal(self, pending: Callable[[], bool]) -> None:
         """While `pending()` is true (IDs of this run not finished), a fenced run does
