@@ -633,7 +633,9 @@ class StreamStore:
                 "forged or corrupted position, or the sequence was reset)"
             )
 
-    async def register(self, instance: str, position: int, epoch: int | None) -> PreviousRun | None:
+    async def register(
+        self, instance: str, position: int, epoch: Callable[[], int | None]
+    ) -> PreviousRun | None:
         """This writer's row before its first allocation: its position (forwards only)
         and the epoch its connections carry (None: they carry none, and it can never be
         fenced). A fence of an earlier run no longer applies. Durable, and it waits for
@@ -646,6 +648,11 @@ class StreamStore:
         under the same row lock as a fence."""
         keep = ">" if self.spec.backwards else "<"
         async with self.db.transaction() as txn:
+            # `epoch()` asked now, with a connection handed out (the transaction holds
+            # it): one that found this run fenced renewed it first, and the row must
+            # carry the name its connections carry from now on, not the one of a moment
+            # ago (review).
+            current = epoch()
             row = await (
                 await txn.execute(
                     "SELECT epoch FROM stream_positions"
@@ -654,7 +661,7 @@ class StreamStore:
                 )
             ).fetchone()
             previous = None if row is None or row[0] is None else int(row[0])
-            if previous is not None and previous != epoch:
+            if previous is not None and previous != current:
                 alive_row = await (
                     await txn.execute(
                         "SELECT count(*) FROM pg_stat_activity"
@@ -672,7 +679,7 @@ class StreamStore:
                 f" stream_id = CASE WHEN stream_positions.stream_id {keep} EXCLUDED.stream_id"
                 " THEN EXCLUDED.stream_id ELSE stream_positions.stream_id END,"
                 " epoch = EXCLUDED.epoch, fenced_at = NULL, updated_at = now()",
-                (self.spec.name, instance, self._sign * position, epoch),
+                (self.spec.name, instance, self._sign * position, current),
             )
         return None
 

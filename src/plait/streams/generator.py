@@ -891,10 +891,14 @@ async def _load(
         await store.ensure_sequence()
     # Own latest row: only a configured writer of a stream with position rows.
     own = instance if spec.writers and instance in spec.writers else None
-    incarnation = db.incarnation
-    epoch = (
-        incarnation.epoch if incarnation is not None and incarnation.instance == instance else None
-    )
+
+    def epoch() -> int | None:
+        """This run's epoch as its connections carry it now (a renewal changes it)."""
+        incarnation = db.incarnation
+        if incarnation is None or incarnation.instance != instance:
+            return None
+        return incarnation.epoch
+
     loop = asyncio.get_running_loop()
     backoff = Backoff(initial=0.05, cap=1.0)
     waiting_since: float | None = None
@@ -908,7 +912,7 @@ async def _load(
         # every live writer, and a fence of an earlier run cannot claim new IDs.
         previous = await store.register(instance, tracker.local_position, epoch)
         if previous is None:
-            if epoch is not None:
+            if epoch() is not None:
                 db.registered(spec.name)
             return survey, tracker
         now = loop.time()
