@@ -68,8 +68,8 @@ class Handler(Protocol):
         ERROR on the link (TCP) rather than only logging them (Redis).
         `authenticated`: every line on it comes from a peer that proved it holds the
         deployment's secret, and a writer's rows and positions only from that writer
-        (R-RP-9); the handler then takes a writer's word about its own IDs and checks
-        the sequence only for positions announced on another's behalf (fences)."""
+        (R-RP-9); the handler then takes a writer's word about its own IDs (a FENCED,
+        on another's behalf, it checks against the database on every link)."""
         ...
 
 

@@ -202,7 +202,7 @@ class DatabaseStream:
         if token <= self._seen.get(writer, self._start):
             return
         self._seen[writer] = token
-        self._gen.advance(writer, self._sign * token)
+        self._gen.vouched(writer, self._sign * token)
 
     def own_position(self) -> int | None:
         if not self._gen.is_writer:

@@ -555,12 +555,21 @@ class MultiWriterIdGenerator:
         if self._tracker.is_writer and internal > self._known_head():
             # A writer that took an ID the sequence has not handed out would report it
             # as its own position (the idle rule), store it, and refuse its own next
-            # IDs as "the sequence went backwards". Replication checks first; a direct
-            # call is checked here, and the position taken once the sequence has
-            # handed it out (R-ID-14).
+            # IDs as "the sequence went backwards". Replication vouches for what it
+            # passes on (`vouched`); a direct call is checked here, and the position
+            # taken once the sequence has handed it out (R-ID-14).
             self._confirm_later(instance_name, internal)
             return
         self._tracker.advance(instance_name, internal)
+
+    def vouched(self, instance_name: str, position: int) -> None:
+        """`advance`, for a position replication vouches for: checked against the
+        sequence on an unauthenticated link, or an authenticated writer's word about
+        its own IDs. Taken at once: asking the sequence about every position of the
+        other writers would cost a query per position while they write."""
+        if self._spec.writers and instance_name not in self._spec.writers:
+            return  # (see `advance`)
+        self._tracker.advance(instance_name, self._sign * position)
 
     def _confirm_later(self, writer: str, position: int) -> None:
         if position <= self._unconfirmed.get(writer, 0) or self._closed:
