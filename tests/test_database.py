@@ -9,6 +9,7 @@ import pytest
 from psycopg import pq
 
 from plait import Database
+from plait.storage import database
 
 IDLE = pq.TransactionStatus.IDLE
 
@@ -96,3 +97,24 @@ async def test_cursor_is_reused_on_the_free_connection_only(db: Database) -> Non
         await after.execute("SELECT 3")
         assert await after.fetchall() == [3]
         assert after.connection.info.transaction_status == IDLE
+
+
+@pytest.mark.parametrize(
+    ("message", "transient"),
+    [
+        (
+            'connection failed: connection to server at "127.0.0.1", port 1 failed: '
+            "Connection refused",
+            True,
+        ),
+        ("connection failed: FATAL:  the database system is starting up", True),
+        ('connection failed: FATAL:  password authentication failed for user "x"', False),
+        ("connection failed: fe_sendauth: no password supplied", False),
+        ("connection failed: SSL error: certificate verify failed", False),
+        ("connection failed: server does not support SSL, but SSL was required", False),
+    ],
+)
+def test_only_a_server_that_may_come_up_is_waited_for(message: str, transient: bool) -> None:
+    """A refusal no wait can change (a password, SSL settings) fails at once, with its
+    own reason, instead of after the patience with advice to wait longer."""
+    assert database._may_come_up(psycopg.OperationalError(message)) is transient

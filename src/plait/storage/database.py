@@ -1140,7 +1140,24 @@ def _may_come_up(err: psycopg.OperationalError) -> bool:
     if isinstance(err, PoolTimeout):
         return True
     text = str(err)
+    if any(phrase in text for phrase in _REFUSED_FOR_GOOD):
+        return False
     return "FATAL:" not in text or any(phrase in text for phrase in _NOT_ACCEPTING_YET)
+
+
+# libpq's own refusals (no FATAL from a server): nothing changes them but the
+# configuration (a password, certificates, SSL or GSS settings).
+_REFUSED_FOR_GOOD = (
+    "no password supplied",
+    "password authentication failed",
+    "SSL error",
+    "certificate",
+    "server does not support SSL",
+    "GSSAPI",
+    "invalid connection option",
+    "invalid sslmode",
+    "invalid port",
+)
 
 
 def _reason(err: BaseException) -> str:
