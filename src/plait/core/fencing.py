@@ -15,7 +15,9 @@ dead writer or one with a transaction open gets there, and the fence tells those
 apart. A failed attempt (the writer was alive) waits `fence_after` before the next one;
 a writer fenced once is dead for good (a fenced run can open no connection), so while
 it keeps holding it is fenced again after only `fence_after / 10`, and readers follow
-the others with about that lag instead of stalling.
+the others with about that lag instead of stalling. Of several holders due at once, the
+one whose last attempt is oldest is tried first, so each is tried within its wait and a
+tick per holder.
 """
 
 from __future__ import annotations
@@ -84,14 +86,13 @@ class HoldWatch:
                 else:
                     self._ahead_since.pop(writer, None)
         holders = [w for w, p in positions.items() if p == low < top and w != self._own]
-        for writer in sorted(holders, key=self._held_since):
-            wait = self._wait(writer)
-            if (
-                now - self._held_since(writer) >= wait
-                and now - self._tried.get(writer, float("-inf")) >= wait
-            ):
-                return writer
-        return None
+        due = [
+            w
+            for w in holders
+            if now - self._held_since(w) >= self._wait(w)
+            and now - self._tried.get(w, float("-inf")) >= self._wait(w)
+        ]
+        return min(due, key=self._turn, default=None)
 
     def tried(self, writer: str, now: float, *, fenced: bool) -> None:
         """An attempt on `writer` ended: fenced, or found alive (or failed)."""
@@ -112,6 +113,15 @@ class HoldWatch:
 
     def _held_since(self, writer: str) -> float:
         return max(self._moved_at[writer], self._ahead_since[writer])
+
+    def _turn(self, writer: str) -> tuple[float, float]:
+        """Who goes first among due holders: the one whose last attempt is oldest (never
+        tried: first of all), then the one that held longest. Held-longest alone
+        starved: a fenced holder is due again on every tick, and when every writer died
+        and came to rest level below the head, fencing it again cannot move it (the
+        others' position is as far as it may go); only the other holder can, and when
+        both had come to rest in the same look, the fenced one won every tie."""
+        return self._tried.get(writer, float("-inf")), self._held_since(writer)
 
     def _wait(self, writer: str) -> float:
         share = QUICK_SHARE if writer in self._fenced else 1.0
