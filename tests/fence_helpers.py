@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from plait import Database, MultiWriterIdGenerator
+from plait.storage.incarnation import name_prefix
 
 ROLE = Path(__file__).with_name("fence_roles.py")
 
@@ -62,6 +63,38 @@ async def committed(db: Database) -> list[tuple[int, str]]:
     async with db.connection() as conn:
         cursor = await conn.execute("SELECT stream_id, instance_name FROM events ORDER BY 1")
         return [(r[0], r[1]) for r in await cursor.fetchall()]
+
+
+async def server_processes_gone(db: Database, writers: list[str], within: float) -> None:
+    """Wait until no server process carries a name of the `writers`' registered runs,
+    what a fence proves: a killed writer's COMMIT may still be landing after the
+    process was reaped (the server finishes it after the link dropped), and only then is
+    every row it will ever commit committed."""
+    async with db.connection() as conn:
+        cursor = await conn.execute(
+            "SELECT DISTINCT epoch FROM stream_positions"
+            " WHERE instance_name = ANY(%s) AND epoch IS NOT NULL",
+            (writers,),
+        )
+        prefixes = [name_prefix(int(row[0])) for row in await cursor.fetchall()]
+    started = time.monotonic()
+    while True:
+        async with db.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE EXISTS (SELECT 1 FROM unnest(%s::text[]) p"
+                " WHERE starts_with(application_name, p))",
+                (prefixes,),
+            )
+            row = await cursor.fetchone()
+        if row is not None and row[0] == 0:
+            return
+        if time.monotonic() - started > within:
+            raise TimeoutError(
+                f"{row[0] if row else '?'} server process(es) of {writers} still alive"
+                f" {within:.0f} s after they were killed"
+            )
+        await asyncio.sleep(0.05)
 
 
 def stop(*processes: asyncio.subprocess.Process) -> None:

@@ -49,6 +49,60 @@ def test_a_fenced_writer_is_fenced_again_quickly_while_it_keeps_holding() -> Non
     assert watch.candidate({"w1": 9, "w2": 15}, 1.3) is None
 
 
+def test_a_fenced_writer_due_again_on_every_tick_does_not_starve_another_holder() -> None:
+    """Both writers died, w1 first (fenced and following w2), and both came to rest at
+    the same moment, level below the sequence head. Fencing w1 again cannot move it (w2
+    is as far as it may go); only w2 can move, and it is tried once it held fence_after,
+    though w1 is due again (after fence_after / 10) on every tick."""
+    watch = HoldWatch(1.0)  # a reader's fencer, ticking every 0.1 s
+    watch.candidate({"w1": 207, "w2": 310}, 0.0)
+    assert watch.candidate({"w1": 207, "w2": 310}, 1.0) == "w1"
+    watch.tried("w1", 1.0, fenced=True)
+    positions = {"w1": 321, "w2": 321}  # learnt in one refresh: held since the same tick
+    tried = []
+    now = 1.1
+    while now < 4.0 and "w2" not in tried:
+        head = 329 if watch.needs_head(positions, now) else None
+        chosen = watch.candidate(positions, now, head)
+        if chosen is not None:
+            tried.append(chosen)
+            watch.tried(chosen, now, fenced=True)  # w1 stays where it is
+        now = round(now + 0.1, 3)
+    assert "w2" in tried, f"w2 never tried in 3 s of ticks, w1 tried {len(tried)} times"
+    assert now <= 1.1 + 1.0 + 0.3  # held fence_after, then tried within a tick or two
+
+
+_DUE = st.lists(st.sampled_from(["w1", "w2", "w3", "w4"]), unique=True, min_size=1)
+
+
+@given(_DUE, _DUE, st.sampled_from([0.02, 0.05, 0.1, 0.5]))
+def test_every_holder_is_tried_within_its_wait_and_a_tick_per_holder(
+    holding: list[str], fenced: list[str], tick: float
+) -> None:
+    """Liveness: however many holders are due again quickly (fenced ones), and though
+    no attempt moves anybody, each holder is tried within its wait plus one tick per
+    holder: the one whose last attempt is oldest goes first."""
+    fence_after = 1.0
+    watch = HoldWatch(fence_after, own="live")
+    positions = dict.fromkeys(holding, 5) | {"live": 9}
+    for writer in set(fenced) & set(holding):
+        watch.tried(writer, -10.0, fenced=True)
+    watch.candidate(positions, 0.0)  # all hold from 0.0
+    tries: dict[str, list[float]] = {writer: [0.0] for writer in holding}
+    now = 0.0
+    for _ in range(round(3 * fence_after / tick)):
+        now += tick
+        chosen = watch.candidate(positions, now)
+        if chosen is not None:
+            watch.tried(chosen, now, fenced=watch.is_fenced(chosen))  # moved nobody
+            tries[chosen].append(now)
+    for writer, times in tries.items():
+        wait = fence_after * (0.1 if watch.is_fenced(writer) else 1.0)
+        bound = wait + tick * len(holding) + 1e-6
+        gaps = [b - a for a, b in zip([*times], [*times[1:], now], strict=True)]
+        assert max(gaps) <= bound, f"{writer} waited {max(gaps):.2f} s for a try: {times}"
+
+
 def test_fence_after_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         HoldWatch(0)
