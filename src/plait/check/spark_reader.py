@@ -240,13 +240,18 @@ async def spark_reader(plan: Plan, name: str) -> None:
             stream, error = failure
             cause = json.dumps(f"{stream}: {error_line(error)}")
             logger.error("spark query of %s failed: %s", stream, error)
-            if not postgres_fault_near(read_control(plan.control), time.time()):
+            if not (
+                postgres_fault_near(read_control(plan.control), time.time())
+                or _worker_start_timed_out(error)
+            ):
                 seen.journal.write("S", "query-failed", cause)
                 break
-            # PostgreSQL was restarted or crashed just now: the plait source does not
-            # outlast that within a query, so the query is started again from its
-            # checkpoint, as a job's supervisor would; exactly once must hold across
-            # it, as across any restart. Down from now until its first batch.
+            # PostgreSQL was restarted or crashed just now (the plait source does not
+            # outlast that within a query), or Spark gave up on starting a Python
+            # worker (it waits a fixed 10 s for one to connect back, which a loaded
+            # machine misses): the query is started again from its checkpoint, as a
+            # job's supervisor would; exactly once must hold across it, as across any
+            # restart. Down from now until its first batch.
             if stream not in reviving:
                 seen.journal.write("S", "reviving", stream, cause)
                 reviving.add(stream)
@@ -263,3 +268,15 @@ async def spark_reader(plan: Plan, name: str) -> None:
     follow.cancel()
     await asyncio.to_thread(queries.stop)
     await asyncio.to_thread(spark.stop)
+
+
+# Spark's own words when a Python worker it started did not connect back in time.
+_WORKER_START_TIMEOUTS = (
+    "Python worker failed to connect back",
+    "waiting for the Python worker to connect back",
+)
+
+
+def _worker_start_timed_out(error: BaseException | str) -> bool:
+    text = str(error)
+    return any(phrase in text for phrase in _WORKER_START_TIMEOUTS)
