@@ -158,7 +158,10 @@ class Verifier:
             return Refused(OVERSIZED, detail=f"{len(message)} bytes")
         mac = self._base.copy()
         mac.update(memoryview(message)[_MAC_HEX + 1 :])
-        if not hmac.compare_digest(mac.hexdigest().encode(), message[:_MAC_HEX]):
+        if (
+            not hmac.compare_digest(mac.hexdigest().encode(), message[:_MAC_HEX])
+            or message[_MAC_HEX : _MAC_HEX + 1] != b" "  # the one byte the mac leaves out
+        ):
             return Refused(BAD_SIGNATURE if looks_signed(message) else UNSIGNED)
         start = _MAC_HEX + 1
         end = message.find(b"\n", start, start + _MAX_HEADER_BYTES + 1)
