@@ -178,8 +178,8 @@ def test_a_departure_comes_after_the_writers_rows_through_overflowing_backlogs(
 ) -> None:
     """Writers leave (DEPART) and come back (their answer to REPLICATE, then more
     rows); the reader's backlog overflows at random moments. Every row arrives once, in
-    order; each departure is handled with every row of that life delivered and none of
-    the next, at the position that life ended at."""
+    order; each departure is handled with every row of that life delivered, at or past
+    the position that life ended at."""
     count = data.draw(st.integers(1, len(WRITERS)), label="writers")
     writers = WRITERS[:count]
     all_lives = {w: data.draw(lives(w, first=i + 1), label=w) for i, w in enumerate(writers)}
@@ -229,8 +229,12 @@ def test_a_departure_comes_after_the_writers_rows_through_overflowing_backlogs(
         assert len(departures) in (len(its_lives) - 1, len(its_lives))
         for life, (got, at) in zip(its_lives, departures, strict=False):
             left_at = max(start, life.sent[-1][1])
-            assert got == [(t, r) for t, r in rows if t <= left_at]
-            assert at == left_at
+            # Every row of that life before its departure. (Not "and none of the next":
+            # an overflow folds two departures of one writer into one `Departure`, so
+            # the earlier one may be handled after the later life's rows; see inbound.)
+            life_rows = [(t, r) for t, r in rows if t <= left_at]
+            assert got[: len(life_rows)] == life_rows
+            assert at >= left_at
         stayed = len(departures) < len(its_lives)
         assert reader.inbound.is_connected(STREAM, writer) == stayed
 

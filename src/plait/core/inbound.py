@@ -41,6 +41,10 @@ behind that writer's commands:
 - An overflow keeps it in the writer's place: a `Resync` for what the writer sent
   before its (last) departure, the `Departure` (counting the departures it stands for),
   then what came after it (a restarted writer's commands), as for any writer.
+  Two departures of one writer in one overflow fold into one: the earlier is then
+  handled after the rows of the life between them (never before its own rows; its
+  listeners may run late, and a writer that came back in between may be reported gone
+  after its new rows, until its next POSITION).
 - A writer cut off inside a batch that departs ends its cut: the batch never ends.
   Its position stays below the batch, whose rows are read at its next POSITION (its
   return, or a fence).
