@@ -379,7 +379,7 @@ def test_a_fence_never_folds_into_a_writers_own_resync(
         for queued in kept:
             if isinstance(queued, Resync) and queued.instance == writer:
                 assert queued.upto <= own_upto
-        fences = [c.position for c in pushed if isinstance(c, Fenced) and c.writer == writer]
+        fences = [c.position for c in pushed if isinstance(c, Fenced) and c.instance == writer]
         if fences:
             assert Fenced(STREAM, writer, max(fences)) in kept
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plait.core.commands import Command, CommandSet, Position, Rdata, to_line
+from plait.core.commands import Command, CommandSet, Fenced, Position, Rdata, to_line
 from plait.core.inbound import Deliver, Departure, Inbound, Plan
 from plait.core.outbound import Outbound
 
@@ -198,7 +198,7 @@ def test_a_fence_does_not_make_a_writers_rows_count_on_a_connection() -> None:
     skipped. They count only after w's own POSITION, which catches 12 up."""
     inbound = Inbound(own_name="me")
     assert inbound.rdata(Rdata(STREAM, "w", 12, "twelve"), current=5) is None
-    plan = inbound.fenced(Position(STREAM, "w", 8, 8), current=5)
+    plan = inbound.fenced(Fenced(STREAM, "w", 8), current=5)
     assert plan == Plan(STREAM, "w", 5, 8, counts_rows=False)
     assert not inbound.is_connected(STREAM, "w")
     assert inbound.rdata(Rdata(STREAM, "w", 13, "thirteen"), current=8) is None
@@ -212,7 +212,8 @@ def test_a_fence_between_the_lines_of_a_batch_keeps_its_rows() -> None:
     inbound = Inbound(own_name="me")
     inbound.caught_up(STREAM, "a")
     assert inbound.rdata(Rdata(STREAM, "a", None, "y.0"), current=4) is None
-    assert inbound.fenced(Position(STREAM, "a", 5, 5), current=4) == Plan(STREAM, "a", 4, 5, False)
+    assert inbound.fenced(Fenced(STREAM, "a", 5), current=4) == Plan(STREAM, "a", 4, 5, False)
+    assert inbound.fenced(Fenced(STREAM, "a", 5), current=5) is None  # no proof needed
     assert inbound.rdata(Rdata(STREAM, "a", 6, "y.1"), current=5) == Deliver(
         STREAM, "a", 6, ["y.0", "y.1"]
     )

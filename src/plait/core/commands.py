@@ -4,7 +4,7 @@ A line is a command name, and for most commands a space and arguments:
 
     RDATA <stream> <instance> <token|batch> <row-json>
     POSITION <stream> <instance> <prev> <new>
-    FENCED <stream> <writer> <position>
+    FENCED <stream> <instance> <position>
     REPLICATE
     NAME <name>
     CHALLENGE <name> <nonce>
@@ -175,7 +175,7 @@ class Position:
 
 @dataclass(frozen=True, slots=True)
 class Fenced:
-    """The sender fenced `writer` of `stream` up to `position`: none of the writer's
+    """The sender fenced writer `instance` of `stream` up to `position`: none of its
     connections was alive, so all it wrote is committed or rolled back. Unlike POSITION,
     which only the writer itself sends, any instance may send it, so receivers believe
     it only once the writer's stored position is at or past `position` (the fence wrote
@@ -183,20 +183,20 @@ class Fenced:
 
     NAME: ClassVar[str] = "FENCED"
     stream: str
-    writer: str
+    instance: str  # the fenced writer, as in RDATA and POSITION
     position: int
 
     @classmethod
     def from_args(cls, args: str) -> Fenced:
-        stream, writer, position = split_args(args, 3, "FENCED <stream> <writer> <position>")
+        stream, instance, position = split_args(args, 3, "FENCED <stream> <instance> <position>")
         return cls(
             parse_name(stream, "stream"),
-            parse_name(writer, "writer"),
+            parse_name(instance, "instance"),
             parse_integer(position, "position"),
         )
 
     def to_args(self) -> str:
-        return f"{_checked(self.stream)} {_checked(self.writer)} {self.position}"
+        return f"{_checked(self.stream)} {_checked(self.instance)} {self.position}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ asks for, calls `caught_up` after them, and delivers what it returns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,9 +184,9 @@ class Backlog:
         fences: dict[str, Fenced] = {}  # the highest per writer
         for command in self._commands:
             if isinstance(command, Fenced):
-                kept = fences.get(command.writer)
+                kept = fences.get(command.instance)
                 if kept is None or self.sign * command.position > self.sign * kept.position:
-                    fences[command.writer] = command
+                    fences[command.instance] = command
                 continue
             of_writer = dropped.setdefault(command.instance, _Dropped())
             if isinstance(command, Departure):
@@ -277,16 +278,16 @@ class Inbound:
         self._held.pop((command.stream, command.instance), None)
         return self._plan(command, current)
 
-    def fenced(self, command: Position, current: int) -> Plan | None:
-        """Another instance fenced the writer (a proven fence, as a POSITION prev = new):
-        catch up and advance as for a POSITION, but the writer's RDATA counts here no
+    def fenced(self, command: Fenced, current: int) -> Plan | None:
+        """Another instance fenced the writer (internal `position`): catch up and
+        advance as for its POSITION `position -> position`, but its RDATA counts here no
         sooner for it (a row it sent before, dropped while it did not count, would be
         stepped over by its next POSITION), and held rows of a batch it may fall inside
-        are kept."""
-        if command.instance == self.own_name:
+        are kept. None when there is nothing to do: the shell then needs no proof."""
+        if command.instance == self.own_name or command.position <= current:
             return None
-        plan = self._plan(command, current)
-        return Plan(plan.stream, plan.instance, plan.catch_up_from, plan.advance_to, False)
+        position = Position(command.stream, command.instance, command.position, command.position)
+        return dataclasses.replace(self._plan(position, current), counts_rows=False)
 
     def _plan(self, command: Position, current: int) -> Plan:
         advance_to = command.new if command.new > current else None

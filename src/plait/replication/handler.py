@@ -442,13 +442,12 @@ class ReplicationHandler:
         a fence the database does not show: it is dropped, counted and logged
         (rate-limited), never adopted (R-ID-14)."""
         self.metrics.refused_positions.labels(stream.name).inc()
-        writer = command.writer if isinstance(command, Fenced) else command.instance
-        held = self._refusals.allow((link, stream.name, writer), time.monotonic())
+        held = self._refusals.allow((link, stream.name, command.instance), time.monotonic())
         if held is None:
             return
         if isinstance(command, Fenced):
             why = (
-                f"{writer}'s stored position is below {command.position}, so no fence "
+                f"{command.instance}'s stored position is below {command.position}, so no fence "
                 "moved it there: the announcement is forged, or comes from another "
                 "database (every instance must use the same database)"
             )
@@ -461,7 +460,7 @@ class ReplicationHandler:
         logger.warning(
             "replication: refused %s of %s for %s on %s: %s%s",
             command.NAME,
-            writer,
+            command.instance,
             stream.name,
             link,
             why,
@@ -710,11 +709,10 @@ class _Session:
             stream = handler.stream(command.stream)
             if stream is None:
                 return
-            writer = command.writer if isinstance(command, Fenced) else command.instance
-            if stream.writers is not None and writer not in stream.writers:
+            if stream.writers is not None and command.instance not in stream.writers:
                 # Not a configured writer (removed, or a misconfigured peer): its
                 # position is never tracked here, so following it would re-read forever.
-                logger.debug("replication: ignoring %s of %s", command.NAME, writer)
+                logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
                 return
             backlog = self._backlogs.get(command.stream)
             if (
@@ -858,7 +856,7 @@ class _Session:
             async with handler.delivering(command.stream, command.instance):
                 await self._position(command)
         elif isinstance(command, Fenced):
-            async with handler.delivering(command.stream, command.writer):
+            async with handler.delivering(command.stream, command.instance):
                 await self._fence(command)
         elif isinstance(command, Resync):
             async with handler.delivering(command.stream, command.instance):
@@ -931,18 +929,15 @@ class _Session:
         wherever this process is, once the database shows the fence (R-ID-14)."""
         handler = self._handler
         stream = handler.streams[command.stream]
-        if command.writer == self._own_name:
-            return  # this instance's own run: its renewal reads the database itself
-        internal = stream.sign * command.position
-        if internal <= stream.seen(command.writer):
-            return  # nothing to move: no need to ask the database
-        if not await stream.is_proven_fence(command.writer, internal):
+        internal = _signed(command, stream.sign)
+        assert isinstance(internal, Fenced)
+        plan = self._inbound.fenced(internal, stream.seen(command.instance))
+        if plan is None:
+            return  # nothing to move (or this run's own: its renewal reads the database)
+        if not await stream.is_proven_fence(command.instance, internal.position):
             handler.refuse(stream, command, self.link.label)
             return
-        claim = Position(command.stream, command.writer, internal, internal)
-        plan = self._inbound.fenced(claim, stream.seen(command.writer))
-        if plan is not None:
-            await self._follow(stream, plan)
+        await self._follow(stream, plan)
 
     async def _resync(self, command: Resync) -> None:
         """Commands of a writer were dropped from a full backlog: read what they carried."""
