@@ -57,6 +57,19 @@ _NOT_ACCEPTING_YET = (
     "too many clients",
     "remaining connection slots",
 )
+# libpq's own refusals (no FATAL from a server): nothing changes them but the
+# configuration (a password, certificates, SSL or GSS settings).
+_REFUSED_FOR_GOOD = (
+    "no password supplied",
+    "password authentication failed",
+    "SSL error",
+    "certificate",
+    "server does not support SSL",
+    "GSSAPI",
+    "invalid connection option",
+    "invalid sslmode",
+    "invalid port",
+)
 # SQLSTATEs of a server that ended the session: shut down by an administrator, crashed,
 # or not accepting connections yet (starting up, shutting down, recovering).
 _SERVER_WENT_AWAY = frozenset({"57P01", "57P02", "57P03"})
@@ -621,16 +634,12 @@ class Database:
 
         def unreachable(seconds: float, reason: str) -> DatabaseUnavailableError:
             if not wait_for_server:
-                return DatabaseUnavailableError(
-                    f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. Check host, "
-                    "port, user, password and database name, or pass dsn=None to use the "
-                    "embedded server"
-                )
+                return _cannot_connect(dsn, reason)
             return DatabaseUnavailableError(
                 f"could not connect to PostgreSQL at {server_address(dsn)}: it has been "
                 f"unreachable for {seconds:.0f} s ({reason}). Check that the server is up "
                 "and reachable at that address (host, port), or give it longer "
-                "(database_patience in the configuration, wait_for_server here)"
+                "(database_patience in the configuration; wait_for_server of Database.connect)"
             )
 
         try:
@@ -756,18 +765,7 @@ class Database:
         accepting connections), for up to `retry_reads_for` seconds; then
         `DatabaseUnavailableError`. For reads only: a write whose connection died may
         have committed. `what` names the read in the log lines and the error."""
-        return await _outlast(
-            read,
-            patience=self._retry_reads_for,
-            server=self._server,
-            doing=f"read {what}",
-            transient=connection_lost,
-            giving_up=lambda seconds, reason: DatabaseUnavailableError(
-                f"could not read {what}: PostgreSQL at {self._server} has been unreachable "
-                f"for {seconds:.0f} s ({reason}); check that the server is up"
-            ),
-            outage=self._outage,
-        )
+        return await self.retry_idempotent(f"read {what}", read)
 
     async def retry_idempotent(self, what: str, step: Callable[[], Awaitable[T]]) -> T:
         """`retry_read` for a step that may run twice with the same outcome, writes
@@ -784,7 +782,7 @@ class Database:
                 f"could not {what}: PostgreSQL at {self._server} has been unreachable for "
                 f"{seconds:.0f} s ({reason}). Check that the server is up and reachable at "
                 "that address (host, port), or give it longer (database_patience in the "
-                "configuration, retry_reads_for of Database.connect)"
+                "configuration; retry_reads_for of Database.connect)"
             ),
             outage=self._outage,
         )
@@ -1047,11 +1045,7 @@ async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
         if _may_come_up(err):
             raise  # `connect` tries again while it may wait, then says so
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise DatabaseUnavailableError(
-            f"could not connect to PostgreSQL at {redact(dsn)}: {redact(reason)}. Check "
-            "host, port, user, password and database name, or pass dsn=None to use the "
-            "embedded server"
-        ) from None
+        raise _cannot_connect(dsn, redact(reason)) from None
     try:
         version = conn.info.server_version
         if version < MIN_SERVER_VERSION:
@@ -1145,19 +1139,12 @@ def _may_come_up(err: psycopg.OperationalError) -> bool:
     return "FATAL:" not in text or any(phrase in text for phrase in _NOT_ACCEPTING_YET)
 
 
-# libpq's own refusals (no FATAL from a server): nothing changes them but the
-# configuration (a password, certificates, SSL or GSS settings).
-_REFUSED_FOR_GOOD = (
-    "no password supplied",
-    "password authentication failed",
-    "SSL error",
-    "certificate",
-    "server does not support SSL",
-    "GSSAPI",
-    "invalid connection option",
-    "invalid sslmode",
-    "invalid port",
-)
+def _cannot_connect(dsn: str, reason: str) -> DatabaseUnavailableError:
+    """A first connection attempt failed, and `connect` may not wait: what to check."""
+    return DatabaseUnavailableError(
+        f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. Check host, port, "
+        "user, password and database name, or pass dsn=None to use the embedded server"
+    )
 
 
 def _reason(err: BaseException) -> str:
@@ -1234,7 +1221,7 @@ async def _outlast(
         if first_failure is None:
             first_failure = now
         if now - first_failure >= patience:
-            raise giving_up(now - first_failure, reason) from None
+            raise giving_up(now - first_failure, reason) from last
         if outage.since is None:  # one line per outage, not per waiter
             outage.since = now
             logger.warning(

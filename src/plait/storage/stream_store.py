@@ -549,23 +549,6 @@ class StreamStore:
 
         return await self.db.retry_read(f"the positions of stream {self.spec.name}", load)
 
-    async def stored_position(self, instance: str) -> int | None:
-        """`instance`'s position in `stream_positions` (internal), None without a row.
-        Outlasts a server restart (`Database.retry_read`)."""
-
-        async def load() -> int | None:
-            async with self.db.connection() as conn:
-                row = await (
-                    await conn.execute(
-                        "SELECT stream_id FROM stream_positions"
-                        " WHERE stream_name = %s AND instance_name = %s",
-                        (self.spec.name, instance),
-                    )
-                ).fetchone()
-            return None if row is None else self._sign * int(row[0])
-
-        return await self.db.retry_read(f"the position of {instance} on {self.spec.name}", load)
-
     async def _load_positions_in(
         self, conn: AsyncConnection[TupleRow], drop_others: bool
     ) -> AsyncCursor[TupleRow]:
@@ -633,13 +616,12 @@ class StreamStore:
                 "forged or corrupted position, or the sequence was reset)"
             )
 
-    async def register(
-        self, instance: str, position: int, epoch: Callable[[], int | None]
-    ) -> PreviousRun | None:
+    async def register(self, instance: str, position: int) -> PreviousRun | None:
         """This writer's row before its first allocation: its position (forwards only)
-        and the epoch its connections carry (None: they carry none, and it can never be
-        fenced). A fence of an earlier run no longer applies. Durable, and it waits for
-        a fence in progress on the row (which then finds this run's connections).
+        and the epoch its connections carry (none when the pool carries no incarnation
+        of `instance`: it can then never be fenced). A fence of an earlier run no longer
+        applies. Durable, and it waits for a fence in progress on the row (which then
+        finds this run's connections).
 
         Not while the previous run registered on the row still has server processes
         (its name): nothing is changed then, and that run is returned. It may still
@@ -648,28 +630,19 @@ class StreamStore:
         under the same row lock as a fence."""
         keep = ">" if self.spec.backwards else "<"
         async with self.db.transaction() as txn:
-            # `epoch()` asked now, with a connection handed out (the transaction holds
-            # it): one that found this run fenced renewed it first, and the row must
-            # carry the name its connections carry from now on, not the one of a moment
-            # ago (review).
-            current = epoch()
-            row = await (
-                await txn.execute(
-                    "SELECT epoch FROM stream_positions"
-                    " WHERE stream_name = %s AND instance_name = %s FOR UPDATE",
-                    (self.spec.name, instance),
-                )
-            ).fetchone()
-            previous = None if row is None or row[0] is None else int(row[0])
+            # The epoch read with a connection handed out (the transaction holds it): one
+            # that found this run fenced renewed it first, and the row must carry the
+            # name its connections carry from now on, not the one of a moment ago.
+            incarnation = self.db.incarnation
+            current = (
+                incarnation.epoch
+                if incarnation is not None and incarnation.instance == instance
+                else None
+            )
+            row = await self._locked_row(txn, instance)
+            previous = None if row is None or row[1] is None else int(row[1])
             if previous is not None and previous != current:
-                alive_row = await (
-                    await txn.execute(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE starts_with(application_name, %s)",
-                        (name_prefix(previous),),
-                    )
-                ).fetchone()
-                alive = int(alive_row[0]) if alive_row else 0
+                alive = await _connections_of(txn, previous)
                 if alive:
                     return PreviousRun(previous, alive)
             await txn.execute(
@@ -681,7 +654,20 @@ class StreamStore:
                 " epoch = EXCLUDED.epoch, fenced_at = NULL, updated_at = now()",
                 (self.spec.name, instance, self._sign * position, current),
             )
+        if current is not None:
+            self.db.registered(self.spec.name)
         return None
+
+    async def _locked_row(self, txn: Transaction, instance: str) -> tuple[Any, ...] | None:
+        """`instance`'s (stream_id, epoch) in `stream_positions`, locked until the end of
+        `txn`: fences and registrations of one row take turns."""
+        return await (
+            await txn.execute(
+                "SELECT stream_id, epoch FROM stream_positions"
+                " WHERE stream_name = %s AND instance_name = %s FOR UPDATE",
+                (self.spec.name, instance),
+            )
+        ).fetchone()
 
     async def fence(self, writer: str, target: int) -> FenceResult:
         """Move a dead writer's position up to `target` (internal; a completed ID, such
@@ -697,23 +683,11 @@ class StreamStore:
         epoch under the same lock, before it allocates, so a fence never claims its
         IDs."""
         async with self.db.transaction() as txn:
-            row = await (
-                await txn.execute(
-                    "SELECT stream_id, epoch FROM stream_positions"
-                    " WHERE stream_name = %s AND instance_name = %s FOR UPDATE",
-                    (self.spec.name, writer),
-                )
-            ).fetchone()
+            row = await self._locked_row(txn, writer)
             if row is None or row[1] is None:
                 return FenceResult(None, 0, None)
             current, epoch = self._sign * int(row[0]), int(row[1])
-            alive_row = await (
-                await txn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE starts_with(application_name, %s)",
-                    (name_prefix(epoch),),
-                )
-            ).fetchone()
-            alive = int(alive_row[0]) if alive_row else 0
+            alive = await _connections_of(txn, epoch)
             if alive:
                 return FenceResult(epoch, alive, None)
             head_row = await (await txn.execute(self._head_query)).fetchone()
@@ -1018,3 +992,15 @@ class StreamStore:
             columns = [(column.name, column.type_code) for column in cur.description or ()]
         rows: list[StreamRow] = self._stream_rows(table)(table.name, columns)(records)
         return rows
+
+
+async def _connections_of(txn: Transaction, epoch: int) -> int:
+    """How many server processes carry that epoch's name: none, and everything its run
+    did is committed or rolled back (the proof behind fences and registrations)."""
+    row = await (
+        await txn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE starts_with(application_name, %s)",
+            (name_prefix(epoch),),
+        )
+    ).fetchone()
+    return int(row[0]) if row else 0

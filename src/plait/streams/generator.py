@@ -103,10 +103,9 @@ class MultiWriterIdGenerator:
             )
         self._follow_database = follow_database
         self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
-        # What the sequence is known to have handed out is `db.known_head` (start-up
-        # refused positions above the head, so every one loaded is below it). Another
-        # process's claim above it counts only once the sequence confirms it (R-ID-14).
-        db.note_head(spec.sequence, tracker.max_seen)
+        # What the sequence is known to have handed out is `db.known_head` (`create`
+        # notes the head it read). Another process's claim above it counts only once
+        # the sequence confirms it (R-ID-14).
         self._head_lock = asyncio.Lock()
         # The highest stored position read per writer (`is_stored_at`; internal).
         self._stored_at_least: dict[str, int] = {}
@@ -542,15 +541,7 @@ class MultiWriterIdGenerator:
                 f"position {position} of {instance_name!r} is not a valid position of "
                 f"{'a backwards' if self.backwards else 'a'} stream"
             )
-        if self._spec.writers and instance_name not in self._spec.writers:
-            # The configured writers are authoritative (start-up drops the rows of
-            # others too): a late message from a removed writer must not hold the
-            # linear position back forever.
-            logger.debug(
-                "stream %s: ignoring position of %r, not a configured writer",
-                self._spec.name,
-                instance_name,
-            )
+        if not self._configured(instance_name):
             return
         if self._tracker.is_writer and internal > self._known_head():
             # A writer that took an ID the sequence has not handed out would report it
@@ -567,9 +558,19 @@ class MultiWriterIdGenerator:
         sequence on an unauthenticated link, or an authenticated writer's word about
         its own IDs. Taken at once: asking the sequence about every position of the
         other writers would cost a query per position while they write."""
-        if self._spec.writers and instance_name not in self._spec.writers:
-            return  # (see `advance`)
-        self._tracker.advance(instance_name, self._sign * position)
+        if self._configured(instance_name):
+            self._tracker.advance(instance_name, self._sign * position)
+
+    def _configured(self, writer: str) -> bool:
+        """Whether `writer`'s positions count here. The configured writers are
+        authoritative (start-up drops the rows of others too): a late message from a
+        removed writer must not hold the linear position back forever."""
+        if not self._spec.writers or writer in self._spec.writers:
+            return True
+        logger.debug(
+            "stream %s: ignoring position of %r, not a configured writer", self._spec.name, writer
+        )
+        return False
 
     def _confirm_later(self, writer: str, position: int) -> None:
         if position <= self._unconfirmed.get(writer, 0) or self._closed:
@@ -653,15 +654,12 @@ class MultiWriterIdGenerator:
         (signed): written there by the writer itself or by a fence that proved it dead,
         so a fence another instance announces is a fact once this holds (R-ID-14)."""
         internal = self._sign * position
-        if internal <= self._stored_at_least.get(writer, 0):
-            return True  # stored positions only grow: read once per claim above
-        if not await self.is_allocated(position):
-            return False  # above the head: no stored position can be there
-        stored = await self._store.stored_position(writer)
-        if stored is None:
-            return False
-        self._stored_at_least[writer] = max(self._stored_at_least.get(writer, 0), stored)
-        return stored >= internal
+        if internal > self._stored_at_least.get(writer, 0):
+            # Stored positions only grow (and never pass the head): read once per claim
+            # above the highest read.
+            for name, stored in (await self._store.load_positions(drop_others=False)).items():
+                self._stored_at_least[name] = max(self._stored_at_least.get(name, 0), stored)
+        return internal <= self._stored_at_least.get(writer, 0)
 
     async def refresh_positions(self) -> None:
         """Learn the other writers' positions from `stream_positions`."""
@@ -901,13 +899,6 @@ async def _load(
     # Own latest row: only a configured writer of a stream with position rows.
     own = instance if spec.writers and instance in spec.writers else None
 
-    def epoch() -> int | None:
-        """This run's epoch as its connections carry it now (a renewal changes it)."""
-        incarnation = db.incarnation
-        if incarnation is None or incarnation.instance != instance:
-            return None
-        return incarnation.epoch
-
     loop = asyncio.get_running_loop()
     backoff = Backoff(initial=0.05, cap=1.0)
     waiting_since: float | None = None
@@ -919,10 +910,8 @@ async def _load(
             return survey, tracker
         # Registered before the first allocation, so database-only readers know
         # every live writer, and a fence of an earlier run cannot claim new IDs.
-        previous = await store.register(instance, tracker.local_position, epoch)
+        previous = await store.register(instance, tracker.local_position)
         if previous is None:
-            if epoch() is not None:
-                db.registered(spec.name)
             return survey, tracker
         now = loop.time()
         if waiting_since is None:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import psycopg
 
+from plait.core.backoff import Backoff
 from plait.storage.database import connection_lost
 from plait.streams.background import let_finish
 
@@ -137,7 +138,7 @@ class PositionWriter:
         """Durable, and again on a new connection when the one it got was dead (the
         server restarted since this process last used it): a restart right after this
         one's must find the position (see the module docstring)."""
-        delay = 0.05
+        backoff = Backoff(initial=0.05, cap=1.0)
         while True:
             try:
                 await self.flush(durable=True)
@@ -145,5 +146,4 @@ class PositionWriter:
             except psycopg.OperationalError as err:
                 if not connection_lost(err):
                     raise
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
+            await asyncio.sleep(backoff.next_delay())
