@@ -658,6 +658,11 @@ class StreamStore:
             self.db.registered(self.spec.name)
         return None
 
+    async def connections_of(self, epoch: int) -> int:
+        """How many server processes carry that epoch's name (no lock taken)."""
+        async with self.db.connection() as conn:
+            return await _connections_of(conn, epoch)
+
     async def _locked_row(self, txn: Transaction, instance: str) -> tuple[Any, ...] | None:
         """`instance`'s (stream_id, epoch) in `stream_positions`, locked until the end of
         `txn`: fences and registrations of one row take turns."""
@@ -994,7 +999,7 @@ class StreamStore:
         return rows
 
 
-async def _connections_of(txn: Transaction, epoch: int) -> int:
+async def _connections_of(txn: Transaction | AsyncConnection[TupleRow], epoch: int) -> int:
     """How many server processes carry that epoch's name: none, and everything its run
     did is committed or rolled back (the proof behind fences and registrations)."""
     row = await (

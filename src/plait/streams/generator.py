@@ -30,6 +30,7 @@ from plait.errors import (
     PlaitError,
 )
 from plait.storage.database import Database, Params, Transaction, server_pid
+from plait.storage.incarnation import name_prefix
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
@@ -913,9 +914,8 @@ async def _load(
         previous = await store.register(instance, tracker.local_position)
         if previous is None:
             return survey, tracker
-        now = loop.time()
         if waiting_since is None:
-            waiting_since = now
+            waiting_since = loop.time()
             logger.warning(
                 "stream %s: the previous run of %s (epoch %d) still has %d connection(s) "
                 "to PostgreSQL; waiting up to %.0f s for them to end before it starts",
@@ -925,15 +925,21 @@ async def _load(
                 previous.alive,
                 db.patience,
             )
-        elif now - waiting_since >= db.patience:
-            raise InstanceRunningError(
-                f"stream {spec.name!r}: cannot start {instance!r}: its previous run (epoch "
-                f"{previous.epoch}) still has {previous.alive} connection(s) to PostgreSQL "
-                f"after {now - waiting_since:.0f} s, so IDs it holds may still commit. A "
-                f"process named {instance!r} is still running: stop it first (two processes "
-                "must never write under one name), or wait until its connections end"
-            )
-        await asyncio.sleep(backoff.next_delay())
+        # Then wait with a cheap count, no lock (fences need the row), and survey and
+        # register again only once the previous run is gone.
+        while (alive := await store.connections_of(previous.epoch)) > 0:
+            waited = loop.time() - waiting_since
+            if waited >= db.patience:
+                raise InstanceRunningError(
+                    f"stream {spec.name!r}: cannot start {instance!r}: its previous run "
+                    f"(epoch {previous.epoch}) still has {alive} server process(es) in "
+                    f"PostgreSQL after {waited:.0f} s, so IDs it holds may still commit. "
+                    f"Stop the process named {instance!r} if it still runs (two processes "
+                    "must never write under one name); server processes it left behind "
+                    "(pg_stat_activity rows whose application_name starts with "
+                    f"{name_prefix(previous.epoch)!r}) end with pg_terminate_backend"
+                )
+            await asyncio.sleep(backoff.next_delay())
 
 
 async def _load_tracker(
