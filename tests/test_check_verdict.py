@@ -508,3 +508,22 @@ def test_the_long_kinds_take_their_own_count_when_given() -> None:
     assert set(counts.values()) == {100}
     assert counts_for(kinds, 100)["pg_crash"] == 10
     assert counts_for(kinds, 100)["spark_restart"] == 25
+
+
+def test_a_healed_writer_keeps_the_position_of_its_last_fence_not_the_others_at_the_heal() -> None:
+    """The long run's stall on s1: w1 cut off while w0 writes on; it heals as a new
+    incarnation where the fences left it, which trail the others (they fence to what
+    they heard, and it registers at no head), then takes an ID and holds it. The judge
+    put it at w0's position at the heal, and counted the reader's wait for w1's real
+    position as a 7.9 s stall."""
+    events = [(1.0, "w0", "A", [1]), (1.1, "w0", "C", [1])]
+    for i in range(2, 60):  # w0 commits one ID every 0.2 s, up to 11.6 s
+        events += [(i * 0.2, "w0", "A", [i]), (i * 0.2 + 0.01, "w0", "C", [i])]
+    # w1 heals at 9.0 and takes 60 at 9.1, committed only at 15.0.
+    events += [(9.1, "w1", "A", [60]), (15.0, "w1", "C", [60])]
+    h = history(*events, partitions={"w1": [(2.0, 5.0, 9.0)]})
+    linear = least(allowed_positions(h, "s", W))
+    # Healed at 9.0, w1 is at most where a fence of FENCE_LAG before could put it: what
+    # w0 had at 7.0 (34: 35 committed at 7.01), not the 44 w0 had at 9.0.
+    assert at(linear, 14.9) == 34
+    assert at(linear, 15.0) == 60  # 60 committed, and w0 idle at the head

@@ -55,6 +55,13 @@ TRANSPORT_GRACE = 2.0
 # and a writer whose connections all died may have been fenced meanwhile and goes on
 # as a new incarnation (registered, positions flushed and announced) a moment later.
 DATABASE_GRACE = 4.0
+# How far a fence of a writer cut off from the database trails the others' positions:
+# fences come every fence_after / 10 while it holds, each to the positions the fencing
+# process has heard, which trail by up to an announce interval (1 s) and a round trip.
+# The cut-off writer heals as a new incarnation at its last fence's position (it does
+# not register at the head as a restarted one does), so the judge must not put it
+# further than that.
+FENCE_LAG = 2.0
 
 Steps = list[tuple[float, int]]  # (time, position), both non-decreasing
 
@@ -233,7 +240,11 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             if dead[v] and held[v]:
                 pass  # its connections live on behind the partition: no fence yet
             elif dead[v]:  # what a fence may claim: the others' highest, its own last row
-                others = [position[o] for o in writers if o != v]
+                others = (
+                    [_at(steps[o], t - FENCE_LAG) for o in writers if o != v]
+                    if cut_off[v]
+                    else [position[o] for o in writers if o != v]
+                )
                 new = max(new, last_row[v], *others) if others else max(new, last_row[v])
             else:
                 heap = waiting[v]
@@ -270,6 +281,12 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
                 (until if since - PUBLISH_WINDOW <= t <= until else t, p) for t, p in steps[w]
             ]
     return steps
+
+
+def _at(steps: Steps, t: float) -> int:
+    """A writer's position at time `t` (0 before its first step)."""
+    i = bisect.bisect_right(steps, (t, float("inf"))) - 1
+    return steps[i][1] if i >= 0 else 0
 
 
 def least(per_writer: Mapping[str, Steps]) -> Steps:
