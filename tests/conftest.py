@@ -29,6 +29,7 @@ from plait.check.postgres import RestartablePostgres
 from plait.replication.http_api import InternalApi, InternalClient
 from plait.storage.embedded import EmbeddedPostgres
 from redis_server import RedisServer, redis_server_binary
+from replication_helpers import Cluster, cluster_of
 
 
 @pytest.fixture(scope="session")
@@ -199,3 +200,12 @@ async def restartable_pg() -> AsyncIterator[RestartablePostgres]:
     finally:
         await asyncio.to_thread(server.close)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(params=["redis", "tcp"])
+async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
+    """A deployment of instances on fresh stream tables, over Redis and over TCP (a
+    hub instance named "hub"); modules that need another deployment define their own."""
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
+        yield cluster

@@ -8,28 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from psycopg import sql
 
 from fence_helpers import committed, spawn, stop
-from plait import Database
 from plait.core.commands import Fenced, Position
 from plait.instance import Instance
-from replication_helpers import Cluster, Seen, cluster_of, connected, metric, until, write
+from replication_helpers import Cluster, Seen, connected, metric, until, write
 
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "the deployment's secret"
-
-
-@pytest.fixture(params=["redis", "tcp"])
-async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
-    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
-    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
-        yield cluster
 
 
 async def started(

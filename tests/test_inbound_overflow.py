@@ -6,17 +6,14 @@ Redis or TCP."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from plait import Database
 from plait.instance import Instance
 from replication_helpers import (
     Cluster,
     Seen,
-    cluster_of,
     connected,
     metric,
     until,
@@ -27,13 +24,6 @@ from replication_helpers import (
 pytestmark = pytest.mark.timeout(120)
 
 BOUND = 50
-
-
-@pytest.fixture(params=["redis", "tcp"])
-async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
-    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
-    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
-        yield cluster
 
 
 class SlowReader(Seen):

@@ -36,13 +36,6 @@ from stream_helpers import stored_positions
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["redis", "tcp"])
-async def cluster(request: pytest.FixtureRequest, db: Database) -> AsyncIterator[Cluster]:
-    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
-    async with cluster_of(db, request.param, redis_url=url, hub="hub") as cluster:
-        yield cluster
-
-
 @pytest.fixture
 async def redis_cluster(db: Database, redis_server: RedisServer) -> AsyncIterator[Cluster]:
     """On a Redis server of the test's own, which the test may stop and start; catch-up
