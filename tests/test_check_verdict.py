@@ -24,6 +24,7 @@ from plait.check.verdict import (
     last_error,
     least,
     longest_stall,
+    worker_start_timed_out,
 )
 from plait.errors import ConfigError
 
@@ -500,6 +501,18 @@ def test_a_spark_error_is_named_by_its_cause() -> None:
         "... plait.errors.ConfigError: plait source: cannot connect to the database"
     )
     assert error_line("stopped") == "stopped"
+
+
+def test_a_python_worker_that_did_not_connect_back_is_told_apart() -> None:
+    # What CI's failed run said (a loaded machine): the query is restarted, not a death.
+    spark_said = (
+        "org.apache.spark.SparkException: Python worker failed to connect back.\n"
+        "\tat org.apache.spark.api.python.PythonWorkerFactory.createSimpleWorker"
+    )
+    assert worker_start_timed_out(spark_said)
+    assert not worker_start_timed_out(
+        "plait.errors.ConfigError: plait source: cannot connect to the database"
+    )
 
 
 def test_the_long_kinds_take_their_own_count_when_given() -> None:

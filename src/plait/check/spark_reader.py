@@ -34,7 +34,7 @@ from typing import Any
 from plait.check.journal import Journal
 from plait.check.plan import Plan, postgres_fault_near, read_control
 from plait.check.seen import Seen
-from plait.check.verdict import error_line
+from plait.check.verdict import error_line, worker_start_timed_out
 from plait.core.tokens import StreamToken
 from plait.spark import offsets
 
@@ -242,7 +242,7 @@ async def spark_reader(plan: Plan, name: str) -> None:
             logger.error("spark query of %s failed: %s", stream, error)
             if not (
                 postgres_fault_near(read_control(plan.control), time.time())
-                or _worker_start_timed_out(error)
+                or worker_start_timed_out(error)
             ):
                 seen.journal.write("S", "query-failed", cause)
                 break
@@ -268,15 +268,3 @@ async def spark_reader(plan: Plan, name: str) -> None:
     follow.cancel()
     await asyncio.to_thread(queries.stop)
     await asyncio.to_thread(spark.stop)
-
-
-# Spark's own words when a Python worker it started did not connect back in time.
-_WORKER_START_TIMEOUTS = (
-    "Python worker failed to connect back",
-    "waiting for the Python worker to connect back",
-)
-
-
-def _worker_start_timed_out(error: BaseException | str) -> bool:
-    text = str(error)
-    return any(phrase in text for phrase in _WORKER_START_TIMEOUTS)

@@ -474,3 +474,16 @@ def own_regressions(history: History) -> list[str]:
 def _example(verdict: ReaderVerdict, text: str) -> None:
     if len(verdict.examples) < 5:
         verdict.examples.append(text)
+
+
+# Spark's own words when a Python worker it started did not connect back in time.
+_WORKER_START_TIMEOUTS = (
+    "Python worker failed to connect back",
+    "waiting for the Python worker to connect back",
+)
+
+
+def worker_start_timed_out(error: str) -> bool:
+    """Whether a Spark query failed because Spark gave up waiting for a Python worker it
+    started (a fixed 10 s, which a loaded machine misses): restarted, not a death."""
+    return any(phrase in error for phrase in _WORKER_START_TIMEOUTS)
