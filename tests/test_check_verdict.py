@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.check.faults import counts_for, kinds_for, schedule
+from plait.check.faults import FaultLog, counts_for, kinds_for, schedule
 from plait.check.options import Options
 from plait.check.plan import PG_SETTLE, postgres_fault_near
 from plait.check.spark_reader import Batches
@@ -540,3 +540,15 @@ def test_a_healed_writer_keeps_the_position_of_its_last_fence_not_the_others_at_
     # w0 had at 7.0 (34: 35 committed at 7.01), not the 44 w0 had at 9.0.
     assert at(linear, 14.9) == 34
     assert at(linear, 15.0) == 60  # 60 committed, and w0 idle at the head
+
+
+def test_a_writer_is_partitioned_from_the_hole_until_it_heals() -> None:
+    faults = FaultLog()
+    assert not faults.partitioned_now("w1")
+    partition = faults.partitioned("w1", 2.0)
+    assert faults.partitioned_now("w1")
+    assert not faults.partitioned_now("w0")
+    partition.cut = 8.0  # its connections dropped: still cut off
+    assert faults.partitioned_now("w1")
+    partition.healed = 11.0
+    assert not faults.partitioned_now("w1")

@@ -145,6 +145,10 @@ class FaultLog:
         self.partitions.setdefault(writer, []).append(partition)
         return partition
 
+    def partitioned_now(self, writer: str) -> bool:
+        """Whether `writer`'s database proxy holds its bytes at this moment."""
+        return any(p.healed is None for p in self.partitions.get(writer, []))
+
     def partitioned_windows(self, writer: str) -> list[list[float | None]]:
         """[start, end or None] of each partition of `writer` (`plan.fault_near`)."""
         return [[p.hole, p.healed] for p in self.partitions.get(writer, [])]

@@ -263,7 +263,6 @@ class Checker:
         self._proxy: CutProxy | None = None
         self._db_proxies: dict[str, CutProxy] = {}  # per writer, in front of PostgreSQL
         self._partitions: set[asyncio.Task[None]] = set()  # partitions waiting to heal
-        self._cut_off: set[str] = set()  # writers partitioned now
         self._keepalive_bound = 0.0
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
         self._control: dict[str, Any] = {}  # the orders in the control file
@@ -505,7 +504,6 @@ class Checker:
         elif kind == PG_PARTITION and target is not None:
             length = self._partition_length(rng.uniform(*PARTITION_AFTER_FENCE))
             partition = self.faults.partitioned(target.name, time.time())
-            self._cut_off.add(target.name)
             self._db_proxies[target.name].black_hole()
             task = asyncio.create_task(self._partition(target.name, partition, length))
             self._partitions.add(task)
@@ -519,7 +517,7 @@ class Checker:
         return True
 
     def _partitioned(self, kind: str, w: _Proc) -> bool:
-        return kind == PG_PARTITION and w.name in self._cut_off
+        return kind == PG_PARTITION and self.faults.partitioned_now(w.name)
 
     def _partition_length(self, after_fence: float) -> float:
         """How long a partition lasts: the keepalive bound, `fence_after`, then
@@ -542,7 +540,6 @@ class Checker:
         finally:
             proxy.heal()
             partition.healed = time.time()
-            self._cut_off.discard(writer)
             self.faults.note("healed", writer)
 
     def _pg_recently_down(self, now: float) -> bool:
