@@ -211,3 +211,37 @@ async def test_plait_derive_keeps_counts_per_key_and_hour_across_runs(
             " ORDER BY 1, 2"
         )
         assert got == await cur.fetchall()
+
+
+@pytest.mark.slow
+async def test_export_from_the_installed_script_with_no_python_of_its_own_on_the_path(
+    db: Database, tmp_path: Path
+) -> None:
+    """As a user runs it: `venv/bin/plait export` without activating the venv, so the
+    `python3` on PATH (Spark's default for its Python workers) is another Python that
+    has neither plait nor PySpark. The workers must run in plait's own Python."""
+    written = await prepare(db, 500)
+    script = Path(sys.executable).parent / "plait"
+    assert script.exists(), f"the installed console script {script}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
+    env["PATH"] = "/usr/bin:/bin"  # no directory of plait's Python
+    process = subprocess.run(
+        [
+            str(script), "export",
+            "--dsn", db.dsn,
+            "--stream", "events",
+            "--checkpoint", str(tmp_path / "checkpoint"),
+            "--path", str(tmp_path / "out"),
+            "--once",
+        ],  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(tmp_path / "out", columns=["stream_id"])["stream_id"].to_pylist()
+    assert sorted(ids) == sorted(written)

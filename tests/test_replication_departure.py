@@ -21,7 +21,7 @@ from replication_helpers import (
     write_many,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # above the sum of its own waits, which say what they waited for
 
 BURST = 600
 

@@ -1,11 +1,13 @@
 """A quiet local SparkSession with the plait source registered: no banner and no INFO
-or WARN lines from Spark's logs on the console, only errors."""
+or WARN lines from Spark's logs on the console, only errors; Python workers in plait's
+own Python."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,19 @@ def java_wrapper(real_home: Path) -> Path:
     return home
 
 
+def python_for_workers(conf: dict[str, str] | None) -> None:
+    """Run Spark's Python workers in this Python, unless the user chose one.
+
+    Spark starts them as `python3` from PATH. Run as `venv/bin/plait` without the venv
+    activated, that is another Python, without plait or PySpark, and every query fails
+    with "No module named 'plait'". The data source's planning workers read only the
+    environment variable, not `spark.pyspark.python`, so it is set here.
+    """
+    if "PYSPARK_PYTHON" in os.environ or "spark.pyspark.python" in (conf or {}):
+        return
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+
+
 def quiet_session(
     app_name: str = "plait", master: str = "local[*]", conf: dict[str, str] | None = None
 ) -> Any:
@@ -120,6 +135,7 @@ def quiet_session(
     import plait.spark
 
     ensure_java()
+    python_for_workers(conf)
     java_options = f"-Dlog4j2.configurationFile=file:{log_config()}"
     builder = (
         SparkSession.builder.appName(app_name)
