@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 from psycopg import sql
 
 from plait import (
@@ -17,6 +18,7 @@ from plait import (
     TableSpec,
     TokenParseError,
 )
+from plait.cli import main
 from stream_helpers import create_generator, create_table, insert_rows, stored_positions
 
 
@@ -124,3 +126,43 @@ async def test_case_sensitive_identifiers_are_quoted(db: Database) -> None:
     gen = await MultiWriterIdGenerator.create(db, spec, "w")
     async with gen.get_next() as stream_id:
         assert stream_id == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["demo", "--duration", "-5", "--no-spark"], "'--duration'"),
+        (["check", "--duration", "0"], "'--duration'"),
+        (["check", "--fence-after", "-1"], "'--fence-after'"),
+        (["check", "--stall-bound", "soon"], "'--stall-bound'"),
+        (["check", "--writers", "0"], "'--writers'"),
+        (["status", "--dsn", "x", "--watch", "--every", "0"], "'--every'"),
+        (["status", "--dsn", "x", "--stall-after", "-3"], "'--stall-after'"),
+        (["tail", "events", "--dsn", "x", "-n", "-3"], "'-n' / '--lines'"),
+        (["tail", "events", "--dsn", "x", "-f", "--every", "0"], "'--every'"),
+        (
+            [
+                "export",
+                "--dsn",
+                "x",
+                "--stream",
+                "s",
+                "--path",
+                "p",
+                "--checkpoint",
+                "c",
+                "--max-rows-per-trigger",
+                "0",
+            ],
+            "'--max-rows-per-trigger'",
+        ),
+    ],
+)
+def test_a_mistyped_flag_is_refused_by_its_name_before_anything_runs(
+    args: list[str], flag: str
+) -> None:
+    """A zero or negative duration ran (`check --duration -3` printed "running -3 s" and
+    went on; `--every 0` polled without pause): refused now, naming the flag."""
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for {flag}" in result.output

@@ -225,20 +225,16 @@ async def test_export_from_the_installed_script_with_no_python_of_its_own_on_the
     assert script.exists(), f"the installed console script {script}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
     env["PATH"] = "/usr/bin:/bin"  # no directory of plait's Python
-    process = subprocess.run(
-        [
-            str(script), "export",
-            "--dsn", db.dsn,
-            "--stream", "events",
-            "--checkpoint", str(tmp_path / "checkpoint"),
-            "--path", str(tmp_path / "out"),
-            "--once",
-        ],  # fmt: skip
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
+    args = [
+        str(script), "export",
+        "--dsn", db.dsn,
+        "--stream", "events",
+        "--checkpoint", str(tmp_path / "checkpoint"),
+        "--path", str(tmp_path / "out"),
+        "--once",
+    ]  # fmt: skip
+    process = await asyncio.to_thread(
+        subprocess.run, args, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
     )
     assert process.returncode == 0, process.stderr[-3000:]
     import pyarrow.parquet as pq

@@ -21,7 +21,8 @@ from replication_helpers import (
     write_many,
 )
 
-pytestmark = pytest.mark.timeout(240)  # above the sum of its own waits, which say what they waited for
+# Above the sum of its own waits, which say what they waited for.
+pytestmark = pytest.mark.timeout(240)
 
 BURST = 600
 

@@ -28,6 +28,8 @@ _DSN = click.option(
     help="PostgreSQL the stream lives in (or $PLAIT_DSN).",
 )
 _STREAM = click.option("--stream", required=True, help="The plait stream to read.")
+# Durations and intervals: a zero or negative one is a mistyped flag, refused by name.
+_SECONDS = click.FloatRange(min=0, min_open=True)
 _ANY_DSN = click.option(
     "--dsn",
     envvar="PLAIT_DSN",
@@ -140,7 +142,9 @@ def derive(**options: Any) -> None:
 
 
 @main.command()
-@click.option("--duration", default=30.0, show_default=True, help="Seconds of simulated users.")
+@click.option(
+    "--duration", type=_SECONDS, default=30.0, show_default=True, help="Seconds of simulated users."
+)
 @_ANY_DSN
 @click.option("--redis", help="Replicate over this Redis (redis://...) instead of the TCP hub.")
 @click.option("--no-spark", is_flag=True, help="Skip the Spark export at the end.")
@@ -205,7 +209,11 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
 @_count("--writers", _CHECK.writers, "Writer processes.")
 @_count("--streams", _CHECK.streams, "Streams, each written by all.")
 @click.option(
-    "--duration", default=_CHECK.duration, show_default=True, help="Seconds of writes and faults."
+    "--duration",
+    type=_SECONDS,
+    default=_CHECK.duration,
+    show_default=True,
+    help="Seconds of writes and faults.",
 )
 @_count("--faults", _CHECK.faults, "Faults of each kind.")
 @click.option(
@@ -218,16 +226,22 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
 @_count("--batch", _CHECK.batch, "Scales the IDs per transaction.")
 @click.option("--seed", type=int, help="Seed of the fault schedule (default: random, printed).")
 @click.option(
-    "--fence-after", default=_CHECK.fence_after, show_default=True, help="The writers' fence_after."
+    "--fence-after",
+    type=_SECONDS,
+    default=_CHECK.fence_after,
+    show_default=True,
+    help="The writers' fence_after (seconds).",
 )
 @click.option(
     "--stall-bound",
+    type=_SECONDS,
     default=_CHECK.stall_bound,
     show_default=True,
     help="Longest a linear reader may trail the position the writers allow (seconds).",
 )
 @click.option(
     "--spark-stall-bound",
+    type=_SECONDS,
     default=_CHECK.spark_stall_bound,
     show_default=True,
     help="Longest the Spark reader may trail it (seconds; with --spark).",
@@ -357,9 +371,12 @@ def migrate(dsn: str | None) -> None:
     is_flag=True,
     help="Redraw every --every seconds until Ctrl-C, with how fast each writer moves.",
 )
-@click.option("--every", default=1.0, show_default=True, help="Seconds between redraws.")
+@click.option(
+    "--every", type=_SECONDS, default=1.0, show_default=True, help="Seconds between redraws."
+)
 @click.option(
     "--stall-after",
+    type=_SECONDS,
     default=30.0,
     show_default=True,
     help="Seconds the writer holding a stream back may keep its row still while others "
@@ -447,10 +464,23 @@ def status(
     help="Print the rows after this token (s5, m3~1.7, its JSON form, earliest or "
     "latest); default: the last --lines rows.",
 )
-@click.option("-n", "--lines", default=10, show_default=True, help="Rows to show without --from.")
+@click.option(
+    "-n",
+    "--lines",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Rows to show without --from.",
+)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new rows until Ctrl-C.")
 @click.option("--writer", help="Only this writer's rows (tokens then resume only its rows).")
-@click.option("--every", default=0.5, show_default=True, help="Seconds between polls (--follow).")
+@click.option(
+    "--every",
+    type=_SECONDS,
+    default=0.5,
+    show_default=True,
+    help="Seconds between polls (--follow).",
+)
 def tail(
     stream: str,
     dsn: str | None,
