@@ -6,6 +6,11 @@ service), behind a fault proxy per writer (a partition black-holes one)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -102,3 +107,64 @@ def _check_spark_restarts(spark: ReaderVerdict, options: Options, run_dir: Path)
         assert any(
             later.kind == "D" and later.fields[0] == stream and later.t > line.t for later in lines
         ), f"no rows of {stream} after its restart"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+async def test_a_stopped_check_leaves_no_server_or_process_behind(how: str) -> None:
+    """`plait check` stopped half-way, by `kill` (SIGTERM) or Ctrl-C (SIGINT to its
+    process group), as a user runs it: it stops its PostgreSQL server (and removes its
+    directory) and every process it started, says where its journals are, exits 130.
+    SIGTERM ended it at once, and its server and processes ran on."""
+    tmp = Path(tempfile.gettempdir())
+    before = set(await asyncio.to_thread(lambda: list(tmp.glob("plait-check-pg-*"))))
+    script = Path(sys.executable).parent / "plait"
+    env = {k: v for k, v in os.environ.items() if k != "PLAIT_DSN"}
+    process = await asyncio.create_subprocess_exec(
+        str(script), "check", "--duration", "120",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    output = []
+    async with asyncio.timeout(120):  # the server's initdb and every role's start
+        while not output or not output[-1].startswith("running"):
+            line = await process.stdout.readline()
+            assert line, f"plait check ended before it ran: {''.join(output)}"
+            output.append(line.decode())
+    servers = set(await asyncio.to_thread(lambda: list(tmp.glob("plait-check-pg-*")))) - before
+    assert len(servers) == 1, servers
+    assert len(_session(process.pid)) >= 8  # writers, readers, PostgreSQL's processes
+    if how == "sigterm":
+        process.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(process.pid, signal.SIGINT)
+    try:
+        async with asyncio.timeout(90):
+            rest, _ = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        raise AssertionError(f"plait check still ran 90 s after {how}") from None
+    text = "".join(output) + rest.decode()
+    assert process.returncode == 130, text
+    assert "stopped: every process and server of the check was stopped" in text
+    assert not servers.pop().exists(), "its PostgreSQL directory is left"
+    left = _session(process.pid)
+    assert not left, f"processes of the check still running: {left}"
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session `sid` (the check and all it started, PostgreSQL's
+    too: pg_ctl does not start a session of its own)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            members.append(int(stat.parent.name))
+    return members

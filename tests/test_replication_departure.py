@@ -74,9 +74,11 @@ async def test_a_departing_writers_queued_rows_are_all_delivered_once(
     def received(command: str) -> float:
         return metric(r, "plait_commands_received_total", command=command)
 
-    await until(lambda: received("DEPART") >= 1, within=30, what="the DEPART of w1")
-    assert received("RDATA") >= sum(rows_per_id.values())  # sent before the DEPART
-    reader.release.set()
+    try:
+        await until(lambda: received("DEPART") >= 1, within=30, what="the DEPART of w1")
+        assert received("RDATA") >= sum(rows_per_id.values())  # sent before the DEPART
+    finally:
+        reader.release.set()  # or the reader's stop waits for its on_rows for ever
 
     await reader.wait(sum(rows_per_id.values()), within=60)
     assert await r.wait_for_stream_position("w1", "events", last, timeout=30), "w1's last position"

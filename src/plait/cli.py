@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -156,6 +158,7 @@ def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) ->
     from plait.demo.run import demo as run_demo
 
     console = _console()
+    _stop_on_sigterm_as_on_ctrl_c()
     try:
         ok = asyncio.run(
             run_demo(duration=duration, dsn=dsn, redis=redis, spark=not no_spark, console=console)
@@ -165,6 +168,13 @@ def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) ->
         console.print("stopped: every process of the demo was stopped")
         sys.exit(130)
     sys.exit(0 if ok else 1)
+
+
+def _stop_on_sigterm_as_on_ctrl_c() -> None:
+    """SIGTERM (`kill`, `timeout`, a service manager) stops the command as Ctrl-C does,
+    through its clean-up: by default it ended Python at once, and the servers and
+    processes the command had started ran on without it."""
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -280,7 +290,14 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
         checker = Checker(_CHECK(dsn=dsn or None, **options))
     except ConfigError as err:
         raise click.UsageError(str(err)) from None
-    report = asyncio.run(checker.run(None if as_json else console.print))
+    _stop_on_sigterm_as_on_ctrl_c()
+    try:
+        report = asyncio.run(checker.run(None if as_json else console.print))
+    except KeyboardInterrupt:
+        console.line()
+        where = f"; journals and logs: {checker.run_dir}" if checker.run_dir else ""
+        console.print(f"stopped: every process and server of the check was stopped{where}")
+        sys.exit(130)
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:

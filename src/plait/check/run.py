@@ -266,6 +266,7 @@ class Checker:
         self._keepalive_bound = 0.0
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
         self._control: dict[str, Any] = {}  # the orders in the control file
+        self.run_dir: Path | None = None  # where journals and logs go, once made
 
     async def run(self, progress: Any = None) -> Report:
         say = progress or (lambda text: None)
@@ -283,6 +284,7 @@ class Checker:
         options = self.options
         run_dir = options.run_dir or Path(tempfile.mkdtemp(prefix="plait-check-"))
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         started = time.monotonic()
         plan = await self._prepare(run_dir)
         self.plan = plan
