@@ -305,3 +305,46 @@ async def test_over_replication_a_killed_instance_is_fenced_and_its_rows_reach_r
             assert w2.generator("events").fences + gen.fences >= 1
         finally:
             stop(w1)
+
+
+async def test_a_fence_stalled_mid_transaction_holds_the_writers_row_briefly(
+    db: Database, dsn: str
+) -> None:
+    """A fencer that stops between its statements (SIGSTOP, a partition: its socket
+    looks alive to the server) holding a writer's row lock: the writer's durable
+    position store waited for the session's idle_in_transaction_session_timeout (60 s).
+    The row lock is bounded by ROW_LOCK_IDLE_LIMIT now, and the fencer's next step is
+    a lost connection, tried again."""
+    await create_table(db)
+    w1 = await create_generator(db, ["w1", "w2"], "w1")
+    await w1.insert(INSERT, ("w1", 3))
+    fencer_db = await Database.connect(dsn)
+    store = StreamStore(fencer_db, spec_for(["w1", "w2"]))
+    try:
+        waited: list[float] = []
+
+        async def stalled_fence() -> None:
+            async with store._row_transaction() as txn:
+                assert await store._locked_row(txn, "w1") is not None
+                started = time.monotonic()
+                # The writer stores its position meanwhile: it waits for the row.
+                try:
+                    async with asyncio.timeout(30), db.connection() as conn:
+                        await conn.execute(
+                            "UPDATE stream_positions SET updated_at = now()"
+                            " WHERE stream_name = 'events' AND instance_name = 'w1'"
+                        )
+                except TimeoutError:
+                    raise AssertionError(
+                        "w1's row still locked by the stalled fence after 30 s"
+                    ) from None
+                waited.append(time.monotonic() - started)
+                await txn.execute("SELECT 1")  # the stalled fencer goes on
+
+        with pytest.raises(psycopg.OperationalError, match="ended a transaction"):
+            await stalled_fence()
+        assert waited[0] < 20, f"the writer's row was locked {waited[0]:.1f} s by a stalled fence"
+        assert (await store.fence("w1", 10**9)).epoch is None  # a new connection answers
+    finally:
+        await fencer_db.close()
+        await w1.close()

@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import psycopg
 from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.rows import TupleRow
 
@@ -29,6 +30,12 @@ logger = logging.getLogger(__name__)
 
 # IDs read per table and query while looking for rows above the loaded positions.
 STARTUP_PAGE = 10_000
+# Longest a transaction holding a writer's row lock (a fence, a registration) may sit
+# idle before the server ends it. The holder runs a few short statements back to back;
+# one stalled in between (SIGSTOP, a partition: the server sees a live socket) kept the
+# row locked for the session-wide idle_in_transaction_session_timeout (60 s), and the
+# writer's own position stores and every other fence of it waited that long.
+ROW_LOCK_IDLE_LIMIT = "2s"
 _INTEGER_TYPES = {"bigint", "integer", "smallint"}
 _TEXT_TYPES = {"text", "character varying", "character", "name"}
 
@@ -629,7 +636,7 @@ class StreamStore:
         run is registered, the previous one cannot connect again (`SupersededError`),
         under the same row lock as a fence."""
         keep = ">" if self.spec.backwards else "<"
-        async with self.db.transaction() as txn:
+        async with self._row_transaction() as txn:
             # The epoch read with a connection handed out (the transaction holds it): one
             # that found this run fenced renewed it first, and the row must carry the
             # name its connections carry from now on, not the one of a moment ago.
@@ -663,9 +670,27 @@ class StreamStore:
         async with self.db.connection() as conn:
             return await _connections_of(conn, epoch)
 
+    @contextlib.asynccontextmanager
+    async def _row_transaction(self) -> AsyncIterator[Transaction]:
+        """A transaction for `_locked_row`. The server ending it for idling past
+        `ROW_LOCK_IDLE_LIMIT` (this process stalled) is a lost connection: nothing was
+        committed, and the step may be tried again (`Database.retry_idempotent`)."""
+        try:
+            async with self.db.transaction() as txn:
+                yield txn
+        except psycopg.errors.IdleInTransactionSessionTimeout as err:
+            raise psycopg.OperationalError(
+                f"the server ended a transaction holding a row of stream_positions: {err}"
+            ) from err
+
     async def _locked_row(self, txn: Transaction, instance: str) -> tuple[Any, ...] | None:
         """`instance`'s (stream_id, epoch) in `stream_positions`, locked until the end of
-        `txn`: fences and registrations of one row take turns."""
+        `txn` (from `_row_transaction`): fences and registrations of one row take turns,
+        and none holds it idle longer than `ROW_LOCK_IDLE_LIMIT`."""
+        # Its own statement: sent with the SELECT, in one pipeline, it was not applied.
+        await txn.execute(
+            f"SET LOCAL idle_in_transaction_session_timeout = '{ROW_LOCK_IDLE_LIMIT}'"
+        )
         return await (
             await txn.execute(
                 "SELECT stream_id, epoch FROM stream_positions"
@@ -687,7 +712,7 @@ class StreamStore:
         and a position is a promise that it completed. A later run registers a new
         epoch under the same lock, before it allocates, so a fence never claims its
         IDs."""
-        async with self.db.transaction() as txn:
+        async with self._row_transaction() as txn:
             row = await self._locked_row(txn, writer)
             if row is None or row[1] is None:
                 return FenceResult(None, 0, None)
