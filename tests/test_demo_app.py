@@ -22,19 +22,29 @@ def rooms_of(writer: str, count: int) -> list[str]:
     return [r for r in found if sharding.owner(r, WRITERS) == writer][:count]
 
 
+def client() -> aiohttp.ClientSession:
+    """A client whose request that hangs fails, with its URL, well before the test's
+    timeout (aiohttp's own is 5 min, as long as the test's: a hang then showed no
+    more than the test's timeout)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+
+
 async def sync(
     session: aiohttp.ClientSession, url: str, user: str, since: str | None = None, wait_ms: int = 0
 ) -> tuple[int, Any]:
     query = {"user": user, "timeout": str(wait_ms)}
     if since is not None:
         query["since"] = since
-    async with session.get(f"{url}/sync", params=query) as response:
-        return response.status, await response.json()
+    try:
+        async with session.get(f"{url}/sync", params=query) as response:
+            return response.status, await response.json()
+    except TimeoutError:
+        raise AssertionError(f"GET /sync {query} had no answer in 60 s") from None
 
 
 async def test_sync_sees_messages_at_once_and_long_polls_for_new_ones(db: Database) -> None:
     r1, r2 = rooms_of("ev1", 1)[0], rooms_of("ev2", 1)[0]
-    async with chat(db) as url, aiohttp.ClientSession() as session:
+    async with chat(db) as url, client() as session:
         for room in (r1, r2):
             for user in ("alice", "bob"):
                 await post(
@@ -84,7 +94,7 @@ async def test_sync_sees_messages_at_once_and_long_polls_for_new_ones(db: Databa
 
 
 async def test_bad_and_future_tokens(db: Database) -> None:
-    async with chat(db) as url, aiohttp.ClientSession() as session:
+    async with chat(db) as url, client() as session:
         status, got = await sync(session, url, "alice", "s5_nonsense")
         assert status == 400
         assert "3 parts" in got["error"]
@@ -106,7 +116,7 @@ async def test_bad_and_future_tokens(db: Database) -> None:
 
 async def test_sync_returns_account_data_in_stream_order_and_typing(db: Database) -> None:
     room = rooms_of("ev1", 1)[0]
-    async with chat(db) as url, aiohttp.ClientSession() as session:
+    async with chat(db) as url, client() as session:
         await post(
             session, f"{url}/membership", {"room": room, "user": "carol", "membership": "join"}
         )
@@ -154,7 +164,7 @@ async def online(chat: Chat) -> list[str]:
 async def test_presence_follows_syncs_and_is_cleared_at_once_on_graceful_stop(
     db: Database,
 ) -> None:
-    async with deployment(db, linger=0.3) as running, aiohttp.ClientSession() as session:
+    async with deployment(db, linger=0.3) as running, client() as session:
         url = running.url
         assert await online(running) == []
         # A long-poll in flight: the user is syncing, by this worker's name.
@@ -184,7 +194,7 @@ async def until_equal(get: Callable[[], Awaitable[Any]], expected: Any) -> None:
 
 async def test_backfill_rows_get_negative_ids_and_their_own_token(db: Database) -> None:
     room = rooms_of("ev2", 1)[0]
-    async with chat(db) as url, aiohttp.ClientSession() as session:
+    async with chat(db) as url, client() as session:
         await post(session, f"{url}/send", {"room": room, "sender": "bob", "body": "now"})
         ids = [
             (await post(session, f"{url}/backfill", {"room": room, "sender": "old", "body": b}))[
@@ -209,7 +219,7 @@ async def test_backfill_rows_get_negative_ids_and_their_own_token(db: Database) 
 
 async def test_the_membership_table_matches_a_recomputation(db: Database) -> None:
     rooms = rooms_of("ev1", 2) + rooms_of("ev2", 2)
-    async with deployment(db) as running, aiohttp.ClientSession() as session:
+    async with deployment(db) as running, client() as session:
         bg = running.instance("bg")
         worker = Memberships(bg, page=3)  # small pages: many transactions
         async with bg:
@@ -258,7 +268,7 @@ async def test_the_membership_table_matches_a_recomputation(db: Database) -> Non
 
 async def test_read_your_writes_across_sync_workers(db: Database) -> None:
     room = rooms_of("ev1", 1)[0]
-    async with deployment(db, sync2_lag=1.0) as running, aiohttp.ClientSession() as session:
+    async with deployment(db, sync2_lag=1.0) as running, client() as session:
         await post(
             session,
             f"{running.url}/membership",
