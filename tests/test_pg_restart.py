@@ -13,6 +13,8 @@ died on its first failed load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import sys
 import time
@@ -298,3 +300,67 @@ async def test_a_generator_whose_server_never_comes_back_fails_with_plaits_error
     finally:
         await asyncio.to_thread(pg.start)
         await db.close()
+
+
+@pytest.mark.parametrize("command", ["tail", "status"])
+async def test_tail_follow_and_status_watch_go_on_through_a_restart(
+    command: str, pg: RestartablePostgres
+) -> None:
+    """`plait tail -f` and `plait status --watch`, run as a user runs them: a
+    PostgreSQL restart ended both ("database error: terminating connection due to
+    administrator command", exit 2). They say they lost the connection, reconnect,
+    and go on: tail prints the rows written after the restart, each once."""
+    db = await Database.connect(pg.dsn)
+    await db.migrate()
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT)"
+        )
+
+    async def write(payload: str) -> None:
+        gen = await MultiWriterIdGenerator.create(db, EVENTS, "w1")
+        await gen.insert(
+            "INSERT INTO events VALUES ({id}, 'w1', %s) RETURNING stream_id", (payload,)
+        )
+        await gen.close()
+
+    await write("before")
+    script = Path(sys.executable).parent / "plait"
+    args = (
+        ["tail", "events", "-f", "--every", "0.1"]
+        if command == "tail"
+        else ["status", "--watch", "--every", "0.2"]
+    )
+    process = await asyncio.create_subprocess_exec(
+        str(script), *args, "--dsn", pg.dsn,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        first = await asyncio.wait_for(process.stdout.readline(), 60)
+        assert first, "it printed nothing before the restart"
+        await db.close()
+        await asyncio.to_thread(pg.restart)
+        lost = await asyncio.wait_for(process.stderr.readline(), 60)
+        assert b"lost the connection to PostgreSQL" in lost
+        back = await asyncio.wait_for(process.stderr.readline(), 60)
+        assert b"connected to PostgreSQL at" in back, back
+        db = await Database.connect(pg.dsn)
+        await write("after")
+        if command == "tail":
+            line = await asyncio.wait_for(process.stdout.readline(), 60)
+            assert json.loads(line)["row"]["payload"] == "after"
+        else:
+            await asyncio.sleep(1)  # a few redraws after the restart
+        assert process.returncode is None, "it ended"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        rest, errors = await process.communicate()
+        await db.close()
+    if command == "tail":
+        assert b'"payload"' not in rest  # no row twice
+    assert b"database error" not in errors

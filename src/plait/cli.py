@@ -454,20 +454,35 @@ def status(
             sys.exit(1 if any(s.stalled for s in found) else 0)
         from rich.live import Live
 
+        from plait.ops.reconnect import Reconnecting
+
         before: list[ops.StreamStatus] | None = None
         found, taken = [], time.monotonic()
+
+        def poll(conn: psycopg.Connection[Any]) -> Any:
+            streams, found, failed = look(conn)
+            return found, failed, ops.rows_written(conn, streams, ops.positions(before or []))
+
+        link = Reconnecting(conn, lambda: connect_sync(url, autocommit=True), url, _say)
+        console = _console()
+        # Redrawn in place on a terminal; into a file or a pipe, one table per look
+        # (Live drew there only once it stopped).
         with (
-            Live(console=_console(), auto_refresh=False) as live,
+            (
+                Live(console=console, auto_refresh=False)
+                if console.is_terminal
+                else _Printer(console)
+            ) as live,
             contextlib.suppress(KeyboardInterrupt),
         ):
             while True:
                 now = time.monotonic()
-                streams, found, failed = look(conn)
-                rows = ops.rows_written(conn, streams, ops.positions(before or []))
+                found, failed, rows = link.run(poll)
                 table = _status_table(found, before, now - taken, failed, bool(instances), rows)
                 live.update(table, refresh=True)
                 before, taken = found, now
                 time.sleep(every)
+        link.close()
         sys.exit(1 if any(s.stalled for s in found) else 0)
 
 
@@ -530,14 +545,44 @@ def tail(
             end = start.copy_and_advance(end)
             for line in reader.between(start, end):
                 emit(line)
+        if not follow:
+            return
+        from plait.ops.reconnect import Reconnecting
+
+        def poll(conn: Any) -> tuple[Any, list[str]]:
+            """The rows after `end`, as printed: all of them or none (then again)."""
+            reader.conn = conn
+            newer = end.copy_and_advance(reader.latest())
+            lines = [line.to_json(reader.text(line.token)) for line in reader.between(end, newer)]
+            return newer, lines
+
+        link = Reconnecting(conn, lambda: connect_sync(url, autocommit=True), url, _say)
         with contextlib.suppress(KeyboardInterrupt):
-            while follow:
+            while True:
                 time.sleep(every)
-                newer = end.copy_and_advance(reader.latest())
-                if newer != end:
-                    for line in reader.between(end, newer):
-                        emit(line)
-                    end = newer
+                end, printed = link.run(poll)
+                for text in printed:
+                    click.echo(text)
+        link.close()
+
+
+class _Printer(contextlib.AbstractContextManager[Any]):
+    """`rich.live.Live`'s `update` for output that is not a terminal: print, flushed."""
+
+    def __init__(self, console: Any) -> None:
+        self._console = console
+
+    def update(self, renderable: Any, *, refresh: bool = False) -> None:
+        self._console.print(renderable)
+        self._console.file.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _say(text: str) -> None:
+    """A line about the command itself (not its output), to stderr."""
+    click.echo(text, err=True)
 
 
 def _console() -> Any:
