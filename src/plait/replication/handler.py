@@ -74,6 +74,7 @@ from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
 from plait.replication.streams import ReplicatedStream
 from plait.replication.waiters import PositionWaiters
+from plait.streams.background import cancel_and_wait
 from plait.streams.memory import ReadPage
 
 logger = logging.getLogger(__name__)
@@ -241,11 +242,7 @@ class ReplicationHandler:
 
     async def stop(self, *, depart: bool = True) -> None:
         """Send what is left, announce our departure (R-RP-8), end every task."""
-        for task in [*self._tasks, *self._fence_tasks]:
-            task.cancel()
-        for task in [*self._tasks, *self._fence_tasks]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks, *self._fence_tasks)
         self._tasks.clear()
         for sender in self._senders:
             try:

@@ -82,6 +82,7 @@ from plait.replication.link import (
 )
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_options import RedisTls, check_signing, client_options
+from plait.streams.background import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -356,13 +357,9 @@ class RedisTransport:
                     await outbox.drained()
             except TimeoutError:
                 logger.warning("redis transport: stopping with unpublished lines")
-        # asyncio.wait, unlike awaiting the task, lets its CancelledError end with it and
-        # still passes on a cancellation of stop() itself. Cancel again until it ends:
         # redis-py can swallow a cancellation that arrives while it connects, and the
         # task would then run on into the connection's task group.
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.1)
+        await cancel_and_wait(task)
         self._up_gauge.set(0)
 
     async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (False on timeout)

@@ -94,6 +94,7 @@ from plait.replication.link import (
     wait_set,
 )
 from plait.replication.metrics import ReplicationMetrics
+from plait.streams.background import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -1047,8 +1048,7 @@ class TcpClient:
         """Close the connection (flushing what is queued) and end every task."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         self._log.close()
 
     async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (a deadline for one wait)

@@ -4,6 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+
+logger = logging.getLogger(__name__)
+
+# How often a task that swallowed its cancellation is cancelled again.
+_CANCEL_AGAIN = 0.1
+
+
+async def cancel_and_wait(*tasks: asyncio.Task[object]) -> None:
+    """Cancel `tasks` and wait until each has ended, cancelling again one that goes on.
+
+    Awaiting a cancelled task inside `suppress(CancelledError)` has two faults: it also
+    swallows a cancellation of the caller, and it waits for ever on a task that
+    swallowed its own cancellation. Python 3.11's `asyncio.wait_for` (psycopg_pool's
+    wait for a connection) and redis-py while connecting can lose one when it arrives
+    as their inner step completes, and the task then runs on: a stop hung there (an
+    instance's stop never sent its DEPART, under load). `asyncio.wait` passes the
+    caller's cancellation on and never raises the task's."""
+    pending = {task for task in tasks if not task.done()}
+    rounds = 0
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=_CANCEL_AGAIN)
+        rounds += 1
+        if pending and rounds == 10:
+            logger.warning(
+                "still cancelling %s after %.0f s (a cancellation was lost)",
+                ", ".join(sorted(task.get_name() for task in pending)),
+                rounds * _CANCEL_AGAIN,
+            )
 
 
 async def let_finish(task: asyncio.Task[None], patience: float = 10.0) -> None:

@@ -9,7 +9,6 @@ announces it and catches up its rows first).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ import psycopg
 
 from plait.core.fencing import HoldWatch
 from plait.storage.stream_store import StreamStore
+from plait.streams.background import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,7 @@ class Fencer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:
