@@ -15,7 +15,6 @@ arrived before it was registered.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -51,6 +50,7 @@ from plait.replication.tcp_transport import TcpClient, TcpHub
 from plait.replication.waiters import PositionWaiters
 from plait.storage.database import Database
 from plait.storage.incarnation import Incarnation
+from plait.streams.background import cancel_and_wait
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
 
@@ -204,9 +204,7 @@ class Instance:
             return
         self._stopped = True
         if self._cleanup is not None:
-            self._cleanup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._cleanup
+            await cancel_and_wait(self._cleanup)
         if self._retiring is not None:
             await self._retiring
         else:

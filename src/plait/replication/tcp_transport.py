@@ -736,10 +736,7 @@ class TcpHub:
         server, self._server = self._server, None
         if server is not None:
             server.close()  # no new connections
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         if server is not None:
             # Only now: from Python 3.12 on this waits for every connection to close.
             await server.wait_closed()

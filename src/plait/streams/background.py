@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 logger = logging.getLogger(__name__)
@@ -45,6 +44,4 @@ async def let_finish(task: asyncio.Task[None], patience: float = 10.0) -> None:
         async with asyncio.timeout(patience):
             await asyncio.shield(task)
     except TimeoutError:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)

@@ -9,7 +9,6 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,6 +32,7 @@ from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.incarnation import name_prefix
 from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
+from plait.streams.background import cancel_and_wait
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
 from plait.streams.spec import StreamSpec
@@ -782,9 +782,7 @@ class MultiWriterIdGenerator:
         for task in list(self._settling):
             task.cancel()
         if self._confirming is not None:
-            self._confirming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._confirming
+            await cancel_and_wait(self._confirming)
         if self._fencer is not None:
             await self._fencer.stop()
         await self._allocator.close()
