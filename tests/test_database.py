@@ -118,3 +118,26 @@ def test_only_a_server_that_may_come_up_is_waited_for(message: str, transient: b
     """A refusal no wait can change (a password, SSL settings) fails at once, with its
     own reason, instead of after the patience with advice to wait longer."""
     assert database._may_come_up(psycopg.OperationalError(message)) is transient
+
+
+async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) -> None:
+    """Every connection busy (or a server that does not answer): psycopg_pool's bare
+    PoolTimeout reached the caller; now plait's NoConnectionError, which names the
+    server and what to do, and is still a PoolTimeout for code that caught that."""
+    from psycopg_pool import PoolTimeout
+
+    from plait import DatabaseUnavailableError, NoConnectionError, PlaitError
+
+    db = await Database.connect(dsn, min_size=1, max_size=1)
+    db._pool.timeout = 0.5  # psycopg_pool's own default is 30 s
+    try:
+        async with db.connection():
+            with pytest.raises(NoConnectionError, match=r"within 0.5 s.*\(1 at most\)") as err:
+                async with db.connection():
+                    pass
+        assert isinstance(err.value, DatabaseUnavailableError)
+        assert isinstance(err.value, PlaitError)
+        assert isinstance(err.value, PoolTimeout)
+        assert database.server_address(db.dsn) in str(err.value)
+    finally:
+        await db.close()

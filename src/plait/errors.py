@@ -7,6 +7,8 @@ All derive from `PlaitError`.
 
 from __future__ import annotations
 
+from psycopg_pool import PoolTimeout
+
 
 class PlaitError(Exception):
     """Base class of every error plait raises on purpose."""
@@ -18,6 +20,12 @@ class ConfigError(PlaitError, ValueError):
 
 class DatabaseUnavailableError(PlaitError):
     """PostgreSQL could not be reached or is unsuitable (wrong DSN, too old, ...)."""
+
+
+class NoConnectionError(DatabaseUnavailableError, PoolTimeout):
+    """No connection of the pool within its timeout: the server did not answer, or
+    every connection stayed busy. Also a `psycopg_pool.PoolTimeout`, which is what
+    callers caught before plait had its own type."""
 
 
 class EmbeddedServerError(PlaitError):

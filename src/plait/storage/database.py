@@ -26,7 +26,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from plait.core.backoff import Backoff
 from plait.core.redact import redact
-from plait.errors import ConfigError, DatabaseUnavailableError, FencedError, SupersededError
+from plait.errors import (
+    ConfigError,
+    DatabaseUnavailableError,
+    FencedError,
+    NoConnectionError,
+    SupersededError,
+)
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.incarnation import (
     Incarnation,
@@ -480,9 +486,11 @@ async def _waiting(db: Database, get: Callable[[float], Awaitable[T]]) -> T:
             if identity.fenced is not None and not identity.may_renew():
                 raise identity.fenced from None
             if loop.time() >= deadline:
-                raise PoolTimeout(
-                    f"no database connection within {pool.timeout:g} s: the server did not "
-                    "answer, or every connection of the pool stayed busy"
+                raise NoConnectionError(
+                    f"no connection to PostgreSQL at {db._server} within {pool.timeout:g} s: "
+                    "the server did not answer, or every connection of the pool stayed busy "
+                    f"({pool.max_size} at most): check that the server is up, and give the "
+                    "pool more connections (max_size) or hold them for shorter"
                 ) from None
             step *= 2
 
