@@ -114,10 +114,10 @@ async def test_cursor_is_reused_on_the_free_connection_only(db: Database) -> Non
         ("connection failed: server does not support SSL, but SSL was required", False),
     ],
 )
-def test_only_a_server_that_may_come_up_is_waited_for(message: str, transient: bool) -> None:
+def test_only_a_server_thatmay_come_up_is_waited_for(message: str, transient: bool) -> None:
     """A refusal no wait can change (a password, SSL settings) fails at once, with its
     own reason, instead of after the patience with advice to wait longer."""
-    assert database._may_come_up(psycopg.OperationalError(message)) is transient
+    assert database.may_come_up(psycopg.OperationalError(message)) is transient
 
 
 async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) -> None:

@@ -90,3 +90,27 @@ def test_a_server_that_stays_away_ends_it_with_plaits_error() -> None:
     with pytest.raises(DatabaseUnavailableError, match=r"unreachable for 5 s \(connection refused"):
         link.run(step)
     assert 5 <= clock[0] < 8
+
+
+def test_a_server_that_refuses_for_good_ends_it_at_once() -> None:
+    """A wrong password after the restart is not waited on for the whole patience."""
+    slept: list[float] = []
+
+    def connect() -> Any:
+        raise psycopg.OperationalError('FATAL:  password authentication failed for user "x"')
+
+    link = Reconnecting(
+        Conn("c"),  # type: ignore[arg-type]
+        connect,
+        "host=db",
+        lambda _: None,
+        patience=60,
+        sleep=slept.append,
+    )
+
+    def step(conn: Any) -> None:
+        raise lost()
+
+    with pytest.raises(DatabaseUnavailableError, match="refused the connection again"):
+        link.run(step)
+    assert len(slept) == 1

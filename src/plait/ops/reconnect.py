@@ -1,7 +1,8 @@
 """A connection for the command line's follow loops (`tail -f`, `status --watch`) that
 outlasts a PostgreSQL restart, crash or failover: a step whose connection was lost is
 run again on a new one, connecting with backoff for up to the library's patience
-(`database_patience`, 60 s), with one line to stderr when the connection is lost and
+(`database_patience`, 60 s; a server that refuses us for good, as `Database.connect`
+tells them apart, ends it at once), with one line to stderr when the connection is lost and
 one when it is back. Before, the first restart ended the command ("terminating
 connection due to administrator command").
 
@@ -18,7 +19,12 @@ import psycopg
 
 from plait.core.backoff import Backoff
 from plait.errors import DatabaseUnavailableError
-from plait.storage.database import DEFAULT_RETRY_READS_FOR, connection_lost, server_address
+from plait.storage.database import (
+    DEFAULT_RETRY_READS_FOR,
+    connection_lost,
+    may_come_up,
+    server_address,
+)
 
 T = TypeVar("T")
 
@@ -79,6 +85,11 @@ class Reconnecting:
                 self.conn = self._connect()
                 return
             except psycopg.OperationalError as err:
+                if not may_come_up(err):  # a wrong password, no such database: for good
+                    raise DatabaseUnavailableError(
+                        f"PostgreSQL at {self._server} refused the connection again: "
+                        f"{_first_line(err)}"
+                    ) from err
                 last = err
         raise DatabaseUnavailableError(
             f"PostgreSQL at {self._server} has been unreachable for {self._patience:.0f} s "

@@ -656,7 +656,7 @@ class Database:
                 patience=wait_for_server,
                 server=server_address(dsn),
                 doing="connect",
-                transient=_may_come_up,
+                transient=may_come_up,
                 giving_up=unreachable,
                 outage=_Outage(),
             )
@@ -1050,7 +1050,7 @@ async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
             "postgresql://user@host:5432/dbname, or dsn=None for the embedded server"
         ) from None
     except psycopg.OperationalError as err:
-        if _may_come_up(err):
+        if may_come_up(err):
             raise  # `connect` tries again while it may wait, then says so
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise _cannot_connect(dsn, redact(reason)) from None
@@ -1133,7 +1133,7 @@ def connection_lost(err: psycopg.OperationalError) -> bool:
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in _SERVER_WENT_AWAY
 
 
-def _may_come_up(err: psycopg.OperationalError) -> bool:
+def may_come_up(err: psycopg.OperationalError) -> bool:
     """Whether a failed connection attempt may succeed later with nothing changed: no
     server answered (refused, timed out, no socket yet, a name not resolved yet), or
     one answered that it is starting, stopping, recovering or full. One that refused
