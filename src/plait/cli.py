@@ -530,13 +530,13 @@ def tail(
     with dsn_or_embedded(dsn) as url, connect_sync(url, autocommit=True) as conn:
         reader = Tail(conn, stream, writer)
 
-        def emit(line: Any) -> None:
-            click.echo(line.to_json(reader.text(line.token)))
+        def shown(line: Any) -> str:
+            return str(line.to_json(reader.text(line.token)))
 
         end = reader.latest()
         if from_ is None:
             for line in reader.last(lines, end):
-                emit(line)
+                click.echo(shown(line))
         else:
             try:
                 start = reader.token(from_)
@@ -544,7 +544,7 @@ def tail(
                 raise click.BadParameter(str(err), param_hint="'--from'") from None
             end = start.copy_and_advance(end)
             for line in reader.between(start, end):
-                emit(line)
+                click.echo(shown(line))
         if not follow:
             return
         from plait.ops.reconnect import Reconnecting
@@ -553,7 +553,7 @@ def tail(
             """The rows after `end`, as printed: all of them or none (then again)."""
             reader.conn = conn
             newer = end.copy_and_advance(reader.latest())
-            lines = [line.to_json(reader.text(line.token)) for line in reader.between(end, newer)]
+            lines = [shown(line) for line in reader.between(end, newer)]
             return newer, lines
 
         link = Reconnecting(conn, lambda: connect_sync(url, autocommit=True), url, _say)
