@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -49,15 +48,7 @@ async def test_short_schedule_finds_no_violation(transport: str, tmp_path: Path)
         spark=spark,
     )
     report = await Checker(options).run()
-    # README, Known limits (issue 18, R-ID-14): a writer killed right after a PostgreSQL
-    # outage can restart below an own position it reported and had not stored durably.
-    # Open, and the fault schedule hits it in some runs (CI: 3 of them in one 25 s
-    # run): reported, not failed, until the fix lands. Every other problem fails.
-    known = [p for p in report.problems if p.startswith("own position went back: ")]
-    for problem in known:
-        warnings.warn(f"known limit (issue 18): {problem}", stacklevel=1)
-    others = [p for p in report.problems if p not in known]
-    assert not others, "\n".join(others) + f"\n(journals in {report.run_dir})"
+    assert not report.problems, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
     kinds = kinds_for(options.transport, spark=spark, postgres=True)
     assert {"pg_restart", "pg_crash", "pg_partition"} <= set(kinds)
     least = {"spark_restart": 5, "pg_restart": 2, "pg_crash": 2, "pg_partition": 2}

@@ -6,8 +6,12 @@ incarnation by itself, and its position never goes backwards through the fence."
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
+from asyncio.subprocess import Process
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -21,6 +25,7 @@ from plait.ports import free_port
 from plait.storage.incarnation import Incarnation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+CRASH_WRITER = Path(__file__).with_name("crash_writer.py")
 
 
 async def _until(what: str, condition: Callable[[], bool], within: float = 30.0) -> None:
@@ -182,6 +187,83 @@ async def test_a_writers_position_never_goes_back_through_a_crash_and_a_restart(
         await again_db.close()
 
 
+async def _writer_process(server: RestartablePostgres, **args: object) -> Process:
+    """A writer in a process of its own (`crash_writer.py`) doing what `args` say."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(CRASH_WRITER),
+        json.dumps({"dsn": server.dsn, **args}),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _said(proc: Process, key: str) -> int:
+    """The value of `key` in the next JSON line `proc` prints."""
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            line = await proc.stdout.readline()
+    except TimeoutError:
+        raise AssertionError(f"a writer process said no {key!r} within 60 s") from None
+    if not line:
+        raise AssertionError(f"a writer process exited with {await proc.wait()}")
+    return int(json.loads(line)[key])
+
+
+@pytest.mark.parametrize("last_move", ["rolled_back", "idle"])
+async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position(
+    restartable_pg: RestartablePostgres, last_move: str
+) -> None:
+    """R-ID-14 when the writer process dies with PostgreSQL (kill -9 of both): the last
+    position it reported was stored with asynchronous commit only, and no row shows it
+    (IDs it rolled back, or the idle rule following another writer's). Before, the
+    restarted writer started below it (at 2, having reported 3 or 4)."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    writers = ["w1", "w2"]
+    procs: list[Process] = []
+    try:
+        if last_move == "rolled_back":
+            procs.append(
+                await _writer_process(server, name="w1", writers=writers, action="rollback")
+            )
+            reported = await _said(procs[0], "reported")
+        else:
+            # w1 registers first: its registration, durable, must not carry w2's
+            # position through the crash.
+            procs.append(await _writer_process(server, name="w1", writers=writers, action="idle"))
+            await _said(procs[0], "started")
+            procs.append(
+                await _writer_process(server, name="w2", writers=writers, action="rollback")
+            )
+            other = await _said(procs[1], "reported")
+            assert procs[0].stdin is not None
+            procs[0].stdin.write(f"{other}\n".encode())
+            await procs[0].stdin.drain()
+            reported = await _said(procs[0], "reported")
+        for proc in procs:
+            proc.kill()
+            await proc.wait()
+        await asyncio.to_thread(server.crash)
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=writers)
+    again_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    try:
+        again = await MultiWriterIdGenerator.create(again_db, spec, "w1")
+        assert again.get_current_token_for_writer("w1") >= reported
+        assert await _stored(again_db) >= reported
+        insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
+        assert (await again.insert(insert))[0] > reported
+        await again.close()
+    finally:
+        await again_db.close()
+
+
 async def test_a_live_writer_stores_its_position_again_after_a_crash(
     restartable_pg: RestartablePostgres,
 ) -> None:
@@ -281,9 +363,11 @@ async def test_a_new_run_waits_for_the_previous_one_and_supersedes_it(
         await held.__aexit__(None, None, None)
         await _refused_as_superseded(lambda: old.insert(insert))
         assert superseded == [True]  # told once (an Instance stops replicating then)
-        assert await new.insert(insert) == [held_id + 1]
-        rows, _, _ = await new.get_updates_since("w1", 0, held_id + 1)
-        assert [r.stream_id for r in rows] == [2, 3, held_id + 1]
+        # The new run started below the head (the old run held 4): it took 5 and gave
+        # it back, so its position is one the old run never reported (R-ID-14).
+        assert await new.insert(insert) == [held_id + 2]
+        rows, _, _ = await new.get_updates_since("w1", 0, held_id + 2)
+        assert [r.stream_id for r in rows] == [2, 3, held_id + 2]
         await new.close()
         await old.close()
     finally:

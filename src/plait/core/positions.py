@@ -38,13 +38,18 @@ or rolled back), and a previous run still alive that connects again later finds 
 superseded and may write nothing more (`storage/incarnation.py`). Committed rows are
 durable: their commits wait for the WAL.
 A position no row shows (the ID of a rolled-back write, or one the idle rule took from
-another writer) survives only in the stored row; so a writer stores it again, durably,
-once it found a connection dead (the server restarted or crashed), and stores
-durably when it stops (`streams/position_writer.py`). Left open: a writer process that
-dies before its first statement after a crash (both killed at once) starts below what
-it reported in its last moments. Nothing is lost or repeated by that (its next IDs are
-above the sequence head, and readers never move a position back); only durable
-upserts would close it.
+another writer) may survive nowhere: its asynchronous store is lost when PostgreSQL
+crashes, and the writer process may die with it. So a starting writer that finds its
+position below the sequence head takes one ID from the sequence and starts at it,
+unused (`StreamStore.register`, durable): every position its previous runs reported was
+an ID the sequence had handed out, so it is at or below the head, and the head itself
+may not do, being perhaps another writer's ID still in flight. A writer that lives
+through a crash stores its position again, durably, once it found a connection dead,
+and stores durably when it stops (`streams/position_writer.py`), so that what others
+read from `stream_positions` does not go back either. Left open: the sequence itself
+goes back in a crash when the WAL record that took it past an ID was not flushed (the
+transaction that took it rolled back, or committed asynchronously, in the last moments
+before the crash); a position reported from such an ID can then be above the head.
 """
 
 from __future__ import annotations

@@ -227,6 +227,15 @@ class PreviousRun:
 
 
 @dataclass(frozen=True, slots=True)
+class Registered:
+    """A writer's registration went through. `taken`: an ID it took from the sequence
+    and gave back unused (internal), to start at or above everything its previous runs
+    may have reported (`StreamStore.register`); its registered position then."""
+
+    taken: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class FenceResult:
     """What `StreamStore.fence` found: the writer's registered epoch (None: it has none
     and is never fenced), how many of its connections are alive (then nothing moved),
@@ -623,7 +632,7 @@ class StreamStore:
                 "forged or corrupted position, or the sequence was reset)"
             )
 
-    async def register(self, instance: str, position: int) -> PreviousRun | None:
+    async def register(self, instance: str, position: int) -> PreviousRun | Registered:
         """This writer's row before its first allocation: its position (forwards only)
         and the epoch its connections carry (none when the pool carries no incarnation
         of `instance`: it can then never be fenced). A fence of an earlier run no longer
@@ -634,7 +643,14 @@ class StreamStore:
         (its name): nothing is changed then, and that run is returned. It may still
         commit IDs below rows it committed, which start-up takes as final. Once this
         run is registered, the previous one cannot connect again (`SupersededError`),
-        under the same row lock as a fence."""
+        under the same row lock as a fence.
+
+        When `position` is below the sequence head, this run takes one ID and registers
+        at it, unused (R-ID-14): a previous run may have reported a position up to the
+        head that neither rows nor stored positions show any more (an ID it rolled
+        back, or the idle rule's, stored with asynchronous commit and lost in a crash
+        that killed it too). Its own IDs are all finished, so an ID above the head is a
+        position it may claim; the head itself may be another writer's, in flight."""
         keep = ">" if self.spec.backwards else "<"
         async with self._row_transaction() as txn:
             # The epoch read with a connection handed out (the transaction holds it): one
@@ -652,6 +668,11 @@ class StreamStore:
                 alive = await _connections_of(txn, previous)
                 if alive:
                     return PreviousRun(previous, alive)
+            head_row = await (await txn.execute(self._head_query)).fetchone()
+            assert head_row is not None
+            taken = None
+            if position < head_of(head_row):
+                taken = position = (await self.allocate_in(txn, 1))[0]
             await txn.execute(
                 "INSERT INTO stream_positions (stream_name, instance_name, stream_id, epoch)"
                 " VALUES (%s, %s, %s, %s)"
@@ -663,7 +684,7 @@ class StreamStore:
             )
         if current is not None:
             self.db.registered(self.spec.name)
-        return None
+        return Registered(taken)
 
     async def connections_of(self, epoch: int) -> int:
         """How many server processes carry that epoch's name (no lock taken)."""

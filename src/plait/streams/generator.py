@@ -9,6 +9,7 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from plait.errors import (
 )
 from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.incarnation import name_prefix
-from plait.storage.stream_store import STARTUP_PAGE, StreamRow, StreamStore, Survey
+from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.background import cancel_and_wait
 from plait.streams.fencer import Fencer
@@ -910,8 +911,12 @@ async def _load(
         # Registered before the first allocation, so database-only readers know
         # every live writer, and a fence of an earlier run cannot claim new IDs.
         previous = await store.register(instance, tracker.local_position)
-        if previous is None:
-            return survey, tracker
+        if isinstance(previous, Registered):
+            if previous.taken is None:
+                return survey, tracker
+            # Taken and given back unused: this run's first ID, finished already.
+            tracker.end_fetch(tracker.begin_fetch(), [previous.taken], completed=True)
+            return dataclasses.replace(survey, head=previous.taken), tracker
         if waiting_since is None:
             waiting_since = loop.time()
             logger.warning(
