@@ -141,3 +141,31 @@ async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) 
         assert database.server_address(db.dsn) in str(err.value)
     finally:
         await db.close()
+
+
+async def test_new_connections_bring_a_sequence_that_went_back_up_to_what_was_handed_out(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a crash does to a sequence (test_pg_crash_writers.py does the crash): on each
+    new connection, a sequence below the largest ID this process saw it hand out is
+    moved up with nextval first; one dropped since is left alone, and the connection
+    still serves."""
+    async with db.connection() as conn:
+        await conn.execute("DROP SEQUENCE IF EXISTS went_back_seq")
+        await conn.execute("CREATE SEQUENCE went_back_seq")
+        await conn.execute("SELECT setval('went_back_seq', 10)")
+    db.note_head("went_back_seq", 25)
+    db.note_head("dropped_since_seq", 7)
+
+    async def nested(depth: int) -> None:  # more at once than the pool has: new ones
+        async with db.connection() as conn:
+            assert await (await conn.execute("SELECT 1")).fetchone() == (1,)
+            if depth:
+                await nested(depth - 1)
+
+    await nested(4)
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT nextval('went_back_seq')")).fetchone()
+        await conn.execute("DROP SEQUENCE went_back_seq")
+    assert row == (26,)
+    assert "sequence went_back_seq was at 10, below ID 25" in caplog.text

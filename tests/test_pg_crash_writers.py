@@ -264,6 +264,67 @@ async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position
         await again_db.close()
 
 
+async def _sequence_head(server: RestartablePostgres) -> int:
+    async with await psycopg.AsyncConnection.connect(server.dsn, autocommit=True) as conn:
+        row = await (await conn.execute("SELECT last_value FROM events_seq")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+class _Rollback(Exception):
+    pass
+
+
+@pytest.mark.parametrize("write", ["get_next", "insert"])
+async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequence_back(
+    restartable_pg: RestartablePostgres, write: str
+) -> None:
+    """PostgreSQL logs a sequence 32 values ahead, and flushes that record only with a
+    commit: when the transaction that took the IDs rolls back and the server crashes
+    before anything else flushes, the sequence comes back below them, and hands them
+    out again. The writer had reported the last of them as its position (they
+    completed, without rows). Before, its next get_next was refused for good
+    (SequenceBehindError: "stop all writers and restart them"), and its next insert
+    committed a row below the position it had reported, which readers may have passed."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
+    # A long flush interval: no background statement meets the crash before the test's.
+    w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    try:
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
+        await w1.insert(insert)
+
+        async def forty_rolled_back() -> None:
+            async with w1_db.transaction() as txn:
+                await w1.get_next_mult_txn(txn, 40)
+                raise _Rollback
+
+        with pytest.raises(_Rollback):
+            await forty_rolled_back()
+        reported = w1.get_current_token_for_writer("w1")
+        await asyncio.to_thread(server.crash)
+        assert await _sequence_head(server) < reported  # what the crash did
+
+        new_id = 0
+        for _ in range(5):  # a pooled connection from before the crash fails first
+            try:
+                if write == "get_next":
+                    async with w1.get_next() as new_id:
+                        pass
+                else:
+                    new_id = (await w1.insert(insert))[0]
+                break
+            except psycopg.OperationalError:
+                continue
+        assert new_id > reported
+        assert w1.get_current_token_for_writer("w1") >= new_id
+        await w1.close()
+    finally:
+        await w1_db.close()
+
+
 async def test_a_live_writer_stores_its_position_again_after_a_crash(
     restartable_pg: RestartablePostgres,
 ) -> None:

@@ -277,6 +277,7 @@ class _Identity:
     __slots__ = (
         "_renewing",
         "fenced",
+        "heads",
         "holds",
         "incarnation",
         "pooled",
@@ -296,6 +297,10 @@ class _Identity:
     ) -> None:
         self.incarnation = incarnation
         self.settings = dict(settings or {})
+        # The largest ID (internal domain) this process knows each sequence handed
+        # out (`Database.known_head`); new connections bring a sequence that went
+        # back up to it first (`_catch_up_sequences`).
+        self.heads: dict[str, int] = {}
         self.fenced: FencedError | None = None
         self.renew = renew
         # Each says whether IDs of this run are still pending (the writers' trackers).
@@ -337,6 +342,8 @@ class _Identity:
                 row = await cursor.fetchone()
                 assert row is not None
                 _SERVER_PIDS[conn] = int(row[0])
+        if self.heads:
+            await _catch_up_sequences(conn, self.heads)
         checked = self.incarnation
         if checked is None:
             return
@@ -375,6 +382,63 @@ class _Identity:
             # Made under the old name while another connection renewed: a fence
             # counts only connections carrying the registered epoch's name.
             await name_connection(conn, current)
+
+
+# Values a sequence is moved up by at most, in one go (`_catch_up_sequences`): far more
+# than a crash takes it back; a sequence further behind was reset, which start-up
+# refuses to go on from (`SequenceBehindError`).
+SEQUENCE_CATCH_UP_LIMIT = 1_000_000
+
+# For each sequence (missing ones skipped) below what this process knows it handed out:
+# take values until it is not, with nextval, which never moves a sequence back, unlike
+# setval, whose read-then-set races with others' nextval.
+_CATCH_UP_QUERY = """
+WITH known AS (
+    SELECT to_regclass(name) AS seq, known
+    FROM unnest(%(names)s::text[], %(known)s::bigint[]) AS u(name, known)
+), behind AS (
+    SELECT seq, known, known - COALESCE(pg_sequence_last_value(seq), 0) AS gap
+    FROM known WHERE seq IS NOT NULL
+)
+SELECT b.seq::text, b.known, b.known - b.gap, t.taken
+FROM behind b CROSS JOIN LATERAL (
+    SELECT count(v) AS taken
+    FROM (SELECT nextval(b.seq) AS v FROM generate_series(1, LEAST(b.gap, %(limit)s))) x
+) t
+WHERE b.gap > 0
+"""
+
+
+async def _catch_up_sequences(conn: AsyncConnection[TupleRow], heads: Mapping[str, int]) -> None:
+    """Move each sequence this process took IDs from back up to the largest it knows
+    was handed out, before the connection runs anything else (R-ID-14).
+
+    PostgreSQL logs a sequence 32 values ahead and flushes that record only with a
+    commit: in a crash soon after a transaction that took IDs rolled back, the sequence
+    comes back below them, and would hand them out again. A writer may have reported
+    one of them as its position (finished, without a row) and readers passed it; a
+    row committed under it later would be skipped. Every statement after a crash runs
+    on a new connection, so this runs before the first allocation on it."""
+    names = list(heads)
+    params = {"names": names, "known": [heads[n] for n in names], "limit": SEQUENCE_CATCH_UP_LIMIT}
+    try:
+        rows = await (await conn.execute(_CATCH_UP_QUERY, params)).fetchall()
+    except psycopg.Error as err:
+        if conn.broken:
+            raise
+        logger.warning("could not check the streams' sequences on a new connection: %s", err)
+        return
+    for name, known, at, taken in rows:
+        logger.warning(
+            "sequence %s was at %d, below ID %d that it handed out earlier: PostgreSQL "
+            "lost its last moments in a crash (it flushes a sequence's log record only "
+            "with a commit). Took %d value(s) from it so that no ID is handed out twice%s",
+            name,
+            at,
+            known,
+            taken,
+            "" if at + taken >= known else "; it is still behind: it was reset, not crashed",
+        )
 
 
 def _set_query(settings: Mapping[str, str], *, with_pid: bool = False) -> sql.Composed:
@@ -558,7 +622,6 @@ class Database:
         self._embedded = embedded
         self._instance_ids: dict[str, int] = {}
         self._instance_names: dict[int, str] = {}
-        self._heads: dict[str, int] = {}  # `known_head`
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
         self._identity = identity or _Identity()
@@ -939,12 +1002,13 @@ class Database:
         out: what its generators took, and the heads they read. A position at or below
         it names an ID; one above it must be checked against the sequence before a
         writer takes it (R-ID-14). Shared by every generator on this Database."""
-        return self._heads.get(sequence, 0)
+        return self._identity.heads.get(sequence, 0)
 
     def note_head(self, sequence: str, head: int) -> None:
         """`sequence` has handed out `head` (internal domain) at least."""
-        if head > self._heads.get(sequence, 0):
-            self._heads[sequence] = head
+        heads = self._identity.heads
+        if head > heads.get(sequence, 0):
+            heads[sequence] = head
 
     # -- lifetime ------------------------------------------------------------------------
 

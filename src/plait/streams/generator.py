@@ -561,7 +561,11 @@ class MultiWriterIdGenerator:
         its own IDs. Taken at once: asking the sequence about every position of the
         other writers would cost a query per position while they write."""
         if self._configured(instance_name):
-            self._tracker.advance(instance_name, self._sign * position)
+            internal = self._sign * position
+            # Handed out, as far as this process knows: a crash may not take the
+            # sequence back below it (`Database.known_head`).
+            self._db.note_head(self._spec.sequence, internal)
+            self._tracker.advance(instance_name, internal)
 
     def _configured(self, writer: str) -> bool:
         """Whether `writer`'s positions count here. The configured writers are
