@@ -1,8 +1,9 @@
 """A writer process for test_pg_crash_writers: `python crash_writer.py ARGS_JSON`.
 
 It starts writer `name` of stream "events" (writers `writers`), then does `action`:
-- "rollback": commits one row, then takes two IDs whose writes roll back (its position
-  then names an ID no row shows);
+- "no_rows": commits one row, then takes two IDs and writes nothing with them, as
+  writes that failed (its position then names an ID no row shows; the IDs' sequence
+  record is flushed, by the commit of the statement that took them or of the row);
 - "idle": writes nothing; says `{"started": true}` once registered, reads a position
   from its stdin (another writer's, reached after this one registered), and waits until
   the idle rule moves its own position there (learned from `stream_positions`).
@@ -26,11 +27,11 @@ async def main(args: dict[str, Any]) -> None:
     spec = StreamSpec("events", tables=[TableSpec("events")], writers=args["writers"])
     db = await Database.connect(args["dsn"], max_size=4, incarnation=Incarnation.new(name))
     gen = await MultiWriterIdGenerator.create(db, spec, name, position_flush_interval=0.1)
-    if args["action"] == "rollback":
+    if args["action"] == "no_rows":
         await gen.insert(f"INSERT INTO events VALUES ({{id}}, '{name}', 'x') RETURNING stream_id")
         for _ in range(2):
             async with gen.get_next():
-                pass  # nothing written: the ID completes without a row
+                pass  # nothing written: the ID finishes without a row
     else:
         print(json.dumps({"started": True}), flush=True)
         at_least = int(await asyncio.to_thread(sys.stdin.readline))

@@ -148,13 +148,22 @@ async def test_new_connections_bring_a_sequence_that_went_back_up_to_what_was_ha
 ) -> None:
     """What a crash does to a sequence (test_pg_crash_writers.py does the crash): on each
     new connection, a sequence below the largest ID this process saw it hand out is
-    moved up with nextval first; one dropped since is left alone, and the connection
-    still serves."""
+    moved up with nextval first, whatever the case of its name. Left alone, and the
+    connection still serves: a sequence dropped since, one never called or reset with
+    setval(..., false) (no head to compare), and one further behind than a crash takes
+    it (reset: said once, not on every connection)."""
+    names = ["went_back_seq", "Went_Back_Seq", "never_called_seq", "reset_far_seq"]
     async with db.connection() as conn:
-        await conn.execute("DROP SEQUENCE IF EXISTS went_back_seq")
-        await conn.execute("CREATE SEQUENCE went_back_seq")
+        for name in names:
+            await conn.execute(f'DROP SEQUENCE IF EXISTS "{name}"')
+            await conn.execute(f'CREATE SEQUENCE "{name}"')
         await conn.execute("SELECT setval('went_back_seq', 10)")
+        await conn.execute("""SELECT setval('"Went_Back_Seq"', 10)""")
+        await conn.execute("SELECT setval('reset_far_seq', 1)")
     db.note_head("went_back_seq", 25)
+    db.note_head("Went_Back_Seq", 12)
+    db.note_head("never_called_seq", 7)
+    db.note_head("reset_far_seq", 1 + database.SEQUENCE_CATCH_UP_LIMIT + 1)
     db.note_head("dropped_since_seq", 7)
 
     async def nested(depth: int) -> None:  # more at once than the pool has: new ones
@@ -165,7 +174,13 @@ async def test_new_connections_bring_a_sequence_that_went_back_up_to_what_was_ha
 
     await nested(4)
     async with db.connection() as conn:
-        row = await (await conn.execute("SELECT nextval('went_back_seq')")).fetchone()
-        await conn.execute("DROP SEQUENCE went_back_seq")
-    assert row == (26,)
+        nexts = []
+        for name in names:
+            row = await (await conn.execute(f"""SELECT nextval('"{name}"')""")).fetchone()
+            assert row is not None
+            nexts.append(row[0])
+            await conn.execute(f'DROP SEQUENCE "{name}"')
+    assert nexts == [26, 13, 1, 2]
     assert "sequence went_back_seq was at 10, below ID 25" in caplog.text
+    assert "sequence Went_Back_Seq was at 10, below ID 12" in caplog.text
+    assert caplog.text.count("sequence reset_far_seq is at 1") == 1

@@ -135,7 +135,7 @@ async def _stored(db: Database) -> int:
 async def _schema_with_slow_wal_writes(server: RestartablePostgres) -> None:
     """The events table, and a WAL writer that writes asynchronous commits out only
     every 10 s: a crash then loses every position row stored since the last commit
-    that waited for its WAL (deterministically, not one time in a few)."""
+    that waited for its WAL (nearly always: an abort may still wake the WAL writer)."""
     setup = await Database.connect(server.dsn, max_size=2)
     try:
         await setup.migrate()
@@ -211,7 +211,7 @@ async def _said(proc: Process, key: str) -> int:
     return int(json.loads(line)[key])
 
 
-@pytest.mark.parametrize("last_move", ["rolled_back", "idle"])
+@pytest.mark.parametrize("last_move", ["no_rows", "idle"])
 async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position(
     restartable_pg: RestartablePostgres, last_move: str
 ) -> None:
@@ -224,9 +224,9 @@ async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position
     writers = ["w1", "w2"]
     procs: list[Process] = []
     try:
-        if last_move == "rolled_back":
+        if last_move == "no_rows":
             procs.append(
-                await _writer_process(server, name="w1", writers=writers, action="rollback")
+                await _writer_process(server, name="w1", writers=writers, action="no_rows")
             )
             reported = await _said(procs[0], "reported")
         else:
@@ -235,7 +235,7 @@ async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position
             procs.append(await _writer_process(server, name="w1", writers=writers, action="idle"))
             await _said(procs[0], "started")
             procs.append(
-                await _writer_process(server, name="w2", writers=writers, action="rollback")
+                await _writer_process(server, name="w2", writers=writers, action="no_rows")
             )
             other = await _said(procs[1], "reported")
             assert procs[0].stdin is not None
@@ -246,6 +246,14 @@ async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position
             proc.kill()
             await proc.wait()
         await asyncio.to_thread(server.crash)
+        async with await psycopg.AsyncConnection.connect(server.dsn, autocommit=True) as look:
+            row = await (
+                await look.execute(
+                    "SELECT stream_id FROM stream_positions WHERE instance_name = 'w1'"
+                )
+            ).fetchone()
+        assert row is not None
+        assert row[0] < reported  # what the crash did: the last store was lost
     finally:
         for proc in procs:
             if proc.returncode is None:
@@ -305,7 +313,9 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
             await forty_rolled_back()
         reported = w1.get_current_token_for_writer("w1")
         await asyncio.to_thread(server.crash)
-        assert await _sequence_head(server) < reported  # what the crash did
+        if await _sequence_head(server) >= reported:
+            # The WAL writer woke (an abort may wake it) and wrote the record out.
+            pytest.skip("the crash did not take the sequence back this time")
 
         new_id = 0
         for _ in range(5):  # a pooled connection from before the crash fails first

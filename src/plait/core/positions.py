@@ -48,13 +48,13 @@ through a crash stores its position again, durably, once it found a connection d
 and stores durably when it stops (`streams/position_writer.py`), so that what others
 read from `stream_positions` does not go back either.
 The sequence itself goes back in a crash when the log record that took it past some IDs
-was not flushed (PostgreSQL flushes it with a commit; the transactions that took them
-rolled back). Such an ID may have been reported as a position. So every new connection
-first moves the sequences this process took or saw IDs from back up to the largest it
-knows (`storage/database.py`, `_catch_up_sequences`); after a crash every statement
-runs on a new connection. Left open: a writer killed together with PostgreSQL starts
-from the sequence as the crash left it, and may commit under a position it reported
-before any process that heard that position opened a new connection.
+had not reached the disk (nothing flushed the WAL since: the transactions that took
+them rolled back). Such an ID may have been reported as a position. So every new
+connection first moves the sequences this process took or saw IDs from back up to the
+largest it knows (`storage/database.py`, `_catch_up_sequences`); after a crash every
+statement runs on a new connection. Left open: a writer that reported such an ID and
+was killed before it reconnected starts from the sequence as the crash left it, and
+may commit under that position before a process that heard it opens a new connection.
 """
 
 from __future__ import annotations

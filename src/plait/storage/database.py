@@ -26,6 +26,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from plait.core.backoff import Backoff
 from plait.core.redact import redact
+from plait.core.throttle import Throttle
 from plait.errors import (
     ConfigError,
     DatabaseUnavailableError,
@@ -276,6 +277,7 @@ class _Identity:
 
     __slots__ = (
         "_renewing",
+        "_sequence_warnings",
         "fenced",
         "heads",
         "holds",
@@ -301,6 +303,7 @@ class _Identity:
         # out (`Database.known_head`); new connections bring a sequence that went
         # back up to it first (`_catch_up_sequences`).
         self.heads: dict[str, int] = {}
+        self._sequence_warnings = Throttle(60.0)  # per sequence, not per connection
         self.fenced: FencedError | None = None
         self.renew = renew
         # Each says whether IDs of this run are still pending (the writers' trackers).
@@ -342,8 +345,60 @@ class _Identity:
                 row = await cursor.fetchone()
                 assert row is not None
                 _SERVER_PIDS[conn] = int(row[0])
+        await self._check_fence(conn)
         if self.heads:
-            await _catch_up_sequences(conn, self.heads)
+            await self._catch_up_sequences(conn)
+
+    async def _catch_up_sequences(self, conn: AsyncConnection[TupleRow]) -> None:
+        """Move each sequence this process took or saw IDs from back up to the largest
+        it knows was handed out, before the connection serves anything (R-ID-14).
+
+        PostgreSQL logs a sequence 32 values ahead, and that log record reaches the
+        disk only when something flushes the WAL (a commit, the WAL writer). A crash
+        soon after a transaction that took IDs rolled back can bring the sequence back
+        below them, to hand them out again; a writer may have reported one as its
+        position (finished, without a row), and readers passed it. After a crash
+        every statement runs on a new connection, so this comes first."""
+        heads = self.heads
+        by_text = {regclass_text(name): name for name in heads}
+        params = {
+            "names": list(by_text),
+            "known": [heads[name] for name in by_text.values()],
+            "limit": SEQUENCE_CATCH_UP_LIMIT,
+        }
+        try:
+            rows = await (await conn.execute(_CATCH_UP_QUERY, params)).fetchall()
+        except psycopg.Error as err:
+            if conn.broken:
+                raise
+            if self._sequence_warnings.allow("check", time.monotonic()) is not None:
+                logger.warning("could not check the streams' sequences (new connection): %s", err)
+            return
+        for text, known, head, taken in rows:
+            name = by_text.get(text, text)
+            if taken:
+                logger.warning(
+                    "sequence %s was at %d, below ID %d that it handed out before: a "
+                    "PostgreSQL crash lost its last log record. Took %d value(s) from it "
+                    "so that no ID is handed out twice",
+                    name,
+                    head,
+                    known,
+                    taken,
+                )
+            elif self._sequence_warnings.allow(name, time.monotonic()) is not None:
+                logger.error(
+                    "sequence %s is at %d, %d below ID %d that it handed out before: more "
+                    "than a crash takes back, so it was reset. Not moving it; writers "
+                    "refuse IDs at or below the ones they saw (SequenceBehindError)",
+                    name,
+                    head,
+                    known - head,
+                    known,
+                )
+
+    async def _check_fence(self, conn: AsyncConnection[TupleRow]) -> None:
+        """Refuse the connection when this run was fenced, or renew the incarnation."""
         checked = self.incarnation
         if checked is None:
             return
@@ -384,61 +439,38 @@ class _Identity:
             await name_connection(conn, current)
 
 
-# Values a sequence is moved up by at most, in one go (`_catch_up_sequences`): far more
-# than a crash takes it back; a sequence further behind was reset, which start-up
-# refuses to go on from (`SequenceBehindError`).
+# Values a sequence is moved up by at most (`_catch_up_sequences`): far more than a
+# crash takes it back. One further behind was reset, not crashed: left alone (start-up
+# refuses to go on from a sequence behind the stored positions, `SequenceBehindError`).
 SEQUENCE_CATCH_UP_LIMIT = 1_000_000
 
-# For each sequence (missing ones skipped) below what this process knows it handed out:
-# take values until it is not, with nextval, which never moves a sequence back, unlike
-# setval, whose read-then-set races with others' nextval.
+# For each sequence below what this process knows it handed out: its head, and the
+# values taken to bring it up, with nextval, which never moves a sequence back (setval's
+# read-then-set would race with others' nextval). Skipped: sequences gone, not
+# sequences, not ours to use, never called or reset with setval(..., false) (no head to
+# compare), and ones further behind than the limit.
 _CATCH_UP_QUERY = """
-WITH known AS (
-    SELECT to_regclass(name) AS seq, known
+WITH known AS MATERIALIZED (
+    SELECT c.oid::regclass AS seq, u.name, u.known
     FROM unnest(%(names)s::text[], %(known)s::bigint[]) AS u(name, known)
+    JOIN pg_class c ON c.oid = to_regclass(u.name)
+    -- CASE: the privilege check errs on a relation that is not a sequence.
+    WHERE CASE WHEN c.relkind = 'S' THEN has_sequence_privilege(c.oid, 'USAGE') END
 ), behind AS (
-    SELECT seq, known, known - COALESCE(pg_sequence_last_value(seq), 0) AS gap
-    FROM known WHERE seq IS NOT NULL
+    SELECT seq, name, known, pg_sequence_last_value(seq) AS head FROM known
 )
-SELECT b.seq::text, b.known, b.known - b.gap, t.taken
-FROM behind b CROSS JOIN LATERAL (
-    SELECT count(v) AS taken
-    FROM (SELECT nextval(b.seq) AS v FROM generate_series(1, LEAST(b.gap, %(limit)s))) x
-) t
-WHERE b.gap > 0
+SELECT b.name, b.known, b.head, CASE WHEN b.known - b.head > %(limit)s THEN 0 ELSE (
+    SELECT count(v) FROM (SELECT nextval(b.seq) AS v FROM generate_series(1, b.known - b.head)) x
+) END
+FROM behind b
+WHERE b.head < b.known
 """
 
 
-async def _catch_up_sequences(conn: AsyncConnection[TupleRow], heads: Mapping[str, int]) -> None:
-    """Move each sequence this process took IDs from back up to the largest it knows
-    was handed out, before the connection runs anything else (R-ID-14).
-
-    PostgreSQL logs a sequence 32 values ahead and flushes that record only with a
-    commit: in a crash soon after a transaction that took IDs rolled back, the sequence
-    comes back below them, and would hand them out again. A writer may have reported
-    one of them as its position (finished, without a row) and readers passed it; a
-    row committed under it later would be skipped. Every statement after a crash runs
-    on a new connection, so this runs before the first allocation on it."""
-    names = list(heads)
-    params = {"names": names, "known": [heads[n] for n in names], "limit": SEQUENCE_CATCH_UP_LIMIT}
-    try:
-        rows = await (await conn.execute(_CATCH_UP_QUERY, params)).fetchall()
-    except psycopg.Error as err:
-        if conn.broken:
-            raise
-        logger.warning("could not check the streams' sequences on a new connection: %s", err)
-        return
-    for name, known, at, taken in rows:
-        logger.warning(
-            "sequence %s was at %d, below ID %d that it handed out earlier: PostgreSQL "
-            "lost its last moments in a crash (it flushes a sequence's log record only "
-            "with a commit). Took %d value(s) from it so that no ID is handed out twice%s",
-            name,
-            at,
-            known,
-            taken,
-            "" if at + taken >= known else "; it is still behind: it was reset, not crashed",
-        )
+def regclass_text(name: str) -> str:
+    """A table or sequence name, schema-qualified or not, as text for `::regclass`."""
+    # Names are validated by StreamSpec (no quotes), so this quoting is exact.
+    return ".".join(f'"{part}"' for part in name.split("."))
 
 
 def _set_query(settings: Mapping[str, str], *, with_pid: bool = False) -> sql.Composed:

@@ -22,7 +22,7 @@ from psycopg.rows import TupleRow
 
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
 from plait.errors import PositionAboveHeadError, SchemaError, SequenceBehindError
-from plait.storage.database import Database, Transaction
+from plait.storage.database import Database, Transaction, regclass_text
 from plait.storage.incarnation import name_prefix
 from plait.streams.spec import StreamSpec, TableSpec
 
@@ -80,11 +80,6 @@ class StreamRow(NamedTuple):
 def ident(name: str) -> sql.Identifier:
     """A table or sequence name, schema-qualified or not, as an SQL identifier."""
     return sql.Identifier(*name.split("."))
-
-
-def _regclass(name: str) -> str:
-    # Names are validated by StreamSpec (no quotes), so this quoting is exact.
-    return ".".join(f'"{part}"' for part in name.split("."))
 
 
 _FLOOR = sql.SQL("%(floor)s")
@@ -254,7 +249,7 @@ class StreamStore:
         self.spec = spec
         self._sign = spec.sign
         self._seq = ident(spec.sequence)
-        self._seq_regclass = _regclass(spec.sequence)
+        self._seq_regclass = regclass_text(spec.sequence)
         self._head_query = sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
         self._tables = [_Table(t, spec.backwards) for t in spec.tables]
         self._row_builders: dict[
@@ -276,16 +271,18 @@ class StreamStore:
                 found = [
                     (
                         table,
-                        await conn.execute("SELECT to_regclass(%s)::oid", (_regclass(table.name),)),
+                        await conn.execute(
+                            "SELECT to_regclass(%s)::oid", (regclass_text(table.name),)
+                        ),
                         await conn.execute(
                             "SELECT attname, attnum, format_type(atttypid, NULL) FROM pg_attribute"
                             " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-                            (_regclass(table.name),),
+                            (regclass_text(table.name),),
                         ),
                         await conn.execute(
                             "SELECT indkey[0], indkey[1] FROM pg_index WHERE indrelid ="
                             " to_regclass(%s) AND indisvalid AND indpred IS NULL",
-                            (_regclass(table.name),),
+                            (regclass_text(table.name),),
                         ),
                     )
                     for table in self._tables
