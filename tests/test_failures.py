@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from plait import Database, SequenceBehindError
+from replication_helpers import until
 from stream_helpers import create_generator, create_table, stored_positions, write_in_txn
 
 
@@ -179,7 +180,8 @@ async def test_connection_killed_before_commit(db: Database) -> None:
 
     with pytest.raises(psycopg.OperationalError):
         await write_then_lose_the_connection()
-    assert gen.get_current_token() == 2  # the ID completed...
+    # The ID completed (once the WAL was flushed: R-ID-14)...
+    await until(lambda: gen.get_current_token() == 2, what="the ID to complete")
     assert await gen.get_updates_since("w", 0, 2) == ([], 2, False)  # ...with no row
     assert await gen.insert("INSERT INTO events VALUES ({id}, 'w') RETURNING stream_id") == [3]
     assert gen.get_current_token() == 3

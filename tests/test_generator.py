@@ -19,6 +19,7 @@ from plait import (
     StreamToken,
     TableSpec,
 )
+from replication_helpers import until
 from stream_helpers import (
     create_generator,
     create_table,
@@ -64,7 +65,9 @@ async def test_get_next_txn_completes_after_commit_and_rollback(db: Database) ->
 
     with pytest.raises(Boom):
         await write_then_fail()
-    assert gen.get_current_token() == 5  # rolled-back IDs complete too
+    # Rolled-back IDs complete too, once the WAL is flushed (a round trip later): the
+    # sequence's log record must survive a crash first (R-ID-14).
+    await until(lambda: gen.get_current_token() == 5, what="the rolled-back IDs to complete")
     rows, upto, limited = await gen.get_updates_since("master", 0, 5)
     assert [r.stream_id for r in rows] == [2]
     assert (upto, limited) == (5, False)
@@ -76,7 +79,7 @@ async def test_failing_write_in_get_next_still_completes(db: Database) -> None:
     with pytest.raises(RuntimeError):
         async with gen.get_next():
             raise RuntimeError("write failed")
-    assert gen.get_current_token() == 2
+    await until(lambda: gen.get_current_token() == 2, what="the failed write's ID to complete")
     async with gen.get_next() as stream_id:
         assert stream_id == 3
 
@@ -111,7 +114,8 @@ async def test_cancelled_allocation_does_not_stall_the_position(db: Database) ->
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert gen.get_current_token() == 6
+    # Finished once the WAL was flushed (R-ID-14), a round trip later.
+    await until(lambda: gen.get_current_token() == 6, what="the cancelled IDs to complete")
     assert gen._tracker.unfinished() == []
 
 
@@ -345,7 +349,8 @@ async def test_cancelled_during_commit_runs_the_right_callbacks(db: Database) ->
         await task
     rows, _, _ = await gen.get_updates_since("master", 0, 10)
     assert outcome == (["committed"] if rows else ["rolled back"])
-    assert gen.get_current_token() == 2  # the ID completed either way
+    # The ID completed either way (rolled back: once the WAL was flushed, R-ID-14).
+    await until(lambda: gen.get_current_token() == 2, what="the ID to complete")
     assert gen._tracker.unfinished() == []
 
 
@@ -355,7 +360,7 @@ async def test_psycopg_rollback_is_honoured(db: Database) -> None:
     async with write_in_txn(db, gen):
         raise psycopg.Rollback
     assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
-    assert gen.get_current_token() == 2
+    await until(lambda: gen.get_current_token() == 2, what="the rolled-back ID to complete")
 
 
 async def test_commit_after_a_caught_error_is_not_reported_as_committed(db: Database) -> None:
@@ -372,7 +377,7 @@ async def test_commit_after_a_caught_error_is_not_reported_as_committed(db: Data
         await write()
     assert outcome == ["rolled back"]
     assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
-    assert gen.get_current_token() == 2
+    await until(lambda: gen.get_current_token() == 2, what="the rolled-back ID to complete")
 
 
 async def test_transaction_round_trips(db: Database) -> None:

@@ -12,6 +12,7 @@ from plait import ConfigError, Database, MultiWriterIdGenerator
 from plait.replication.rows import DictRows
 from plait.replication.streams import DatabaseStream
 from plait.storage.stream_store import StreamRow
+from replication_helpers import until
 from stream_helpers import create_generator, create_table
 
 ONE = "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, %s, %s)"
@@ -73,7 +74,8 @@ async def test_insert_txn_completes_after_commit_or_rollback(db: Database) -> No
     async with db.transaction() as txn:
         await gen.insert_txn(txn, ONE + " RETURNING stream_id", ("w", "y"))
         raise psycopg.Rollback
-    assert gen.get_current_token() == 3
+    # Rolled back: complete once the WAL was flushed (R-ID-14), a round trip later.
+    await until(lambda: gen.get_current_token() == 3, what="the rolled-back ID to complete")
     rows, _, _ = await gen.get_updates_since("w", 0, 3)
     assert [r.stream_id for r in rows] == [2]
 

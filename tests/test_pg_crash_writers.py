@@ -283,38 +283,78 @@ class _Rollback(Exception):
     pass
 
 
+async def _forty_rolled_back(db: Database, gen: MultiWriterIdGenerator) -> list[int]:
+    """A transaction that takes 40 IDs (its nextval logs the sequence ahead at least
+    once) and rolls back. Returns the IDs."""
+    ids: list[int] = []
+
+    async def rolled_back() -> None:
+        async with db.transaction() as txn:
+            ids.extend(await gen.get_next_mult_txn(txn, 40))
+            raise _Rollback
+
+    with pytest.raises(_Rollback):
+        await rolled_back()
+    return ids
+
+
+async def test_a_rolled_back_transactions_ids_count_once_their_sequence_record_is_on_disk(
+    restartable_pg: RestartablePostgres,
+) -> None:
+    """PostgreSQL logs a sequence 32 values ahead, and that record reaches the disk only
+    when something flushes the WAL, which a rollback does not. Before, the IDs of a
+    transaction that rolled back counted as finished at once: the writer reported the
+    last as its position, and a crash right after brought the sequence back below it,
+    to hand those IDs out again (a writer killed before it reconnects then restarts
+    below what it reported, and commits rows readers may have passed)."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    try:
+        # A long flush interval: no background statement flushes the WAL meanwhile.
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
+        await w1.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+        ids = await _forty_rolled_back(w1_db, w1)
+        await _until(
+            "w1's position to pass its rolled-back IDs",
+            lambda: w1.get_current_token_for_writer("w1") >= ids[-1],
+        )
+        reported = w1.get_current_token_for_writer("w1")
+        await asyncio.to_thread(server.crash)
+        assert await _sequence_head(server) >= reported
+        await w1.close()
+    finally:
+        await w1_db.close()
+
+
 @pytest.mark.parametrize("write", ["get_next", "insert"])
 async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequence_back(
     restartable_pg: RestartablePostgres, write: str
 ) -> None:
-    """PostgreSQL logs a sequence 32 values ahead, and flushes that record only with a
-    commit: when the transaction that took the IDs rolls back and the server crashes
-    before anything else flushes, the sequence comes back below them, and hands them
-    out again. The writer had reported the last of them as its position (they
-    completed, without rows). Before, its next get_next was refused for good
+    """The sequence's log record ahead was written by another transaction, still open
+    when the server crashes (so never flushed); the writer took IDs under it, wrote no
+    row with them and reported the last as its position. After the crash the sequence
+    is back below them. Before, the writer's next get_next was refused for good
     (SequenceBehindError: "stop all writers and restart them"), and its next insert
     committed a row below the position it had reported, which readers may have passed."""
     server = restartable_pg
     await _schema_with_slow_wal_writes(server)
     spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
     insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
-    # A long flush interval: no background statement meets the crash before the test's.
     w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    other = await psycopg.AsyncConnection.connect(server.dsn)  # not autocommit
     try:
+        # A long flush interval: no background statement meets the crash before the test's.
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert(insert)
-
-        async def forty_rolled_back() -> None:
-            async with w1_db.transaction() as txn:
-                await w1.get_next_mult_txn(txn, 40)
-                raise _Rollback
-
-        with pytest.raises(_Rollback):
-            await forty_rolled_back()
+        await other.execute("SELECT nextval('events_seq') FROM generate_series(1, 40)")
+        async with w1.get_next_mult(5):  # under that record: no log, no flush
+            pass
         reported = w1.get_current_token_for_writer("w1")
         await asyncio.to_thread(server.crash)
         if await _sequence_head(server) >= reported:
-            # The WAL writer woke (an abort may wake it) and wrote the record out.
+            # The WAL writer woke and wrote the record out.
             pytest.skip("the crash did not take the sequence back this time")
 
         new_id = 0
@@ -333,6 +373,7 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
         await w1.close()
     finally:
         await w1_db.close()
+        await other.close()
 
 
 async def test_a_live_writer_stores_its_position_again_after_a_crash(

@@ -1063,6 +1063,12 @@ class Database:
     def superseded(self) -> bool:
         return isinstance(self._identity.fenced, SupersededError)
 
+    @property
+    def fenced(self) -> bool:
+        """Whether a connection found this run fenced, and it has not gone on as a new
+        incarnation since (it does once none of its IDs is pending, `hold_renewal`)."""
+        return self._identity.fenced is not None
+
     def hold_renewal(self, pending: Callable[[], bool]) -> None:
         """While `pending()` is true (IDs of this run not finished), a fenced run does
         not go on as a new incarnation (see `_Identity`)."""

@@ -430,6 +430,22 @@ class StreamStore:
             ),
         )
 
+    async def flush_wal(self) -> None:
+        """Return once everything the server logged so far is on disk. What it is for:
+        the sequence's log record of IDs whose transaction rolled back (R-ID-14,
+        `MultiWriterIdGenerator._finish_flushed`).
+
+        A commit waits for the WAL up to its own record only when the transaction wrote
+        some: an xid alone is not enough. Locking the stream's row in plait_streams
+        writes a lock record and changes nothing, and every writer may (start-up writes
+        that row)."""
+        async with self.db.cursor() as cur:
+            await cur.execute(
+                "SELECT set_config('synchronous_commit', 'on', true) FROM plait_streams"
+                " WHERE stream_name = %s FOR KEY SHARE",
+                (self.spec.name,),
+            )
+
     async def sequence_head(self) -> int:
         """The largest ID the sequence has handed out."""
         async with self.db.connection() as conn:

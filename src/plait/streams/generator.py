@@ -359,7 +359,52 @@ class MultiWriterIdGenerator:
     ) -> None:
         txn.call_after(lambda: self._finish(ids, rows))
         # Rolled back, or a COMMIT whose outcome is unknown: rows not known either way.
-        txn.call_on_exception(lambda: self._finish(ids))
+        txn.call_on_exception(lambda: self._finish_flushed(ids))
+
+    def _finish_flushed(self, ids: list[int]) -> None:
+        """IDs that may have finished without a row count as finished once the WAL is
+        on disk (R-ID-14). PostgreSQL logs a sequence 32 values ahead, and only a flush
+        of the WAL makes that record survive a crash; a rollback flushes nothing. So
+        until then a crash could bring the sequence back below these IDs, to hand them
+        out again, after this writer reported them as its position. One round trip per
+        rollback; the position waits for it (and, the server down, for its return)."""
+        if not ids or self._closed:
+            return
+        if self._db.fenced:
+            # The others moved this run's position past its IDs, and its connections
+            # are refused until none is pending: finish them now, so it can go on as a
+            # new incarnation (which moves a sequence a crash took back up first).
+            self._finish(ids)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._flush_then_finish(ids), name=f"plait-flush-{self._spec.name}"
+        )
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _flush_then_finish(self, ids: list[int]) -> None:
+        """See `_finish_flushed`. Cancelled (at close), the IDs stay unfinished: a
+        position held back is safe."""
+        backoff = Backoff(initial=0.05, cap=1.0)
+        failures = 0
+        while True:
+            try:
+                await self._store.flush_wal()
+                break
+            except FencedError:
+                break  # this run writes nothing more; the others moved its position on
+            except (psycopg.Error, OSError, PlaitError) as err:
+                failures += 1
+                if failures == 1 or failures % 100 == 0:
+                    logger.warning(
+                        "stream %s: could not flush PostgreSQL's log before IDs of a "
+                        "transaction that rolled back count as finished (%s); this "
+                        "writer's position waits for it",
+                        self._spec.name,
+                        err,
+                    )
+                await asyncio.sleep(backoff.next_delay())
+        self._finish(ids)
 
     def _signed(self, ids: list[int]) -> list[int]:
         """Internal IDs as the caller sees them (negative on a backwards stream), in a
@@ -784,8 +829,7 @@ class MultiWriterIdGenerator:
         self._closed = True
         self._db.forget_on_close(self.close)
         self._db.release_renewal(self._pending)
-        for task in list(self._settling):
-            task.cancel()
+        await cancel_and_wait(*self._settling)
         if self._confirming is not None:
             await cancel_and_wait(self._confirming)
         if self._fencer is not None:
@@ -821,7 +865,10 @@ class _Reservation(Generic[T]):
         return self._present(self._ids)
 
     async def __aexit__(self, *exc: object) -> None:
-        self._gen._finish(self._ids)
+        if exc[0] is None:
+            self._gen._finish(self._ids)
+        else:  # the block failed: no row, most likely
+            self._gen._finish_flushed(self._ids)
 
 
 class _InsertAtCommit:
