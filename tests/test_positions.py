@@ -470,40 +470,10 @@ def test_spec_idle_rule() -> None:
     second.advance("first", 12)
     assert second.position_of("second") == 9
     second.end_fetch(ticket, [13])
-    # Its write pending, it reports the largest completed ID below it (R-ID-3): first's.
-    assert second.position_of("second") == 12
+    assert second.position_of("second") == 9
     second.complete([13])
     assert second.position_of("second") == 13
     assert second.last_local_write == 13
-
-
-def test_a_busy_writer_follows_the_others_below_its_pending_ids() -> None:
-    """R-ID-3: a writer with an ID pending reports the largest other writer's position
-    below it (a completed ID, and none of its own at or below it is pending). Before,
-    it stayed at its last finished ID while its IDs waited in a slow transaction, and
-    the linear position of readers of the database alone stood still with it."""
-    writers = ["first", "second", "third"]
-    first = PositionTracker(
-        "first", writers=writers, floor=5, positions={"first": 5, "second": 5, "third": 5}
-    )
-    ticket = first.begin_fetch()
-    first.end_fetch(ticket, [10])  # pending, in a slow transaction
-    first.advance("second", 8)
-    assert first.position_of("first") == 8
-    first.advance("third", 9)
-    assert first.position_of("first") == 9
-    first.advance("second", 12)  # above the pending ID: not a position for first
-    assert first.position_of("first") == 9
-    assert first.persisted_upto == 9
-    ticket = first.begin_fetch()  # a fetch in flight bounds it too (floor 13)
-    first.advance("third", 14)
-    assert first.position_of("first") == 9
-    first.end_fetch(ticket, [15])
-    first.complete([10])
-    assert first.position_of("first") == 14  # 15 still pending
-    assert first.persisted_upto == 12
-    first.complete([15])
-    assert first.position_of("first") == 15
 
 
 def test_an_idle_writer_follows_completed_ids_learned_elsewhere() -> None:
@@ -539,12 +509,10 @@ def test_in_flight_fetch_holds_the_position_back() -> None:
     later = w.begin_fetch()
     assert later.floor == 10
     w.end_fetch(later, [11])
-    assert w.position_of("w") == 5  # the first fetch is still on its way
     w.end_fetch(ticket, [10])
-    # 10 and 11 pending: x's 9 is the largest completed ID below them (R-ID-3).
-    assert w.position_of("w") == 9
+    assert w.position_of("w") == 5
     w.complete([11])
-    assert w.position_of("w") == 9
+    assert w.position_of("w") == 5
     w.complete([10])
     assert w.position_of("w") == 11
     # x is at 9, and 10 and 11 are w's own completed IDs: a gapless run.

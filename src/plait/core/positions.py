@@ -19,8 +19,7 @@ Invariants (tests/test_positions.py checks them with Hypothesis):
   fed to `advance` or `observe_completed` is a completed ID. The positions this class
   reports always are, so trackers that feed each other stay sound.
 - An idle local writer (nothing unfinished, nothing in flight) reports the largest
-  completed ID it has seen anywhere, so it never holds back the others; a busy one, at
-  least the largest other writer's position below its lowest pending ID.
+  completed ID it has seen anywhere, so it never holds back the others.
 
 Why the reported position of a starting writer is not simply the sequence head: the
 head may be an ID another writer still has in flight. A reader told "W is at H" would
@@ -306,7 +305,6 @@ class PositionTracker:
         self._positions: dict[str, int] = dict(positions or {})
         # The lowest position of the other writers, kept because every write needs it.
         self._others_min: int | None = None
-        self._others_max: int | None = None
         self._persisted = floor
         # Completed IDs above persisted-up-to, to skip forward over gapless runs.
         self._known_completed = _AscendingIds()
@@ -524,27 +522,9 @@ class PositionTracker:
         self._settle(done)
 
     def _note_others(self) -> None:
-        """Re-derive the other writers' lowest and highest positions (after one of
-        them changed)."""
+        """Re-derive the other writers' lowest position (after one of them changed)."""
         others = [p for w, p in self._positions.items() if w != self._instance]
         self._others_min = min(others) if others else None
-        self._others_max = max(others) if others else None
-
-    def _follow_others_while_busy(self) -> None:
-        """A busy writer reports the largest other writer's position below its own
-        lowest pending ID (R-ID-3): that is a completed ID, and every ID of its own at
-        or below it has finished. Else a writer whose IDs wait in a slow transaction
-        holds everyone's linear position at its last finished one, although the others
-        went on below its pending IDs (readers of the database alone stalled 8.9 s in
-        the checker's long run)."""
-        bounds = [b for b in (self._unfinished.min(), self._in_flight.min()) if b is not None]
-        bound = min(bounds)
-        best = max(
-            (p for w, p in self._positions.items() if w != self._instance and p < bound),
-            default=self._local,
-        )
-        if best > self._local:
-            self._local = best
 
     def _note_completed(self, stream_id: int) -> None:
         self._max_seen = max(self._max_seen, stream_id)
@@ -575,11 +555,8 @@ class PositionTracker:
         `completed` are newly completed IDs, ascending (their `max_seen` already noted);
         only those above the new persisted-up-to need to be kept.
         """
-        if self._is_writer:
-            if self.is_idle:
-                self._local = max(self._local, self._max_seen)
-            elif self._others_max is not None and self._others_max > self._local:
-                self._follow_others_while_busy()
+        if self._is_writer and self.is_idle:
+            self._local = max(self._local, self._max_seen)
         low = self._others_min
         if self._is_writer and (low is None or self._local < low):
             low = self._local

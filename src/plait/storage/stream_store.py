@@ -438,13 +438,18 @@ class StreamStore:
         A commit waits for the WAL up to its own record only when the transaction wrote
         some: an xid alone is not enough. Locking the stream's row in plait_streams
         writes a lock record and changes nothing, and every writer may (start-up writes
-        that row)."""
+        that row; its upsert's lock does not conflict). `local`: the crash this is for
+        is this server's; a standby that is down must not hold writers' positions."""
         async with self.db.cursor() as cur:
             await cur.execute(
-                "SELECT set_config('synchronous_commit', 'on', true) FROM plait_streams"
+                "SELECT set_config('synchronous_commit', 'local', true) FROM plait_streams"
                 " WHERE stream_name = %s FOR KEY SHARE",
                 (self.spec.name,),
             )
+            locked = await cur.fetchone()
+        if locked is None:  # the row is gone: write it again, which flushes as well
+            async with self.db.connection() as conn:
+                await conn.execute(*self._record_spec_statement())
 
     async def sequence_head(self) -> int:
         """The largest ID the sequence has handed out."""

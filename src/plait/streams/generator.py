@@ -85,7 +85,8 @@ class MultiWriterIdGenerator:
         self._sign = spec.sign
         self._insert_sql: dict[str, str] = {}
         self._fetches = Fetches(tracker, self._handed_out)
-        self._allocator = IdAllocator(self._fetches, store.allocate, self._finish)
+        # IDs whose caller went away before it got them: no row, as a failed block.
+        self._allocator = IdAllocator(self._fetches, store.allocate, self._finish_flushed)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
         self._position_writer: PositionWriter | None = None
@@ -120,6 +121,9 @@ class MultiWriterIdGenerator:
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._capture: WriteCapture | None = None
         self._settling: set[asyncio.Task[None]] = set()
+        # IDs that finish once the WAL is flushed, and the task that flushes it.
+        self._unflushed: list[int] = []
+        self._flusher: asyncio.Task[None] | None = None
         self._closed = False
         self._fencer: Fencer | None = None
         others = set(spec.writers) - {instance_name}
@@ -366,33 +370,35 @@ class MultiWriterIdGenerator:
         on disk (R-ID-14). PostgreSQL logs a sequence 32 values ahead, and only a flush
         of the WAL makes that record survive a crash; a rollback flushes nothing. So
         until then a crash could bring the sequence back below these IDs, to hand them
-        out again, after this writer reported them as its position. One round trip per
-        rollback; the position waits for it (and, the server down, for its return)."""
+        out again, after this writer reported them as its position. One flush serves
+        every ID queued before it began; the position waits for it (and, the server
+        down, for its return)."""
         if not ids or self._closed:
             return
         if self._db.fenced:
-            # The others moved this run's position past its IDs, and its connections
-            # are refused until none is pending: finish them now, so it can go on as a
-            # new incarnation (which moves a sequence a crash took back up first).
+            # Its connections are refused until none of its IDs is pending: finish them
+            # now so it can go on as a new incarnation. The fence that stopped it
+            # committed, durably, once all of its server processes had ended, which
+            # flushed the WAL past these IDs' sequence record.
             self._finish(ids)
             return
-        task = asyncio.get_running_loop().create_task(
-            self._flush_then_finish(ids), name=f"plait-flush-{self._spec.name}"
-        )
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        self._unflushed.extend(ids)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(
+                self._flush_then_finish(), name=f"plait-flush-{self._spec.name}"
+            )
 
-    async def _flush_then_finish(self, ids: list[int]) -> None:
+    async def _flush_then_finish(self) -> None:
         """See `_finish_flushed`. Cancelled (at close), the IDs stay unfinished: a
         position held back is safe."""
         backoff = Backoff(initial=0.05, cap=1.0)
         failures = 0
-        while True:
+        while self._unflushed:
+            batch = self._unflushed.copy()  # what this flush covers; later ones wait
             try:
                 await self._store.flush_wal()
-                break
             except FencedError:
-                break  # this run writes nothing more; the others moved its position on
+                pass  # this run writes nothing more (see `_finish_flushed`)
             except (psycopg.Error, OSError, PlaitError) as err:
                 failures += 1
                 if failures == 1 or failures % 100 == 0:
@@ -404,7 +410,9 @@ class MultiWriterIdGenerator:
                         err,
                     )
                 await asyncio.sleep(backoff.next_delay())
-        self._finish(ids)
+                continue
+            del self._unflushed[: len(batch)]
+            self._finish(sorted(batch))
 
     def _signed(self, ids: list[int]) -> list[int]:
         """Internal IDs as the caller sees them (negative on a backwards stream), in a
@@ -830,6 +838,8 @@ class MultiWriterIdGenerator:
         self._db.forget_on_close(self.close)
         self._db.release_renewal(self._pending)
         await cancel_and_wait(*self._settling)
+        if self._flusher is not None:
+            await cancel_and_wait(self._flusher)
         if self._confirming is not None:
             await cancel_and_wait(self._confirming)
         if self._fencer is not None:
