@@ -348,8 +348,18 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
         # A long flush interval: no background statement meets the crash before the test's.
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert(insert)
-        await other.execute("SELECT nextval('events_seq') FROM generate_series(1, 40)")
-        async with w1.get_next_mult(5):  # under that record: no log, no flush
+        # The other transaction takes IDs until its nextval has just logged the
+        # sequence ahead (log_cnt: values left before the next log record), so that
+        # w1's five next IDs lie under that record: w1 logs nothing, flushes nothing.
+        left = None
+        for _ in range(100):
+            await other.execute("SELECT nextval('events_seq')")
+            row = await (await other.execute("SELECT log_cnt FROM events_seq")).fetchone()
+            assert row is not None
+            if left is not None and row[0] > left:
+                break  # this nextval logged
+            left = row[0]
+        async with w1.get_next_mult(5):
             pass
         reported = w1.get_current_token_for_writer("w1")
         await asyncio.to_thread(server.crash)
