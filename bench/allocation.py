@@ -29,6 +29,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
 from common import (
+    EVENTS_DDL,
     add_common_args,
     bench_schema,
     count_round_trips,
@@ -92,11 +93,7 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 await db.migrate()
                 async with db.connection() as conn:
-                    await conn.execute(
-                        "CREATE TABLE events (stream_id BIGINT NOT NULL,"
-                        " instance_name TEXT NOT NULL, payload TEXT);"
-                        " CREATE INDEX ON events (instance_name, stream_id)"
-                    )
+                    await conn.execute(EVENTS_DDL)
                 gen = await MultiWriterIdGenerator.create(db, SPEC, "w1")
                 try:
                     for tasks in args.tasks:

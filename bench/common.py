@@ -39,6 +39,13 @@ DSN_ENV = "PLAIT_BENCH_DSN"
 T = TypeVar("T")
 
 
+# The events table every write benchmark measures on (its stream's one table).
+EVENTS_DDL = (
+    "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+    " payload TEXT); CREATE INDEX ON events (instance_name, stream_id)"
+)
+
+
 def log(message: str) -> None:
     """Progress for humans, on stderr (stdout carries only the JSON lines)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -22,7 +22,17 @@ import time
 
 from psycopg import AsyncConnection
 
-from common import add_common_args, bench_schema, emit, log, rnd, run, server, server_info
+from common import (
+    EVENTS_DDL,
+    add_common_args,
+    bench_schema,
+    emit,
+    log,
+    rnd,
+    run,
+    server,
+    server_info,
+)
 from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
 
 SPEC = StreamSpec("events", sequence="events_seq", tables=[TableSpec("events")], writers=["w1"])
@@ -71,10 +81,7 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 await db.migrate()
                 async with db.connection() as c:
-                    await c.execute(
-                        "CREATE TABLE events (stream_id BIGINT NOT NULL,"
-                        " instance_name TEXT NOT NULL, payload TEXT)"
-                    )
+                    await c.execute(EVENTS_DDL)
                 gen = await MultiWriterIdGenerator.create(db, SPEC, "w1")
                 moved = asyncio.Event()
                 gen.add_moved_listener(moved.set)

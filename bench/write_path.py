@@ -46,6 +46,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common import (
+    EVENTS_DDL,
     add_common_args,
     bench_schema,
     count_round_trips,
@@ -88,10 +89,6 @@ EQUIVALENT = {
     "plait_get_next_txn": "bare_id_first_txn",
 }
 NEXTVALS = "SELECT nextval('events_seq') FROM generate_series(1, %s)"
-TABLE_DDL = (
-    "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
-    " payload TEXT); CREATE INDEX ON events (instance_name, stream_id)"
-)
 
 
 def spec_for(writers: list[str]) -> StreamSpec:
@@ -497,7 +494,7 @@ async def run_group(
             await db.migrate()
         finally:
             await db.close()
-        await admin.execute(TABLE_DDL)
+        await admin.execute(EVENTS_DDL)
         postmaster = await find_postmaster(admin)
         log(f"{writers} writer process(es): starting")
         fleet = Fleet(dsn, writers, postmaster)
