@@ -599,3 +599,80 @@ async def test_a_writer_takes_no_position_above_the_head_from_advance(
     finally:
         await other_db.close()
     await gen.close()
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+async def test_a_database_only_reader_passes_committed_rows_below_a_long_transaction(
+    db: Database, backwards: bool
+) -> None:
+    """Issue 18 (the long run's dblinear stall of 8.9 s): a writer whose ID waits in a
+    long transaction stands at its last finished ID, below IDs the other writers have
+    committed meanwhile. A reader fed by replication skips over those rows; a reader of
+    the database alone stood with the slow writer until its transaction ended. It now
+    skips over committed rows that leave no gap (R-ID-4), and never over the pending
+    ID (no row) or a rolled-back one."""
+    await create_table(db)
+    sign = -1 if backwards else 1
+    writers = ["slow", "fast"]
+    slow = await create_generator(db, writers, "slow", backwards=backwards)
+    fast = await create_generator(db, writers, "fast", backwards=backwards)
+    reader = await create_generator(
+        db, writers, "reader", backwards=backwards, position_flush_interval=0.05
+    )
+    insert = "INSERT INTO events (stream_id, instance_name) SELECT unnest(%s::bigint[]), %s"
+
+    async def write(ids: list[int], writer: str) -> None:
+        async with db.connection() as conn:
+            await conn.execute(insert, (ids, writer))
+
+    async with slow.get_next() as first:  # 2: slow's last finished ID
+        await write([first], "slow")
+    released = asyncio.Event()
+
+    taken = asyncio.Event()
+
+    async def long_transaction() -> None:
+        async with db.transaction() as txn:
+            pending = await slow.get_next_txn(txn)  # 6: waits
+            assert pending == sign * 6
+            await txn.execute(insert, ([pending], "slow"))
+            taken.set()
+            await released.wait()
+
+    async with db.transaction() as txn:
+        below = await fast.get_next_mult_txn(txn, 3)  # 3, 4, 5: taken before slow's
+        assert below == [sign * i for i in (3, 4, 5)]
+        waiting = asyncio.create_task(long_transaction())
+        await taken.wait()
+        await txn.execute(insert, (below, "fast"))
+    try:
+        await fast.flush_position()
+        await slow.flush_position()
+        assert (await stored_positions(db))["slow"] == sign * 2
+        await until(
+            lambda: reader.get_current_token() == sign * 5,
+            what="the database-only reader to pass fast's rows 3 to 5",
+        )
+        # Rows above the pending ID do not let it pass it, nor does a rolled-back ID.
+        with contextlib.suppress(RuntimeError):
+            async with db.transaction() as txn:
+                await fast.get_next_txn(txn)  # 7
+                raise RuntimeError("rolled back")
+        async with fast.get_next_mult(2) as above:  # 8, 9
+            await write(above, "fast")
+        await until(lambda: fast.get_current_token_for_writer("fast") == sign * 9, what="fast at 9")
+        await fast.flush_position()
+        for _ in range(5):
+            await reader.refresh_positions()
+        assert reader.get_current_token() == sign * 5
+    finally:
+        released.set()
+        await waiting
+    await slow.refresh_positions()  # idle: at fast's 9 (R-ID-5), over the rolled-back 7
+    await slow.flush_position()
+    await until(
+        lambda: reader.get_current_token() == sign * 9,
+        what="the reader to pass 6 and 7 once slow committed 6",
+    )
+    for gen in (slow, fast, reader):
+        await gen.close()

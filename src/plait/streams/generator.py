@@ -57,6 +57,9 @@ DEFAULT_BATCH = 100
 MAX_UPSERT_DELAY = 0.1  # seconds
 # Statements given to `insert` are rewritten once and kept (applications use a handful).
 SQL_CACHE_SIZE = 256
+# IDs read per query when a database-only reader passes committed rows (the IDs between
+# a slow writer's position and its pending ID are few; a gapless run goes on page by page).
+PASS_PAGE = 1000
 
 
 class MultiWriterIdGenerator:
@@ -106,6 +109,7 @@ class MultiWriterIdGenerator:
             )
         self._follow_database = follow_database
         self._heard_upto = tracker.max_seen  # when _learn_stored_positions last looked
+        self._passed_from = tracker.persisted_upto  # when _pass_committed_rows last looked
         # What the sequence is known to have handed out is `db.known_head` (`create`
         # notes the head it read). Another process's claim above it counts only once
         # the sequence confirms it (R-ID-14).
@@ -729,6 +733,28 @@ class MultiWriterIdGenerator:
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
             self._db.note_head(self._spec.sequence, position)
             self._tracker.advance(writer, position)
+        await self._pass_committed_rows()
+
+    async def _pass_committed_rows(self) -> None:
+        """Move persisted-up-to over committed rows above it that leave no gap (R-ID-4).
+
+        A writer whose ID waits in a long transaction stands at its last finished ID,
+        while the others commit IDs between that and its pending one. A reader fed by
+        replication passes those as their rows arrive; one that follows the database
+        learns no IDs from rows, so it reads them, once persisted-up-to stood still for
+        a whole refresh with a writer past it (no query while positions move)."""
+        tracker = self._tracker
+        persisted = tracker.persisted_upto
+        stood_still, self._passed_from = persisted == self._passed_from, persisted
+        if not stood_still or max(tracker.positions().values(), default=0) <= persisted:
+            return
+        while True:
+            ids, cutoff, more = await self._store.ids_above(persisted, PASS_PAGE)
+            tracker.observe_completed(ids)  # committed rows: completed IDs
+            persisted = tracker.persisted_upto
+            if not more or persisted < cutoff:  # past the first gap nothing moves it
+                break
+        self._passed_from = persisted
 
     async def _learn_stored_positions(self) -> None:
         """A replicated writer, while idle: the others' stored positions move its own
