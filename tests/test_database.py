@@ -143,6 +143,39 @@ async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) 
         await db.close()
 
 
+async def test_a_head_heard_soon_after_a_lost_connection_is_caught_up_on_the_next_lease(
+    db: Database,
+) -> None:
+    """A head another process tells of (`note_head(heard=True)`) is caught up before the
+    next statement only within `HEARD_AFTER_LOSS` of a lost connection, when it may name
+    an ID a crash took back (test_pg_crash_writers.py does the crash); otherwise it
+    costs nothing: the sequence is left where it is."""
+    async with db.connection() as conn:
+        await conn.execute("DROP SEQUENCE IF EXISTS heard_seq")
+        await conn.execute("CREATE SEQUENCE heard_seq")
+        await conn.execute("SELECT setval('heard_seq', 10)")
+
+    async def head() -> int:
+        async with db.connection() as conn:
+            row = await (await conn.execute("SELECT last_value FROM heard_seq")).fetchone()
+            assert row is not None
+            return int(row[0])
+
+    db.note_head("heard_seq", 15, heard=True)  # no connection lost: taken as said
+    assert await head() == 10
+    with pytest.raises(psycopg.OperationalError):
+        async with db.connection() as conn:  # a connection lost: the window opens
+            await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    assert db.connections_lost == 1
+    assert await head() == 15  # the new connection caught up every head known
+    db.note_head("heard_seq", 20, heard=True)  # heard now: the same connection goes on
+    assert await head() == 20
+    db.note_head("heard_seq", 25)  # PostgreSQL's word: no check
+    assert await head() == 20
+    async with db.connection() as conn:
+        await conn.execute("DROP SEQUENCE heard_seq")
+
+
 async def test_new_connections_bring_a_sequence_that_went_back_up_to_what_was_handed_out(
     db: Database, caplog: pytest.LogCaptureFixture
 ) -> None:

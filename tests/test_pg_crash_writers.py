@@ -386,6 +386,77 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
         await other.close()
 
 
+@pytest.mark.parametrize("write", ["get_next", "insert"])
+async def test_a_position_heard_after_reconnecting_is_caught_up_before_the_next_write(
+    restartable_pg: RestartablePostgres, write: str
+) -> None:
+    """A crash took the sequence back below IDs w2 had reported; w1 reconnected (its
+    new connections caught up only the heads it knew then) and only then heard w2's
+    position, from a POSITION delayed past PostgreSQL's recovery. Before, w1's next
+    get_next was refused for good (SequenceBehindError) and its next insert committed
+    a row below a position readers may have passed (R-ID-14)."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1", "w2"])
+    insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
+    w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    other = await psycopg.AsyncConnection.connect(server.dsn)  # not autocommit
+    w2 = await psycopg.AsyncConnection.connect(server.dsn)
+    try:
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
+        await w1.insert(insert)
+        # As in the test above: w2's five IDs lie under another transaction's record.
+        # w2 took them in a transaction still open at the crash (rolled back by it,
+        # finished: w2 reports the last), and died with PostgreSQL, so w2 brings the
+        # sequence back up nowhere.
+        left = None
+        for _ in range(100):
+            await other.execute("SELECT nextval('events_seq')")
+            row = await (await other.execute("SELECT log_cnt FROM events_seq")).fetchone()
+            assert row is not None
+            if left is not None and row[0] > left:
+                break
+            left = row[0]
+        for _ in range(5):
+            row = await (await w2.execute("SELECT nextval('events_seq')")).fetchone()
+        assert row is not None
+        reported = int(row[0])
+        await asyncio.to_thread(server.crash)
+        if await _sequence_head(server) >= reported:
+            pytest.skip("the crash did not take the sequence back this time")
+        # w1 finds its connections dead and makes new ones (it knows no head of w2's).
+        assert await w1_db.retry_read("one", lambda: _one(w1_db)) == 1
+        assert w1_db.connections_lost > 0
+        assert await _sequence_head(server) < reported
+        w1.vouched("w2", reported)  # the delayed POSITION
+
+        new_id = 0
+        for _ in range(5):  # a pooled connection from before the crash fails first
+            try:
+                if write == "get_next":
+                    async with w1.get_next() as new_id:
+                        pass
+                else:
+                    new_id = (await w1.insert(insert))[0]
+                break
+            except psycopg.OperationalError:
+                continue
+        assert new_id > reported
+        assert w1.get_current_token_for_writer("w1") >= new_id
+        await w1.close()
+    finally:
+        await w1_db.close()
+        await other.close()
+        await w2.close()
+
+
+async def _one(db: Database) -> int:
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT 1")).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
 async def test_a_live_writer_stores_its_position_again_after_a_crash(
     restartable_pg: RestartablePostgres,
 ) -> None:

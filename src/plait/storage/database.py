@@ -280,8 +280,10 @@ class _Identity:
         "_sequence_warnings",
         "fenced",
         "heads",
+        "heard",
         "holds",
         "incarnation",
+        "lost_at",
         "pooled",
         "registered",
         "renew",
@@ -303,6 +305,10 @@ class _Identity:
         # out (`Database.known_head`); new connections bring a sequence that went
         # back up to it first (`_catch_up_sequences`).
         self.heads: dict[str, int] = {}
+        # Heads heard from other processes soon after a connection was lost, not yet
+        # caught up to (`Database.note_head`), and when one was last lost.
+        self.heard: dict[str, int] = {}
+        self.lost_at: float | None = None
         self._sequence_warnings = Throttle(60.0)  # per sequence, not per connection
         self.fenced: FencedError | None = None
         self.renew = renew
@@ -347,9 +353,22 @@ class _Identity:
                 _SERVER_PIDS[conn] = int(row[0])
         await self._check_fence(conn)
         if self.heads:
-            await self._catch_up_sequences(conn)
+            await self.catch_up(conn, self.heads)
 
-    async def _catch_up_sequences(self, conn: AsyncConnection[TupleRow]) -> None:
+    async def catch_up(self, conn: AsyncConnection[TupleRow], heads: Mapping[str, int]) -> None:
+        """`_catch_up_sequences`, which also settles the heads in `heard` it covers (kept
+        when the connection breaks; heads heard meanwhile stay for the next one)."""
+        heard, self.heard = self.heard, {}
+        try:
+            await self._catch_up_sequences(conn, heads)
+        except BaseException:
+            for name, head in heard.items():
+                self.heard[name] = max(head, self.heard.get(name, 0))
+            raise
+
+    async def _catch_up_sequences(
+        self, conn: AsyncConnection[TupleRow], heads: Mapping[str, int]
+    ) -> None:
         """Move each sequence this process took or saw IDs from back up to the largest
         it knows was handed out, before the connection serves anything (R-ID-14).
 
@@ -359,7 +378,6 @@ class _Identity:
         below them, to hand them out again; a writer may have reported one as its
         position (finished, without a row), and readers passed it. After a crash
         every statement runs on a new connection, so this comes first."""
-        heads = self.heads
         by_text = {regclass_text(name): name for name in heads}
         params = {
             "names": list(by_text),
@@ -438,6 +456,12 @@ class _Identity:
             # counts only connections carrying the registered epoch's name.
             await name_connection(conn, current)
 
+
+# How long after a lost connection a head heard from another process is caught up
+# before this process's next statement (`Database.note_head`): far longer than a
+# position message takes to arrive, even from a backlog. Only heads above the known
+# ones cost anything: one statement each time, within this window.
+HEARD_AFTER_LOSS = 30.0
 
 # Values a sequence is moved up by at most (`_catch_up_sequences`): far more than a
 # crash takes it back. One further behind was reset, not crashed: left alone (start-up
@@ -518,17 +542,24 @@ class _Lease:
         if db._lost_one and not db._closed:
             await db._replace_lost()
         if db._hot_busy or db._closed:
-            return await _pooled_connection(db, self)
-        db._hot_busy = True
-        try:
-            hot = db._hot
-            if hot is None or hot.closed:
-                hot = db._hot = await _waiting(db, db._pool.getconn)
-        except BaseException:
-            db._hot_busy = False
-            raise
-        self._hot = hot
-        return hot
+            conn = await _pooled_connection(db, self)
+        else:
+            db._hot_busy = True
+            try:
+                hot = db._hot
+                if hot is None or hot.closed:
+                    hot = db._hot = await _waiting(db, db._pool.getconn)
+            except BaseException:
+                db._hot_busy = False
+                raise
+            self._hot = conn = hot
+        if identity.heard:
+            try:
+                await identity.catch_up(conn, identity.heard)
+            except BaseException as exc:
+                await self.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+        return conn
 
     async def __aexit__(
         self,
@@ -540,6 +571,7 @@ class _Lease:
         if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
             db._lost_one = True  # its idle neighbours are most likely gone too
             db._connections_lost += 1
+            db._identity.lost_at = time.monotonic()
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return
@@ -1036,11 +1068,23 @@ class Database:
         writer takes it (R-ID-14). Shared by every generator on this Database."""
         return self._identity.heads.get(sequence, 0)
 
-    def note_head(self, sequence: str, head: int) -> None:
-        """`sequence` has handed out `head` (internal domain) at least."""
-        heads = self._identity.heads
+    def note_head(self, sequence: str, head: int, *, heard: bool = False) -> None:
+        """`sequence` has handed out `head` (internal domain) at least.
+
+        `heard`: another process says so (a position it replicated), not PostgreSQL.
+        Such a head may be an ID a crash took the sequence back below, said before the
+        crash and heard only after this process's new connections caught up the heads
+        it knew then. So one heard within `HEARD_AFTER_LOSS` of a lost connection is
+        caught up before the next statement (`_Lease`). Heads read from PostgreSQL need
+        no check: a committed row or a stored position reached the WAL after the
+        sequence's log record that covers it."""
+        identity = self._identity
+        heads = identity.heads
         if head > heads.get(sequence, 0):
             heads[sequence] = head
+            lost_at = identity.lost_at
+            if heard and lost_at is not None and time.monotonic() - lost_at < HEARD_AFTER_LOSS:
+                identity.heard[sequence] = head
 
     # -- lifetime ------------------------------------------------------------------------
 

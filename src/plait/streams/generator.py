@@ -621,7 +621,7 @@ class MultiWriterIdGenerator:
             internal = self._sign * position
             # Handed out, as far as this process knows: a crash may not take the
             # sequence back below it (`Database.known_head`).
-            self._db.note_head(self._spec.sequence, internal)
+            self._db.note_head(self._spec.sequence, internal, heard=True)
             self._tracker.advance(instance_name, internal)
 
     def _configured(self, writer: str) -> bool:
