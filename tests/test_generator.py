@@ -676,3 +676,53 @@ async def test_a_database_only_reader_passes_committed_rows_below_a_long_transac
     )
     for gen in (slow, fast, reader):
         await gen.close()
+
+
+async def test_a_database_only_reader_passing_rows_outlasts_a_lost_connection(
+    db: Database, dsn: str
+) -> None:
+    """The long run's dblinear reader died of `OperationalError` ("server closed the
+    connection unexpectedly"): PostgreSQL crashed between its read of the positions
+    and its read of the committed IDs above them, and only the first was retried. Both
+    reads of a refresh outlast a lost connection."""
+    await create_table(db)
+    writers = ["slow", "fast"]
+    slow = await create_generator(db, writers, "slow")
+    fast = await create_generator(db, writers, "fast")
+    reader_db = await Database.connect(dsn, max_size=2)
+    try:
+        reader = await create_generator(reader_db, writers, "reader")
+        async with db.transaction() as txn:
+            held = await slow.get_next_txn(txn)  # 2: holds slow at 1
+            async with fast.get_next_mult(3) as ids, db.connection() as conn:  # 3, 4, 5
+                await conn.execute(
+                    "INSERT INTO events (stream_id, instance_name)"
+                    " SELECT unnest(%s::bigint[]), 'fast'",
+                    (ids,),
+                )
+            await fast.flush_position()
+            await reader.refresh_positions()  # positions moved: no query for rows yet
+            load = reader.store.load_positions
+
+            async def load_then_lose_the_connection(*args: Any, **kwargs: Any) -> Any:
+                positions = await load(*args, **kwargs)
+                async with reader_db.connection() as conn:  # the one the next read takes
+                    pid = conn.info.backend_pid
+                async with db.connection() as conn:
+                    await conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                return positions
+
+            reader.store.load_positions = load_then_lose_the_connection  # type: ignore[method-assign]
+            await reader.refresh_positions()  # stood still: reads the IDs above it
+            assert reader_db.connections_lost == 1
+            assert reader.get_current_token() == 1  # 2 is held
+            await txn.execute("INSERT INTO events VALUES (%s, 'slow')", (held,))
+        await slow.flush_position()
+        reader.store.load_positions = load  # type: ignore[method-assign]
+        await reader.refresh_positions()
+        assert reader.get_current_token() == 5
+        await reader.close()
+    finally:
+        await reader_db.close()
+    await slow.close()
+    await fast.close()

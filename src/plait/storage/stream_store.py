@@ -792,15 +792,21 @@ class StreamStore:
 
         Returns (ids, cutoff, more): every committed ID in (floor, cutoff] is in `ids`,
         and `more` says whether there may be IDs above the cutoff. One round trip for all
-        tables (a pipeline).
+        tables (a pipeline). Outlasts a server restart (`Database.retry_read`).
         """
-        async with self.db.connection() as conn:
-            async with conn.pipeline():
-                pages = [
-                    await conn.execute(t.ids_above_query(), {"floor": t.stored(floor), "n": limit})
-                    for t in self._tables
-                ]
-            return await self._ids_from(pages, floor, limit)
+
+        async def read() -> tuple[list[int], int, bool]:
+            async with self.db.connection() as conn:
+                async with conn.pipeline():
+                    pages = [
+                        await conn.execute(
+                            t.ids_above_query(), {"floor": t.stored(floor), "n": limit}
+                        )
+                        for t in self._tables
+                    ]
+                return await self._ids_from(pages, floor, limit)
+
+        return await self.db.retry_read(f"the IDs of stream {self.spec.name}", read)
 
     async def _ids_from(
         self, pages: list[AsyncCursor[TupleRow]], floor: int, limit: int
