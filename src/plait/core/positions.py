@@ -55,8 +55,8 @@ rollback flushes nothing. So the IDs of a transaction that rolled back, or of a
 (`MultiWriterIdGenerator._finish_flushed`), and every new connection first moves the
 sequences this process took or saw IDs from back up to the largest it knows
 (`storage/database.py`, `_catch_up_sequences`; after a crash every statement runs on a
-new connection; a head another process reports soon after a lost connection, perhaps
-said before the crash, is caught up before the next statement). Left open: a
+new connection; a head another process reports soon after a restart, perhaps said
+before the crash, is caught up before a writer's next statement). Left open: a
 `get_next` block that ends normally without a row finishes its IDs at once; if the
 record covering them was another transaction's, not yet flushed, and the writer is
 killed in the crash, it restarts below them.

@@ -276,6 +276,7 @@ class _Identity:
     the later one writes under that name now."""
 
     __slots__ = (
+        "_catching_up",
         "_renewing",
         "_sequence_warnings",
         "fenced",
@@ -283,11 +284,12 @@ class _Identity:
         "heard",
         "holds",
         "incarnation",
-        "lost_at",
         "pooled",
         "registered",
         "renew",
         "renewed",
+        "restarted_at",
+        "server_start",
         "settings",
         "superseded",
     )
@@ -305,10 +307,13 @@ class _Identity:
         # out (`Database.known_head`); new connections bring a sequence that went
         # back up to it first (`_catch_up_sequences`).
         self.heads: dict[str, int] = {}
-        # Heads heard from other processes soon after a connection was lost, not yet
-        # caught up to (`Database.note_head`), and when one was last lost.
+        # Heads heard from other processes soon after PostgreSQL restarted, not yet
+        # caught up to (`Database.note_head`); when the server started, as the
+        # connections made so far saw it, and when a new one found it restarted.
         self.heard: dict[str, int] = {}
-        self.lost_at: float | None = None
+        self._catching_up = asyncio.Lock()
+        self.server_start: object = None
+        self.restarted_at: float | None = None
         self._sequence_warnings = Throttle(60.0)  # per sequence, not per connection
         self.fenced: FencedError | None = None
         self.renew = renew
@@ -352,22 +357,36 @@ class _Identity:
                 assert row is not None
                 _SERVER_PIDS[conn] = int(row[0])
         await self._check_fence(conn)
-        if self.heads:
-            await self.catch_up(conn, self.heads)
+        if self.heads or self.incarnation is not None:  # a writer's, or one that knows heads
+            await self._catch_up_sequences(conn, self.heads, new=True)
 
-    async def catch_up(self, conn: AsyncConnection[TupleRow], heads: Mapping[str, int]) -> None:
-        """`_catch_up_sequences`, which also settles the heads in `heard` it covers (kept
-        when the connection breaks; heads heard meanwhile stay for the next one)."""
-        heard, self.heard = self.heard, {}
-        try:
-            await self._catch_up_sequences(conn, heads)
-        except BaseException:
-            for name, head in heard.items():
-                self.heard[name] = max(head, self.heard.get(name, 0))
-            raise
+    def must_catch_up(self) -> bool:
+        """Whether a lease must `catch_up_heard` before its statement (cheap: it runs
+        before every statement)."""
+        return bool(self.heard) or self._catching_up.locked()
+
+    async def catch_up_heard(self, conn: AsyncConnection[TupleRow]) -> None:
+        """Catch up the heads in `heard`, one lease at a time: the others wait for it,
+        then find nothing left or what was heard meanwhile (kept when the connection
+        breaks)."""
+        async with self._catching_up:
+            heard, self.heard = self.heard, {}
+            if not heard:
+                return
+            try:
+                await self._catch_up_sequences(conn, heard, new=False)
+            except BaseException:
+                for name, head in heard.items():
+                    self.heard[name] = max(head, self.heard.get(name, 0))
+                raise
+
+    def _note_server_start(self, started: object) -> None:
+        if self.server_start is not None and started != self.server_start:
+            self.restarted_at = time.monotonic()
+        self.server_start = started
 
     async def _catch_up_sequences(
-        self, conn: AsyncConnection[TupleRow], heads: Mapping[str, int]
+        self, conn: AsyncConnection[TupleRow], heads: Mapping[str, int], *, new: bool
     ) -> None:
         """Move each sequence this process took or saw IDs from back up to the largest
         it knows was handed out, before the connection serves anything (R-ID-14).
@@ -377,7 +396,9 @@ class _Identity:
         soon after a transaction that took IDs rolled back can bring the sequence back
         below them, to hand them out again; a writer may have reported one as its
         position (finished, without a row), and readers passed it. After a crash
-        every statement runs on a new connection, so this comes first."""
+        every statement runs on a new connection, so this comes first. A `new`
+        connection also says when the server started (same round trip): a head heard
+        from another process soon after a restart is caught up too (`Database.note_head`)."""
         by_text = {regclass_text(name): name for name in heads}
         params = {
             "names": list(by_text),
@@ -385,7 +406,15 @@ class _Identity:
             "limit": SEQUENCE_CATCH_UP_LIMIT,
         }
         try:
-            rows = await (await conn.execute(_CATCH_UP_QUERY, params)).fetchall()
+            if new:
+                async with conn.pipeline():
+                    started = await conn.execute("SELECT pg_postmaster_start_time()")
+                    caught_up = await conn.execute(_CATCH_UP_QUERY, params) if heads else None
+                row = await started.fetchone()
+                self._note_server_start(None if row is None else row[0])
+            else:
+                caught_up = await conn.execute(_CATCH_UP_QUERY, params)
+            rows = [] if caught_up is None else await caught_up.fetchall()
         except psycopg.Error as err:
             if conn.broken:
                 raise
@@ -457,11 +486,12 @@ class _Identity:
             await name_connection(conn, current)
 
 
-# How long after a lost connection a head heard from another process is caught up
-# before this process's next statement (`Database.note_head`): far longer than a
-# position message takes to arrive, even from a backlog. Only heads above the known
-# ones cost anything: one statement each time, within this window.
-HEARD_AFTER_LOSS = 30.0
+# How long after a new connection found PostgreSQL restarted a head heard from another
+# process is caught up before this process's next statement (`Database.note_head`):
+# longer than a position message sent before the crash takes to arrive once the server
+# is back. It costs one more statement before each statement of a writer that heard a
+# head above the ones it knew, within this window only (about half its write rate).
+HEARD_AFTER_RESTART = 10.0
 
 # Values a sequence is moved up by at most (`_catch_up_sequences`): far more than a
 # crash takes it back. One further behind was reset, not crashed: left alone (start-up
@@ -553,9 +583,9 @@ class _Lease:
                 db._hot_busy = False
                 raise
             self._hot = conn = hot
-        if identity.heard:
+        if identity.must_catch_up():
             try:
-                await identity.catch_up(conn, identity.heard)
+                await identity.catch_up_heard(conn)
             except BaseException as exc:
                 await self.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
@@ -571,7 +601,6 @@ class _Lease:
         if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
             db._lost_one = True  # its idle neighbours are most likely gone too
             db._connections_lost += 1
-            db._identity.lost_at = time.monotonic()
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return
@@ -1074,16 +1103,16 @@ class Database:
         `heard`: another process says so (a position it replicated), not PostgreSQL.
         Such a head may be an ID a crash took the sequence back below, said before the
         crash and heard only after this process's new connections caught up the heads
-        it knew then. So one heard within `HEARD_AFTER_LOSS` of a lost connection is
-        caught up before the next statement (`_Lease`). Heads read from PostgreSQL need
-        no check: a committed row or a stored position reached the WAL after the
-        sequence's log record that covers it."""
+        it knew then. So one heard within `HEARD_AFTER_RESTART` of a new connection
+        finding the server restarted is caught up before the next statement (`_Lease`).
+        Heads read from PostgreSQL need no check: a committed row or a stored position
+        reached the WAL after the sequence's log record that covers it."""
         identity = self._identity
         heads = identity.heads
         if head > heads.get(sequence, 0):
             heads[sequence] = head
-            lost_at = identity.lost_at
-            if heard and lost_at is not None and time.monotonic() - lost_at < HEARD_AFTER_LOSS:
+            since = identity.restarted_at
+            if heard and since is not None and time.monotonic() - since < HEARD_AFTER_RESTART:
                 identity.heard[sequence] = head
 
     # -- lifetime ------------------------------------------------------------------------

@@ -621,7 +621,8 @@ class MultiWriterIdGenerator:
             internal = self._sign * position
             # Handed out, as far as this process knows: a crash may not take the
             # sequence back below it (`Database.known_head`).
-            self._db.note_head(self._spec.sequence, internal, heard=True)
+            # A writer checks it soon after a restart (it allocates; readers need not).
+            self._db.note_head(self._spec.sequence, internal, heard=self._tracker.is_writer)
             self._tracker.advance(instance_name, internal)
 
     def _configured(self, writer: str) -> bool:
