@@ -163,6 +163,69 @@ async def test_a_connection_refused_to_a_fenced_run_is_closed_at_once(
         await w1_db.close()
 
 
+async def test_a_fenced_run_renewing_itself_is_not_superseded_by_its_own_renewal(
+    db: Database, dsn: str
+) -> None:
+    """The long run's writer w1 exited with `SupersededError` ("a later run of it
+    registered") at its own start: its connections found it fenced, one renewed it (the
+    rows moved to the new epoch), and another, checked as the old epoch, found the rows
+    under an epoch not its own and took the renewal for a later run, for good. Two new
+    connections after a fence: one renews, the other, checked meanwhile, goes on with
+    it."""
+    await create_table(db)
+    run = Incarnation.new("w1")
+    w1_db = await Database.connect(dsn, incarnation=run, max_size=8)
+    w1 = await create_generator(w1_db, ["w1", "w2"], "w1")
+    store = StreamStore(db, spec_for(["w1", "w2"]))
+    try:
+        async with db.connection() as conn:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE starts_with(application_name, %s)",
+                (name_prefix(run.epoch),),
+            )
+        await fenced_within(store, 10.0, "the fence of w1")
+        # The renewal takes a moment, holding the rows as a fence does (FOR UPDATE), so
+        # the other new connections' checks wait for it, then read the moved rows.
+        async with db.connection() as conn:
+            await conn.execute(
+                "CREATE FUNCTION slow_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " PERFORM 1 FROM stream_positions WHERE instance_name = OLD.instance_name"
+                " FOR UPDATE; PERFORM pg_sleep(0.5); RETURN NEW; END $$;"
+                " CREATE TRIGGER slow_renewal BEFORE UPDATE OF epoch ON stream_positions"
+                " FOR EACH ROW WHEN (OLD.epoch IS DISTINCT FROM NEW.epoch)"
+                " EXECUTE FUNCTION slow_renewal()"
+            )
+
+        # Two new connections, as the pool makes them (its hook on each): the first
+        # renews; the second is checked while the renewal holds the rows.
+        identity = w1_db._identity  # the pool's hook: a race between two of its calls
+        conns = [
+            await psycopg.AsyncConnection.connect(
+                dsn, autocommit=True, application_name=run.application_name
+            )
+            for _ in range(2)
+        ]
+        try:
+            first = asyncio.create_task(identity.configure(conns[0]))
+            await asyncio.sleep(0.2)
+            await identity.configure(conns[1])
+            await first
+        finally:
+            for conn in conns:
+                await conn.close()
+        assert not w1_db.fenced
+        assert w1_db.incarnation is not None
+        assert w1_db.incarnation.epoch != run.epoch
+        with contextlib.suppress(psycopg.OperationalError):  # its old connection died
+            await w1.insert(INSERT, ("w1", 1))
+        await w1.insert(INSERT, ("w1", 1))  # it writes again
+        assert not w1_db.fenced
+    finally:
+        await w1.close()
+        await w1_db.close()
+
+
 async def fenced_within(store: StreamStore, within: float, what: str) -> None:
     """Fence w1 as far as it goes, trying until it works; fails saying what for."""
     deadline = time.monotonic() + within

@@ -452,6 +452,14 @@ class _Identity:
         try:
             await refuse_if_fenced(conn, checked, self.registered)
         except FencedError as err:
+            if isinstance(err, SupersededError):
+                # Rows under an epoch not `checked`'s: a later run's, or this run's own
+                # renewal (another connection, under way or just done). Check again.
+                async with self._renewing:
+                    renewed = self.incarnation is not checked
+                if renewed:
+                    await self._check_fence(conn)
+                    return
             if isinstance(err, SupersededError) or not self.may_renew():
                 first = isinstance(err, SupersededError) and not isinstance(
                     self.fenced, SupersededError
