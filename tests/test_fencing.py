@@ -138,12 +138,7 @@ async def test_a_connection_refused_to_a_fenced_run_is_closed_at_once(
     gc.disable()  # what the collector would close late, it does not close at all here
     try:
         # Cut off, as a partition ends: every connection of the run gone, and fenced.
-        async with db.connection() as conn:
-            await conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE starts_with(application_name, %s)",
-                (name_prefix(run.epoch),),
-            )
+        await cut_off(db, run)
         await fenced_within(store, 10.0, "the first fence of w1")
 
         # Back, the run learns it was fenced, trying to connect again.
@@ -178,12 +173,7 @@ async def test_a_fenced_run_renewing_itself_is_not_superseded_by_its_own_renewal
     w1 = await create_generator(w1_db, ["w1", "w2"], "w1")
     store = StreamStore(db, spec_for(["w1", "w2"]))
     try:
-        async with db.connection() as conn:
-            await conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE starts_with(application_name, %s)",
-                (name_prefix(run.epoch),),
-            )
+        await cut_off(db, run)
         await fenced_within(store, 10.0, "the fence of w1")
         # The renewal takes a moment, holding the rows as a fence does (FOR UPDATE), so
         # the other new connections' checks wait for it, then read the moved rows.
@@ -224,6 +214,16 @@ async def test_a_fenced_run_renewing_itself_is_not_superseded_by_its_own_renewal
     finally:
         await w1.close()
         await w1_db.close()
+
+
+async def cut_off(db: Database, run: Incarnation) -> None:
+    """End every server process of `run`, as a partition that ends does."""
+    async with db.connection() as conn:
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE starts_with(application_name, %s)",
+            (name_prefix(run.epoch),),
+        )
 
 
 async def fenced_within(store: StreamStore, within: float, what: str) -> None:

@@ -12,6 +12,7 @@ import time
 from asyncio.subprocess import Process
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -348,17 +349,9 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
         # A long flush interval: no background statement meets the crash before the test's.
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert(insert)
-        # The other transaction takes IDs until its nextval has just logged the
-        # sequence ahead (log_cnt: values left before the next log record), so that
-        # w1's five next IDs lie under that record: w1 logs nothing, flushes nothing.
-        left = None
-        for _ in range(100):
-            await other.execute("SELECT nextval('events_seq')")
-            row = await (await other.execute("SELECT log_cnt FROM events_seq")).fetchone()
-            assert row is not None
-            if left is not None and row[0] > left:
-                break  # this nextval logged
-            left = row[0]
+        # w1's five next IDs lie under the other transaction's record: w1 logs nothing,
+        # flushes nothing.
+        await _log_the_sequence_ahead(other)
         async with w1.get_next_mult(5):
             pass
         reported = w1.get_current_token_for_writer("w1")
@@ -367,17 +360,7 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
             # The WAL writer woke and wrote the record out.
             pytest.skip("the crash did not take the sequence back this time")
 
-        new_id = 0
-        for _ in range(5):  # a pooled connection from before the crash fails first
-            try:
-                if write == "get_next":
-                    async with w1.get_next() as new_id:
-                        pass
-                else:
-                    new_id = (await w1.insert(insert))[0]
-                break
-            except psycopg.OperationalError:
-                continue
+        new_id = await _write_after_the_crash(w1, write, insert)
         assert new_id > reported
         assert w1.get_current_token_for_writer("w1") >= new_id
         await w1.close()
@@ -405,18 +388,11 @@ async def test_a_position_heard_after_reconnecting_is_caught_up_before_the_next_
     try:
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert(insert)
-        # As in the test above: w2's five IDs lie under another transaction's record.
+        # w2's five IDs lie under another transaction's record.
         # w2 took them in a transaction still open at the crash (rolled back by it,
         # finished: w2 reports the last), and died with PostgreSQL, so w2 brings the
         # sequence back up nowhere.
-        left = None
-        for _ in range(100):
-            await other.execute("SELECT nextval('events_seq')")
-            row = await (await other.execute("SELECT log_cnt FROM events_seq")).fetchone()
-            assert row is not None
-            if left is not None and row[0] > left:
-                break
-            left = row[0]
+        await _log_the_sequence_ahead(other)
         for _ in range(5):
             row = await (await w2.execute("SELECT nextval('events_seq')")).fetchone()
         assert row is not None
@@ -430,17 +406,7 @@ async def test_a_position_heard_after_reconnecting_is_caught_up_before_the_next_
         assert await _sequence_head(server) < reported
         w1.vouched("w2", reported)  # the delayed POSITION
 
-        new_id = 0
-        for _ in range(5):  # a pooled connection from before the crash fails first
-            try:
-                if write == "get_next":
-                    async with w1.get_next() as new_id:
-                        pass
-                else:
-                    new_id = (await w1.insert(insert))[0]
-                break
-            except psycopg.OperationalError:
-                continue
+        new_id = await _write_after_the_crash(w1, write, insert)
         assert new_id > reported
         assert w1.get_current_token_for_writer("w1") >= new_id
         await w1.close()
@@ -448,6 +414,36 @@ async def test_a_position_heard_after_reconnecting_is_caught_up_before_the_next_
         await w1_db.close()
         await other.close()
         await w2.close()
+
+
+async def _log_the_sequence_ahead(other: psycopg.AsyncConnection[Any]) -> None:
+    """In `other`'s open transaction, take IDs until its own nextval has just logged
+    the sequence ahead (log_cnt: values left before the next log record, rises when one
+    is written): the next IDs anyone takes lie under that record, unflushed while
+    `other` stays open, and take nothing to the disk themselves."""
+    left = None
+    for _ in range(100):
+        await other.execute("SELECT nextval('events_seq')")
+        row = await (await other.execute("SELECT log_cnt FROM events_seq")).fetchone()
+        assert row is not None
+        if left is not None and row[0] > left:
+            return  # this nextval logged
+        left = row[0]
+    pytest.fail("100 nextval calls and the sequence's log record never moved")
+
+
+async def _write_after_the_crash(gen: MultiWriterIdGenerator, write: str, insert: str) -> int:
+    """One ID taken by `get_next` or `insert`, retried on a pooled connection from
+    before the crash (it fails first)."""
+    for _ in range(5):
+        try:
+            if write == "get_next":
+                async with gen.get_next() as new_id:
+                    return new_id
+            return (await gen.insert(insert))[0]
+        except psycopg.OperationalError:
+            continue
+    pytest.fail("five writes failed on connections from before the crash")
 
 
 async def _one(db: Database) -> int:

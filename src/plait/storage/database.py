@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -312,7 +313,7 @@ class _Identity:
         # connections made so far saw it, and when a new one found it restarted.
         self.heard: dict[str, int] = {}
         self._catching_up = asyncio.Lock()
-        self.server_start: object = None
+        self.server_start: datetime | None = None
         self.restarted_at: float | None = None
         self._sequence_warnings = Throttle(60.0)  # per sequence, not per connection
         self.fenced: FencedError | None = None
@@ -380,7 +381,7 @@ class _Identity:
                     self.heard[name] = max(head, self.heard.get(name, 0))
                 raise
 
-    def _note_server_start(self, started: object) -> None:
+    def _note_server_start(self, started: datetime | None) -> None:
         if self.server_start is not None and started != self.server_start:
             self.restarted_at = time.monotonic()
         self.server_start = started

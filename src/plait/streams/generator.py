@@ -749,13 +749,9 @@ class MultiWriterIdGenerator:
         stood_still, self._passed_from = persisted == self._passed_from, persisted
         if not stood_still or max(tracker.positions().values(), default=0) <= persisted:
             return
-        while True:
-            ids, cutoff, more = await self._store.ids_above(persisted, PASS_PAGE)
-            tracker.observe_completed(ids)  # committed rows: completed IDs
-            persisted = tracker.persisted_upto
-            if not more or persisted < cutoff:  # past the first gap nothing moves it
-                break
-        self._passed_from = persisted
+        first = await self._store.ids_above(persisted, PASS_PAGE)
+        await _observe_committed(self._store, tracker, first, PASS_PAGE)
+        self._passed_from = tracker.persisted_upto
 
     async def _learn_stored_positions(self) -> None:
         """A replicated writer, while idle: the others' stored positions move its own
@@ -1048,12 +1044,19 @@ async def _load_tracker(
     tracker = PositionTracker(
         instance, writers=writers, floor=floor, positions=positions, seat=False
     )
-    ids, cutoff, more = survey.ids, survey.cutoff, survey.more
-    while True:
-        tracker.observe_completed(ids)
-        # Past the first gap, more rows cannot move persisted-up-to: stop reading.
-        if not more or tracker.persisted_upto < cutoff:
-            break
-        ids, cutoff, more = await store.ids_above(cutoff, STARTUP_PAGE)
+    await _observe_committed(store, tracker, (survey.ids, survey.cutoff, survey.more), STARTUP_PAGE)
     tracker.seat_writers()
     return tracker
+
+
+async def _observe_committed(
+    store: StreamStore, tracker: PositionTracker, first: tuple[list[int], int, bool], page: int
+) -> None:
+    """Feed `tracker` committed IDs (completed ones) from `first`, an `ids_above` answer,
+    then page by page, until past the first gap: more rows cannot move persisted-up-to."""
+    ids, cutoff, more = first
+    while True:
+        tracker.observe_completed(ids)
+        if not more or tracker.persisted_upto < cutoff:
+            return
+        ids, cutoff, more = await store.ids_above(cutoff, page)
