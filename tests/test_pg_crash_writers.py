@@ -329,6 +329,46 @@ async def test_a_rolled_back_transactions_ids_count_once_their_sequence_record_i
         await w1_db.close()
 
 
+@pytest.mark.parametrize("style", ["get_next", "get_next_txn"])
+async def test_an_id_without_a_row_counts_once_its_sequence_record_is_on_disk(
+    restartable_pg: RestartablePostgres, style: str
+) -> None:
+    """SPEC: after a `get_next()` block exits, its ID is the writer's position, row or
+    not; so after a `get_next_txn` transaction commits. When the sequence's log record
+    under that ID was written by another transaction, still open, and the block or
+    transaction wrote nothing, nothing had flushed it: before, a crash right after
+    brought the sequence back below the position the writer had reported (and a writer
+    killed with PostgreSQL restarted below it, R-ID-14)."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    w1_db = await Database.connect(server.dsn, max_size=4, incarnation=Incarnation.new("w1"))
+    other = await psycopg.AsyncConnection.connect(server.dsn)  # not autocommit
+    try:
+        # A long flush interval: no background statement flushes the WAL meanwhile.
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
+        await w1.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+        await _log_the_sequence_ahead(other)
+        for _ in range(3):
+            if style == "get_next":
+                async with w1.get_next() as new_id:
+                    pass  # no row
+                assert w1.get_current_token_for_writer("w1") == new_id
+            else:
+                async with w1_db.transaction() as txn:
+                    new_id = await w1.get_next_txn(txn)  # and no row
+                await _until(
+                    "w1's position to reach its transaction's ID",
+                    lambda taken=new_id: w1.get_current_token_for_writer("w1") == taken,
+                )
+        await asyncio.to_thread(server.crash)
+        assert await _sequence_head(server) >= new_id
+        await w1.close()
+    finally:
+        await w1_db.close()
+        await other.close()
+
+
 @pytest.mark.parametrize("write", ["get_next", "insert"])
 async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequence_back(
     restartable_pg: RestartablePostgres, write: str
@@ -350,18 +390,21 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert(insert)
         # w1's five next IDs lie under the other transaction's record: w1 logs nothing,
-        # flushes nothing.
+        # flushes nothing. Its block is open at the crash.
         await _log_the_sequence_ahead(other)
-        async with w1.get_next_mult(5):
-            pass
-        reported = w1.get_current_token_for_writer("w1")
-        await asyncio.to_thread(server.crash)
-        if await _sequence_head(server) >= reported:
-            # The WAL writer woke and wrote the record out.
-            pytest.skip("the crash did not take the sequence back this time")
+        async with w1.get_next_mult(5) as ids:
+            handed_out = ids[-1]
+            await asyncio.to_thread(server.crash)
+            if await _sequence_head(server) >= handed_out:
+                # The WAL writer woke and wrote the record out.
+                pytest.skip("the crash did not take the sequence back this time")
+        await _until(
+            "w1's position to pass the IDs of its block",
+            lambda: w1.get_current_token_for_writer("w1") >= handed_out,
+        )
 
         new_id = await _write_after_the_crash(w1, write, insert)
-        assert new_id > reported
+        assert new_id > handed_out
         assert w1.get_current_token_for_writer("w1") >= new_id
         await w1.close()
     finally:

@@ -51,15 +51,15 @@ The sequence itself goes back in a crash when the log record that took it past s
 had not reached the disk: PostgreSQL logs a sequence 32 values ahead, and only a flush
 of the WAL (a commit that wrote something, the WAL writer) makes that record last; a
 rollback flushes nothing. So the IDs of a transaction that rolled back, or of a
-`get_next` block that failed, are finished here only after a flush
-(`MultiWriterIdGenerator._finish_flushed`), and every new connection first moves the
+`get_next` block (which may have written no row), are finished here only once the WAL
+is on disk up to them (`MultiWriterIdGenerator._finish_flushed`, `_finish_durable`),
+and every new connection first moves the
 sequences this process took or saw IDs from back up to the largest it knows
 (`storage/database.py`, `_catch_up_sequences`; after a crash every statement runs on a
 new connection; a head another process reports soon after a restart, perhaps said
-before the crash, is caught up before a writer's next statement). Left open: a
-`get_next` block that ends normally without a row finishes its IDs at once; if the
-record covering them was another transaction's, not yet flushed, and the writer is
-killed in the crash, it restarts below them.
+before the crash, is caught up before a writer's next statement). `get_next_txn`'s
+IDs finish at COMMIT when the WAL is on disk past them (read in the same round trip),
+else after a flush.
 """
 
 from __future__ import annotations

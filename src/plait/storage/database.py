@@ -136,6 +136,11 @@ class Transaction:
         # The server process that ran COMMIT with statements: when the connection broke
         # meanwhile, plait waits until that process is gone (its work is then final).
         self.backend_pid: int | None = None
+        # Where the WAL stood after the transaction took IDs (`allocate_in`); then COMMIT
+        # also reads how far the WAL is on disk (`flushed_lsn`), in the same round trip:
+        # a commit that wrote nothing flushes nothing (R-ID-14, `StreamStore`).
+        self.allocated_lsn = 0
+        self.flushed_lsn: int | None = None
 
     async def execute(self, query: Any, params: Params = None) -> AsyncCursor[TupleRow]:
         if self._begun:
@@ -209,9 +214,20 @@ class Transaction:
             # a terminated backend), and its transaction with it. Sending ROLLBACK would
             # only replace the error that says why with "the connection is closed".
             return
-        cursor = await self._conn.execute(command)
-        if command == "COMMIT" and cursor.statusmessage != "COMMIT":
+        if command == "COMMIT" and self.allocated_lsn:
+            cursor = await self._conn.execute(f"COMMIT; {FLUSHED_LSN_QUERY}")
+            committed = cursor.statusmessage == "COMMIT"
+            if committed and cursor.nextset():
+                self._note_flushed(await cursor.fetchone())
+        else:
+            cursor = await self._conn.execute(command)
+            committed = cursor.statusmessage == "COMMIT"
+        if command == "COMMIT" and not committed:
             raise _rolled_back_at_commit()
+
+    def _note_flushed(self, row: tuple[Any, ...] | None) -> None:
+        if row is not None:
+            self.flushed_lsn = int(row[0])
 
     async def _commit_with_statements(self) -> None:
         """[BEGIN,] the statements and COMMIT in one pipeline: one round trip, and the
@@ -227,10 +243,13 @@ class Transaction:
                 await self._begin()
                 cursors = [await conn.execute(query, params) for query, params in built]
                 commit = await conn.execute("COMMIT")
+                flushed = await conn.execute(FLUSHED_LSN_QUERY) if self.allocated_lsn else None
         except psycopg.errors.InFailedSqlTransaction:
             raise _rolled_back_at_commit() from None
         if commit.statusmessage != "COMMIT":
             raise _rolled_back_at_commit()
+        if flushed is not None:
+            self._note_flushed(await flushed.fetchone())
         for statement, cursor in zip(statements, cursors, strict=True):
             description = cursor.description
             if description is None:
@@ -250,6 +269,10 @@ class Transaction:
                 callback()
             except Exception:
                 logger.exception("transaction callback %r failed", callback)
+
+
+# How far the WAL is on disk, in bytes (an LSN as a number).
+FLUSHED_LSN_QUERY = "SELECT pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::bigint"
 
 
 def _rolled_back_at_commit() -> psycopg.errors.InFailedSqlTransaction:

@@ -255,6 +255,11 @@ class StreamStore:
         self._row_builders: dict[
             tuple[str, ...], Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None
         ] = {}
+        # Positions in PostgreSQL's WAL, as bytes: where it stood just after the latest
+        # `allocate`, and how far it is known to be on disk (`make_durable`).
+        self.allocated_lsn = 0
+        self._flushed_lsn = 0
+        self._durable = asyncio.Lock()  # one check or flush at a time serves the others
 
     # -- start-up checks ------------------------------------------------------------------
 
@@ -838,27 +843,55 @@ class StreamStore:
         return f"(-{expression})" if self.spec.backwards else expression
 
     async def allocate(self, n: int) -> list[int]:
-        """`n` new IDs from the sequence in one round trip, sorted."""
+        """`n` new IDs from the sequence in one round trip, sorted. Also learns where
+        the WAL stood after them (`allocated_lsn`, for `make_durable`): the last row,
+        since UNION ALL runs its branches in order (nextval forbids a parallel plan)."""
         async with self.db.cursor() as cur:
             await cur.execute(
-                "SELECT nextval(%s::regclass) FROM generate_series(1, %s)",
+                "SELECT nextval(%s::regclass) FROM generate_series(1, %s) UNION ALL"
+                " SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint",
                 (self._seq_regclass, n),
             )
             ids: list[int] = await cur.fetchall()
+        self.allocated_lsn = max(self.allocated_lsn, ids.pop())
         ids.sort()
         return ids
 
+    async def make_durable(self, lsn: int) -> None:
+        """Return once the WAL is on disk up to `lsn` (an `allocated_lsn`), so that the
+        sequence's log record of IDs allocated before it survives a crash (R-ID-14).
+        One round trip when something flushed it since (a commit of the row written
+        with those IDs); else a flush as well (`flush_wal`). Callers at once share."""
+        if self._flushed_lsn >= lsn:
+            return
+        async with self._durable:
+            if self._flushed_lsn >= lsn:  # the check before this one covered it
+                return
+            covers = self.allocated_lsn  # every allocation so far, `lsn`'s too
+            async with self.db.cursor() as cur:
+                await cur.execute(_DURABLE_QUERY, {"lsn": covers, "name": self.spec.name})
+                flushed = await cur.fetchone()
+            if flushed is None:  # the row is gone: write it again, which flushes as well
+                async with self.db.connection() as conn:
+                    await conn.execute(*self._record_spec_statement())
+            # Else the flush position, or -1: locked, so this statement's commit flushed.
+            self._flushed_lsn = max(self._flushed_lsn, covers, flushed or 0)
+
     async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
-        """`n` new IDs in the caller's transaction; also learns the transaction's xid."""
+        """`n` new IDs in the caller's transaction; also learns the transaction's xid,
+        and where the WAL stood after them (`Transaction.allocated_lsn`: a target list
+        runs in order, so each row's position comes after its nextval)."""
         # Literal values, no parameters: a transaction's first statement then carries its
         # BEGIN in the same simple query. The name is validated, `n` an int.
         cur = await txn.execute(
-            f"SELECT nextval('{self._seq_regclass}'), pg_current_xact_id()::text"
+            f"SELECT nextval('{self._seq_regclass}'), pg_current_xact_id()::text,"
+            " pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint"
             f" FROM generate_series(1, {int(n)})"
         )
         rows = await cur.fetchall()
         if rows:
             txn.xid = rows[0][1]
+            txn.allocated_lsn = max(txn.allocated_lsn, *(int(r[2]) for r in rows))
         return sorted(int(r[0]) for r in rows)
 
     # -- range reads -----------------------------------------------------------------------
@@ -1079,3 +1112,16 @@ async def _connections_of(txn: Transaction | AsyncConnection[TupleRow], epoch: i
         )
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+# `StreamStore.make_durable` in one round trip: the WAL's flush position when it is at
+# `lsn` already; else `flush_wal`'s lock (-1), whose commit flushes; NULL if the row is
+# gone. The scalar subquery runs only when CASE needs it (an initplan runs on first use).
+_DURABLE_QUERY = """
+SELECT CASE WHEN f.lsn >= %(lsn)s THEN f.lsn ELSE (
+    SELECT -1 FROM plait_streams
+    WHERE stream_name = %(name)s AND set_config('synchronous_commit', 'local', true) <> ''
+    FOR KEY SHARE
+) END
+FROM (SELECT pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::bigint AS lsn) f
+"""

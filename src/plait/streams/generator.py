@@ -251,7 +251,10 @@ class MultiWriterIdGenerator:
         self._check_writer()
         _check_count(n)
         ids = await self._take_ids(lambda: self._store.allocate_in(txn, n))
-        self._complete_after(txn, ids)
+        # Finished once the WAL is on disk past them: at once when the commit wrote
+        # something (it flushed), else after a flush (see `_finish_flushed`).
+        txn.call_after(lambda: self._finish_if_flushed(txn, ids))
+        txn.call_on_exception(lambda: self._finish_flushed(ids))
         return self._signed(ids)
 
     async def insert(self, query: str, params: Params = None) -> list[int]:
@@ -392,6 +395,34 @@ class MultiWriterIdGenerator:
                 self._flush_then_finish(), name=f"plait-flush-{self._spec.name}"
             )
 
+    def _finish_if_flushed(self, txn: Transaction, ids: list[int]) -> None:
+        """`get_next_txn`'s IDs after COMMIT: see `_finish_durable`."""
+        if txn.flushed_lsn is not None and txn.flushed_lsn >= txn.allocated_lsn:
+            self._finish(ids)
+        else:
+            self._finish_flushed(ids)
+
+    async def _finish_durable(self, ids: list[int], lsn: int) -> None:
+        """A `get_next()` block that exited normally may have written no row: its IDs
+        finish once the WAL is on disk up to where it stood after their allocation
+        (`StreamStore.make_durable`), for the reason `_finish_flushed` gives. When the
+        block committed its row, that commit flushed it: one cheap round trip. Should
+        the check fail (the server down), they finish as `_finish_flushed` does."""
+        if not ids or self._closed:
+            return
+        try:
+            if not self._db.fenced:
+                await self._store.make_durable(lsn)
+        except FencedError:
+            pass  # see `_finish_flushed`
+        except (psycopg.Error, OSError, PlaitError):
+            self._finish_flushed(ids)
+            return
+        except BaseException:  # cancelled: they still finish, later
+            self._finish_flushed(ids)
+            raise
+        self._finish(ids)
+
     async def _flush_then_finish(self) -> None:
         """See `_finish_flushed`. Cancelled (at close), the IDs stay unfinished: a
         position held back is safe."""
@@ -407,9 +438,9 @@ class MultiWriterIdGenerator:
                 failures += 1
                 if failures == 1 or failures % 100 == 0:
                     logger.warning(
-                        "stream %s: could not flush PostgreSQL's log before IDs of a "
-                        "transaction that rolled back count as finished (%s); this "
-                        "writer's position waits for it",
+                        "stream %s: could not flush PostgreSQL's log before IDs that "
+                        "may have no row (rolled back, or written nothing with) count "
+                        "as finished (%s); this writer's position waits for it",
                         self._spec.name,
                         err,
                     )
@@ -883,7 +914,7 @@ class _Reservation(Generic[T]):
     also on error or cancellation. A class rather than a generator-based context
     manager: it runs on every write."""
 
-    __slots__ = ("_gen", "_ids", "_n", "_present")
+    __slots__ = ("_gen", "_ids", "_lsn", "_n", "_present")
 
     def __init__(
         self, gen: MultiWriterIdGenerator, n: int, present: Callable[[list[int]], T]
@@ -892,14 +923,16 @@ class _Reservation(Generic[T]):
         self._n = n
         self._present = present
         self._ids: list[int] = []
+        self._lsn = 0
 
     async def __aenter__(self) -> T:
         self._ids = await self._gen._allocator.allocate(self._n)
+        self._lsn = self._gen._store.allocated_lsn
         return self._present(self._ids)
 
     async def __aexit__(self, *exc: object) -> None:
         if exc[0] is None:
-            self._gen._finish(self._ids)
+            await self._gen._finish_durable(self._ids, self._lsn)
         else:  # the block failed: no row, most likely
             self._gen._finish_flushed(self._ids)
 
