@@ -122,8 +122,9 @@ class Transaction:
     `send_with_commit` travel with COMMIT itself.
     """
 
-    def __init__(self, conn: AsyncConnection[TupleRow]) -> None:
+    def __init__(self, conn: AsyncConnection[TupleRow], db: Database) -> None:
         self._conn = conn
+        self._db = db
         self._begun = False
         self._ended = False
         self._first_after_commit: list[Callable[[], None]] = []
@@ -138,7 +139,9 @@ class Transaction:
         self.backend_pid: int | None = None
         # Where the WAL stood after the transaction took IDs (`allocate_in`); then COMMIT
         # also reads how far the WAL is on disk (`flushed_lsn`), in the same round trip:
-        # a commit that wrote nothing flushes nothing (R-ID-14, `StreamStore`).
+        # a commit that wrote nothing flushes nothing (R-ID-14, `StreamStore`). So it
+        # does while a `get_next` block is open (`Database.wal_watchers`): the block's
+        # exit then knows without a round trip of its own.
         self.allocated_lsn = 0
         self.flushed_lsn: int | None = None
 
@@ -214,7 +217,7 @@ class Transaction:
             # a terminated backend), and its transaction with it. Sending ROLLBACK would
             # only replace the error that says why with "the connection is closed".
             return
-        if command == "COMMIT" and self.allocated_lsn:
+        if command == "COMMIT" and self._wants_flushed():
             cursor = await self._conn.execute(f"COMMIT; {FLUSHED_LSN_QUERY}")
             committed = cursor.statusmessage == "COMMIT"
             if committed and cursor.nextset():
@@ -225,9 +228,13 @@ class Transaction:
         if command == "COMMIT" and not committed:
             raise _rolled_back_at_commit()
 
+    def _wants_flushed(self) -> bool:
+        return bool(self.allocated_lsn or self._db.wal_watchers)
+
     def _note_flushed(self, row: tuple[Any, ...] | None) -> None:
         if row is not None:
             self.flushed_lsn = int(row[0])
+            self._db.wal_flushed = max(self._db.wal_flushed, self.flushed_lsn)
 
     async def _commit_with_statements(self) -> None:
         """[BEGIN,] the statements and COMMIT in one pipeline: one round trip, and the
@@ -243,7 +250,7 @@ class Transaction:
                 await self._begin()
                 cursors = [await conn.execute(query, params) for query, params in built]
                 commit = await conn.execute("COMMIT")
-                flushed = await conn.execute(FLUSHED_LSN_QUERY) if self.allocated_lsn else None
+                flushed = await conn.execute(FLUSHED_LSN_QUERY) if self._wants_flushed() else None
         except psycopg.errors.InFailedSqlTransaction:
             raise _rolled_back_at_commit() from None
         if commit.statusmessage != "COMMIT":
@@ -757,6 +764,10 @@ class Database:
         self._connections_lost = 0  # `connections_lost`
         self._replacing: asyncio.Task[None] | None = None
         self._outage = _Outage()  # one warning per outage, not per reader
+        # How far PostgreSQL's WAL is known to be on disk (an LSN in bytes), and how many
+        # `get_next` blocks want to know (R-ID-14): commits then read it (`Transaction`).
+        self.wal_flushed = 0
+        self.wal_watchers = 0
         self._guard = asyncio.create_task(self._close_on_shutdown(), name="plait-pool-guard")
 
     @classmethod
@@ -893,7 +904,7 @@ class Database:
         meanwhile: callbacks must know how the transaction ended.
         """
         async with self.connection() as conn:
-            txn = Transaction(conn)
+            txn = Transaction(conn, self)
             try:
                 yield txn
             except BaseException as exc:

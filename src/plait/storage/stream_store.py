@@ -255,10 +255,9 @@ class StreamStore:
         self._row_builders: dict[
             tuple[str, ...], Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None
         ] = {}
-        # Positions in PostgreSQL's WAL, as bytes: where it stood just after the latest
-        # `allocate`, and how far it is known to be on disk (`make_durable`).
+        # Where PostgreSQL's WAL stood just after the latest `allocate` (an LSN in bytes;
+        # how far it is on disk: `Database.wal_flushed`).
         self.allocated_lsn = 0
-        self._flushed_lsn = 0
         self._durable = asyncio.Lock()  # one check or flush at a time serves the others
 
     # -- start-up checks ------------------------------------------------------------------
@@ -862,10 +861,10 @@ class StreamStore:
         sequence's log record of IDs allocated before it survives a crash (R-ID-14).
         One round trip when something flushed it since (a commit of the row written
         with those IDs); else a flush as well (`flush_wal`). Callers at once share."""
-        if self._flushed_lsn >= lsn:
+        if self.db.wal_flushed >= lsn:  # a commit (of the row, most likely) said so
             return
         async with self._durable:
-            if self._flushed_lsn >= lsn:  # the check before this one covered it
+            if self.db.wal_flushed >= lsn:  # the check before this one covered it
                 return
             covers = self.allocated_lsn  # every allocation so far, `lsn`'s too
             async with self.db.cursor() as cur:
@@ -875,7 +874,7 @@ class StreamStore:
                 async with self.db.connection() as conn:
                     await conn.execute(*self._record_spec_statement())
             # Else the flush position, or -1: locked, so this statement's commit flushed.
-            self._flushed_lsn = max(self._flushed_lsn, covers, flushed or 0)
+            self.db.wal_flushed = max(self.db.wal_flushed, covers, flushed or 0)
 
     async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
         """`n` new IDs in the caller's transaction; also learns the transaction's xid,

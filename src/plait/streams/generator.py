@@ -928,9 +928,11 @@ class _Reservation(Generic[T]):
     async def __aenter__(self) -> T:
         self._ids = await self._gen._allocator.allocate(self._n)
         self._lsn = self._gen._store.allocated_lsn
+        self._gen._db.wal_watchers += 1  # commits meanwhile tell `_finish_durable`
         return self._present(self._ids)
 
     async def __aexit__(self, *exc: object) -> None:
+        self._gen._db.wal_watchers -= 1
         if exc[0] is None:
             await self._gen._finish_durable(self._ids, self._lsn)
         else:  # the block failed: no row, most likely
