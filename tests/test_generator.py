@@ -84,6 +84,31 @@ async def test_failing_write_in_get_next_still_completes(db: Database) -> None:
         assert stream_id == 3
 
 
+async def test_a_get_next_blocks_commit_through_the_database_says_its_ids_are_on_disk(
+    db: Database,
+) -> None:
+    """A block's IDs count once the WAL is on disk past their allocation (R-ID-14). A
+    row committed through the writer's `Database` inside the block reads how far the
+    WAL is on disk with its COMMIT, so the exit needs no statement of its own; outside
+    a block, commits do not read it."""
+    await create_table(db)
+    gen = await create_generator(db, ["master"], "master")
+    async with gen.get_next() as stream_id:
+        allocated = gen._store.allocated_lsn
+        assert db.wal_flushed < allocated
+        async with db.transaction() as txn:
+            await txn.execute(
+                "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
+                (stream_id,),
+            )
+        assert db.wal_flushed >= allocated  # the exit has nothing left to ask
+    assert gen.get_current_token() == stream_id
+    flushed = db.wal_flushed
+    async with db.transaction() as txn:
+        await txn.execute("INSERT INTO events (stream_id, instance_name) VALUES (99, 'x')")
+    assert db.wal_flushed == flushed
+
+
 async def test_concurrent_get_next_share_round_trips(db: Database) -> None:
     await create_table(db)
     gen = await create_generator(db, ["master"], "master")

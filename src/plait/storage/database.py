@@ -640,6 +640,7 @@ class _Lease:
         if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
             db._lost_one = True  # its idle neighbours are most likely gone too
             db._connections_lost += 1
+            db.wal_flushed = 0  # perhaps another server's WAL next (a failover)
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return

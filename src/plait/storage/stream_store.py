@@ -21,7 +21,13 @@ from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.rows import TupleRow
 
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
-from plait.errors import PositionAboveHeadError, SchemaError, SequenceBehindError
+from plait.errors import (
+    DatabaseUnavailableError,
+    PlaitError,
+    PositionAboveHeadError,
+    SchemaError,
+    SequenceBehindError,
+)
 from plait.storage.database import Database, Transaction, regclass_text
 from plait.storage.incarnation import name_prefix
 from plait.streams.spec import StreamSpec, TableSpec
@@ -259,6 +265,9 @@ class StreamStore:
         # how far it is on disk: `Database.wal_flushed`).
         self.allocated_lsn = 0
         self._durable = asyncio.Lock()  # one check or flush at a time serves the others
+        self._durable_tries = 0  # statements `make_durable` sent, and the last that failed
+        self._durable_failed = 0
+        self._durable_failure: BaseException | None = None
 
     # -- start-up checks ------------------------------------------------------------------
 
@@ -859,22 +868,40 @@ class StreamStore:
     async def make_durable(self, lsn: int) -> None:
         """Return once the WAL is on disk up to `lsn` (an `allocated_lsn`), so that the
         sequence's log record of IDs allocated before it survives a crash (R-ID-14).
-        One round trip when something flushed it since (a commit of the row written
-        with those IDs); else a flush as well (`flush_wal`). Callers at once share."""
-        if self.db.wal_flushed >= lsn:  # a commit (of the row, most likely) said so
+        No round trip when a commit through this `Database` said so already (the row
+        written with those IDs, most likely); else one statement, which also flushes
+        when nothing did (`_DURABLE_QUERY`). Callers at once share one statement; when
+        it fails, those that waited for it fail too, at once.
+
+        Across a crash the LSNs of two server lifetimes may be compared wrongly; that is
+        safe because every new connection first moves the sequence durably past the IDs
+        this process took (`Database`: the catch-up's nextval logs, and its commit
+        flushes)."""
+        if self.db.wal_flushed >= lsn:
             return
+        tries = self._durable_tries
         async with self._durable:
-            if self.db.wal_flushed >= lsn:  # the check before this one covered it
+            if self.db.wal_flushed >= lsn:  # the statement before this one covered it
                 return
-            covers = self.allocated_lsn  # every allocation so far, `lsn`'s too
-            async with self.db.cursor() as cur:
-                await cur.execute(_DURABLE_QUERY, {"lsn": covers, "name": self.spec.name})
-                flushed = await cur.fetchone()
-            if flushed is None:  # the row is gone: write it again, which flushes as well
-                async with self.db.connection() as conn:
-                    await conn.execute(*self._record_spec_statement())
-            # Else the flush position, or -1: locked, so this statement's commit flushed.
-            self.db.wal_flushed = max(self.db.wal_flushed, covers, flushed or 0)
+            if self._durable_failure is not None and self._durable_failed > tries:
+                raise DatabaseUnavailableError(
+                    f"could not make sure PostgreSQL's log is on disk: {self._durable_failure}"
+                )
+            self._durable_tries += 1
+            try:
+                async with self.db.cursor() as cur:
+                    await cur.execute(_DURABLE_QUERY, {"lsn": lsn, "name": self.spec.name})
+                    flushed = await cur.fetchone()
+                if flushed is None:  # the row is gone: write it again, then flush
+                    async with self.db.connection() as conn:
+                        await conn.execute(*self._record_spec_statement())
+                    await self.flush_wal()
+                    flushed = lsn
+            except (psycopg.Error, OSError, PlaitError) as err:
+                self._durable_failure = err
+                self._durable_failed = self._durable_tries
+                raise
+            self.db.wal_flushed = max(self.db.wal_flushed, flushed)
 
     async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
         """`n` new IDs in the caller's transaction; also learns the transaction's xid,
@@ -1114,11 +1141,12 @@ async def _connections_of(txn: Transaction | AsyncConnection[TupleRow], epoch: i
 
 
 # `StreamStore.make_durable` in one round trip: the WAL's flush position when it is at
-# `lsn` already; else `flush_wal`'s lock (-1), whose commit flushes; NULL if the row is
-# gone. The scalar subquery runs only when CASE needs it (an initplan runs on first use).
+# `lsn` already; else, under `flush_wal`'s lock, the insert position (this statement's
+# commit flushes past it); NULL if the row is gone. The scalar subquery runs only when
+# CASE needs it (an initplan runs on first use).
 _DURABLE_QUERY = """
 SELECT CASE WHEN f.lsn >= %(lsn)s THEN f.lsn ELSE (
-    SELECT -1 FROM plait_streams
+    SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint FROM plait_streams
     WHERE stream_name = %(name)s AND set_config('synchronous_commit', 'local', true) <> ''
     FOR KEY SHARE
 ) END

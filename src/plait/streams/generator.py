@@ -406,8 +406,9 @@ class MultiWriterIdGenerator:
         """A `get_next()` block that exited normally may have written no row: its IDs
         finish once the WAL is on disk up to where it stood after their allocation
         (`StreamStore.make_durable`), for the reason `_finish_flushed` gives. When the
-        block committed its row, that commit flushed it: one cheap round trip. Should
-        the check fail (the server down), they finish as `_finish_flushed` does."""
+        block committed its row through this `Database`, that commit said so: no round
+        trip; else one statement. Should that fail (the server down), they finish as
+        `_finish_flushed` does."""
         if not ids or self._closed:
             return
         try:
