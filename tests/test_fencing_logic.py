@@ -191,3 +191,47 @@ def test_a_holder_gets_its_turn_while_another_is_fenced_again_without_moving() -
             chosen.append(writer)
             watch.tried(writer, now, fenced=True)  # w0's fence moves nothing
     assert "w1" in chosen, f"only {sorted(set(chosen))} fenced in {3 * fence_after:g} s"
+
+
+def test_a_fence_that_moved_nothing_waits_for_a_position_to_move() -> None:
+    """Every writer dead, level below the sequence head, each fenced once without
+    moving. Before, a reader fenced each again every fence_after / 10, forever (a row
+    lock and a scan of the server's processes each time), and read the head as often.
+    Now nothing is tried, and the head not read, until some position moves; then the
+    holders are tried again as before."""
+    fence_after, tick, head = 1.0, 0.1, 922
+    watch = HoldWatch(fence_after, own="reader")
+    positions = {"w0": 914, "w1": 914}
+    watch.candidate(positions, 0.0)
+    tries: list[tuple[float, str]] = []
+    heads = 0
+    now = 0.0
+    while now < 60.0:
+        now = round(now + tick, 6)
+        seen_head = None
+        if watch.needs_head(positions, now):
+            heads += 1
+            seen_head = head
+        writer = watch.candidate(positions, now, seen_head)
+        if writer is not None:
+            tries.append((now, writer))
+            watch.tried(writer, now, fenced=True, moved=False)
+    assert sorted(w for _, w in tries) == ["w0", "w1"], tries  # once each, in the first
+    assert max(t for t, _ in tries) <= 2 * fence_after + 2 * tick
+    assert heads <= 2
+    # A writer comes back and writes: w0 is due again, then w1 once the others moved on.
+    positions = {"w0": 914, "w1": 930}
+    assert watch.candidate(positions, now + tick) is None  # w1 ahead: not held
+    later = now + tick + fence_after / 10
+    assert watch.candidate(positions, later) == "w0"  # fenced before: due quickly
+
+
+def test_a_fence_that_moved_the_writer_is_repeated_as_before() -> None:
+    watch = HoldWatch(1.0)
+    watch.candidate({"w1": 5, "w2": 9}, 0.0)
+    assert watch.candidate({"w1": 5, "w2": 9}, 1.0) == "w1"
+    watch.tried("w1", 1.0, fenced=True, moved=True)
+    assert watch.candidate({"w1": 9, "w2": 15}, 1.05) is None
+    assert watch.candidate({"w1": 9, "w2": 15}, 1.2) == "w1"
+    watch.tried("w1", 1.2, fenced=True, moved=False)  # w2 went on meanwhile: not futile
+    assert watch.candidate({"w1": 9, "w2": 20}, 1.35) == "w1"

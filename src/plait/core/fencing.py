@@ -17,6 +17,12 @@ a writer fenced once is dead for good (a fenced run can open no connection), so 
 it keeps holding it is fenced again after only `fence_after / 10`, and readers follow
 the others with about that lag instead of stalling. Of several holders due, the one
 tried least recently goes first, so each gets its turn.
+
+A fence that moved nothing is not repeated until some position moves: its writer is
+dead, so only another writer's move (or a fence of another holder) can give it
+somewhere to go. Without this rule, a reader whose writers had all died fenced each of
+them ten times a second, forever (a row lock and a scan of the server's processes
+each), and read the sequence head as often.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class HoldWatch:
         "_ahead_since",
         "_fence_after",
         "_fenced",
+        "_futile",
         "_head_asked",
         "_last",
         "_moved_at",
@@ -48,13 +55,15 @@ class HoldWatch:
         self._ahead_since: dict[str, float] = {}
         self._tried: dict[str, float] = {}
         self._fenced: set[str] = set()
+        # Writers whose last fence moved nothing, with the positions it saw then.
+        self._futile: dict[str, dict[str, int]] = {}
         self._head_asked = float("-inf")
 
     def needs_head(self, positions: Mapping[str, int], now: float) -> bool:
         """Whether `candidate` wants the sequence head now: every writer level, still
         for a while, and the head not asked for that long."""
         self._note(positions, now)
-        others = [w for w in positions if w != self._own]
+        others = [w for w in positions if w != self._own and not self._is_futile(w)]
         if not others or min(positions.values()) != max(positions.values()):
             return False
         wait = min(self._wait(w) for w in others)
@@ -84,7 +93,11 @@ class HoldWatch:
                     self._ahead_since.setdefault(writer, now)
                 else:
                     self._ahead_since.pop(writer, None)
-        holders = [w for w, p in positions.items() if p == low < top and w != self._own]
+        holders = [
+            w
+            for w, p in positions.items()
+            if p == low < top and w != self._own and not self._is_futile(w)
+        ]
         for writer in sorted(holders, key=self._turn):
             wait = self._wait(writer)
             if (
@@ -94,13 +107,28 @@ class HoldWatch:
                 return writer
         return None
 
-    def tried(self, writer: str, now: float, *, fenced: bool) -> None:
-        """An attempt on `writer` ended: fenced, or found alive (or failed)."""
+    def tried(self, writer: str, now: float, *, fenced: bool, moved: bool = True) -> None:
+        """An attempt on `writer` ended: fenced (and whether that `moved` its
+        position), or found alive (or failed)."""
         self._tried[writer] = now
         if fenced:
             self._fenced.add(writer)
         else:
             self._fenced.discard(writer)
+        if fenced and not moved:
+            self._futile[writer] = dict(self._last)
+        else:
+            self._futile.pop(writer, None)
+
+    def _is_futile(self, writer: str) -> bool:
+        """Its last fence moved nothing, and no position has moved since."""
+        seen = self._futile.get(writer)
+        if seen is None:
+            return False
+        if seen == self._last:
+            return True
+        del self._futile[writer]
+        return False
 
     def is_fenced(self, writer: str) -> bool:
         return writer in self._fenced

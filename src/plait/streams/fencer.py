@@ -100,7 +100,7 @@ class Fencer:
                 result.alive,
             )
             return
-        self._watch.tried(writer, now, fenced=True)
+        self._watch.tried(writer, now, fenced=True, moved=result.position > before)
         if self._epochs.get(writer) != result.epoch:
             self._epochs[writer] = result.epoch
             logger.warning(
