@@ -369,6 +369,69 @@ async def test_an_id_without_a_row_counts_once_its_sequence_record_is_on_disk(
         await other.close()
 
 
+async def test_a_writer_fenced_after_a_crash_reports_no_position_above_the_sequence(
+    restartable_pg: RestartablePostgres,
+) -> None:
+    """The long run of 2026-11-29 (w1, "own position went back 2217473 -> 2217456"): a
+    write's IDs lay under a sequence record the crash lost, and the write failed with
+    it. While PostgreSQL recovered, w1 could not reconnect and a reader fenced it; w1's
+    next connection found the fence, and the failed write's IDs finished, for a fence
+    flushes the WAL (but the record had died with the crash). w1 reported a position
+    above the sequence head, and its next run started below it. A new connection now
+    moves the sequence past the IDs its process took before it looks for a fence."""
+    server = restartable_pg
+    await _schema_with_slow_wal_writes(server)
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
+    proxy = CutProxy(free_port(), server.port)
+    await proxy.start()
+    w1_db = await Database.connect(
+        make_conninfo(server.dsn, port=str(proxy.port)),
+        max_size=4,
+        incarnation=Incarnation.new("w1"),
+    )
+    other = await psycopg.AsyncConnection.connect(server.dsn)  # not autocommit
+    reader_db: Database | None = None
+    try:
+        w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
+        await w1.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
+        await _log_the_sequence_ahead(other)
+        ids: list[int] = []
+
+        async def write_dying_with_the_server() -> None:
+            async with w1.get_next_mult(5) as taken:
+                ids.extend(taken)
+                await proxy.stop()  # w1 cannot reconnect until the test says so
+                await asyncio.to_thread(server.crash)
+                raise _Rollback  # the write died with the server
+
+        with pytest.raises(_Rollback):
+            await write_dying_with_the_server()
+        if await _sequence_head(server) >= ids[-1]:
+            pytest.skip("the crash did not take the sequence back this time")
+        reader_db = await Database.connect(server.dsn, max_size=4)
+        await MultiWriterIdGenerator.create(
+            reader_db, spec, "reader", position_flush_interval=0.1, fence_after=0.3
+        )
+        deadline = time.monotonic() + 30
+        while (await _epoch_row(reader_db))[2] is None:
+            assert time.monotonic() < deadline, "the reader did not fence w1 within 30 s"
+            await asyncio.sleep(0.05)
+        await proxy.start()
+        await _until(
+            "w1's failed write's IDs to finish",
+            lambda: w1.get_current_token_for_writer("w1") >= ids[-1],
+        )
+        assert w1_db.fenced
+        assert await _sequence_head(server) >= w1.get_current_token_for_writer("w1")
+        await w1.close()
+    finally:
+        await w1_db.close()
+        await other.close()
+        if reader_db is not None:
+            await reader_db.close()
+        await proxy.stop()
+
+
 @pytest.mark.parametrize("write", ["get_next", "insert"])
 async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequence_back(
     restartable_pg: RestartablePostgres, write: str

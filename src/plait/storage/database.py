@@ -387,9 +387,14 @@ class _Identity:
                 row = await cursor.fetchone()
                 assert row is not None
                 _SERVER_PIDS[conn] = int(row[0])
-        await self._check_fence(conn)
+        # The sequences first, then the fence: a run that finds itself fenced finishes
+        # the IDs it took (`MultiWriterIdGenerator._finish_flushed`), trusting that the
+        # sequence is durably past them; after a crash that took the sequence back
+        # only this catch-up makes it so (its nextval logs, and its commit flushes).
+        # Moving a sequence up is harmless for a fenced run: it writes no row.
         if self.heads or self.incarnation is not None:  # a writer's, or one that knows heads
             await self._catch_up_sequences(conn, self.heads, new=True)
+        await self._check_fence(conn)
 
     def must_catch_up(self) -> bool:
         """Whether a lease must `catch_up_heard` before its statement (cheap: it runs

@@ -386,7 +386,9 @@ class MultiWriterIdGenerator:
             # Its connections are refused until none of its IDs is pending: finish them
             # now so it can go on as a new incarnation. The fence that stopped it
             # committed, durably, once all of its server processes had ended, which
-            # flushed the WAL past these IDs' sequence record.
+            # flushed the WAL past these IDs' sequence record; and should a crash have
+            # lost that record before, the connection that found the fence had first
+            # moved the sequence past them (`Database`, new connections).
             self._finish(ids)
             return
         self._unflushed.extend(ids)
