@@ -218,10 +218,13 @@ class Transaction:
             # only replace the error that says why with "the connection is closed".
             return
         if command == "COMMIT" and self._wants_flushed():
-            cursor = await self._conn.execute(f"COMMIT; {FLUSHED_LSN_QUERY}")
+            # Pipelined and prepared: one round trip, and no parse or plan per commit.
+            async with self._conn.pipeline():
+                cursor = await self._conn.execute("COMMIT")
+                flushed = await self._conn.execute(FLUSHED_LSN_QUERY, prepare=True)
             committed = cursor.statusmessage == "COMMIT"
-            if committed and cursor.nextset():
-                self._note_flushed(await cursor.fetchone())
+            if committed:
+                self._note_flushed(await flushed.fetchone())
         else:
             cursor = await self._conn.execute(command)
             committed = cursor.statusmessage == "COMMIT"
@@ -250,7 +253,11 @@ class Transaction:
                 await self._begin()
                 cursors = [await conn.execute(query, params) for query, params in built]
                 commit = await conn.execute("COMMIT")
-                flushed = await conn.execute(FLUSHED_LSN_QUERY) if self._wants_flushed() else None
+                flushed = (
+                    await conn.execute(FLUSHED_LSN_QUERY, prepare=True)
+                    if self._wants_flushed()
+                    else None
+                )
         except psycopg.errors.InFailedSqlTransaction:
             raise _rolled_back_at_commit() from None
         if commit.statusmessage != "COMMIT":
