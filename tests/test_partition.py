@@ -195,7 +195,7 @@ def test_a_writer_cut_off_by_the_network_is_fenced_within_the_default_bound() ->
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     lines = done.stdout.decode().splitlines()
-    assert done.returncode == 0
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert lines, done.stderr.decode()[-3000:]
     result = json.loads(lines[-1])
     print(f"kernel partition: {result}")

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import select
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -620,20 +621,14 @@ class _Lease:
         identity = db._identity
         if identity.fenced is not None and not identity.may_renew():
             raise identity.fenced
-        if db._lost_one and not db._closed:
-            await db._replace_lost()
-        if db._hot_busy or db._closed:
-            conn = await _pooled_connection(db, self)
-        else:
-            db._hot_busy = True
-            try:
-                hot = db._hot
-                if hot is None or hot.closed:
-                    hot = db._hot = await _waiting(db, db._pool.getconn)
-            except BaseException:
-                db._hot_busy = False
-                raise
-            self._hot = conn = hot
+        conn = await self._take()
+        for _ in range(_DEAD_IDLE_TRIES):
+            if not _closed_while_idle(conn):
+                break
+            # The server ended it while it sat idle (a restart, a crash): replace it
+            # (and test the others) rather than fail the caller's statement on it.
+            await self._drop(conn)
+            conn = await self._take()
         if identity.must_catch_up():
             try:
                 await identity.catch_up_heard(conn)
@@ -641,6 +636,36 @@ class _Lease:
                 await self.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
         return conn
+
+    async def _take(self) -> AsyncConnection[TupleRow]:
+        db = self._db
+        if db._lost_one and not db._closed:
+            await db._replace_lost()
+        if db._hot_busy or db._closed:
+            return await _pooled_connection(db, self)
+        db._hot_busy = True
+        try:
+            hot = db._hot
+            if hot is None or hot.closed:
+                hot = db._hot = await _waiting(db, db._pool.getconn)
+        except BaseException:
+            db._hot_busy = False
+            raise
+        self._hot = hot
+        return hot
+
+    async def _drop(self, conn: AsyncConnection[TupleRow]) -> None:
+        """Give back a connection found dead before use; the pool discards it."""
+        self._db._lost()
+        await conn.close()
+        if self._pooled is not None:
+            pooled, self._pooled = self._pooled, None
+            await pooled.__aexit__(None, None, None)
+            return
+        db = self._db
+        self._hot = db._hot = None
+        db._hot_busy = False
+        await db._pool.putconn(conn)
 
     async def __aexit__(
         self,
@@ -650,9 +675,7 @@ class _Lease:
     ) -> None:
         db = self._db
         if isinstance(exc, psycopg.OperationalError) and connection_lost(exc):
-            db._lost_one = True  # its idle neighbours are most likely gone too
-            db._connections_lost += 1
-            db.wal_flushed = 0  # perhaps another server's WAL next (a failover)
+            db._lost()
         if self._pooled is not None:
             await self._pooled.__aexit__(exc_type, exc, tb)
             return
@@ -667,6 +690,33 @@ class _Lease:
                 await db._pool.putconn(hot)
         finally:
             db._hot_busy = False
+
+
+# How many connections found dead before use a lease replaces before it hands out the
+# next one anyway: after the first, the pool's idle ones are tested (`_replace_lost`).
+_DEAD_IDLE_TRIES = 3
+
+
+def _closed_while_idle(conn: AsyncConnection[TupleRow]) -> bool:
+    """Whether the server ended this idle connection while nobody used it (a restart, a
+    crash, `pg_terminate_backend`): an idle connection has nothing to read, one the
+    server ended has its last words and the end of the stream. One poll with no wait,
+    a few µs; what arrives otherwise (a notification, a parameter) is kept by libpq."""
+    pgconn = conn.pgconn
+    if pgconn.status != pq.ConnStatus.OK:
+        return True
+    if not hasattr(select, "poll"):  # Windows: the statement finds out
+        return False
+    try:
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
+        for _ in range(4):  # the server's message, then the end of the stream
+            if not poller.poll(0):
+                return False
+            pgconn.consume_input()
+    except (psycopg.OperationalError, OSError):
+        return True
+    return pgconn.status != pq.ConnStatus.OK
 
 
 # psycopg_pool retries a failed connection with a doubling delay for up to this long,
@@ -1010,6 +1060,13 @@ class Database:
     @functools.cached_property
     def _server(self) -> str:
         return server_address(self._dsn)
+
+    def _lost(self) -> None:
+        """A connection died (under a statement, or while idle): its idle neighbours
+        most likely did too (`_replace_lost` tests them before the next lease)."""
+        self._lost_one = True
+        self._connections_lost += 1
+        self.wal_flushed = 0  # perhaps another server's WAL next (a failover)
 
     async def _replace_lost(self) -> None:
         """A connection died under a statement: the server restarted, crashed or failed
