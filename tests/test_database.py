@@ -226,3 +226,23 @@ async def test_new_connections_bring_a_sequence_that_went_back_up_to_what_was_ha
     assert "sequence went_back_seq was at 10, below ID 25" in caplog.text
     assert "sequence Went_Back_Seq was at 10, below ID 12" in caplog.text
     assert caplog.text.count("sequence reset_far_seq is at 1") == 1
+
+
+async def test_a_notification_that_arrived_while_idle_still_reaches_notifies(dsn: str) -> None:
+    """Each lease polls its connection for the server having ended it (after a restart:
+    `test_pg_restart.py`). What else it reads there, such as a notification for a
+    LISTEN the application keeps on the connection, must still reach psycopg's
+    `notifies()`, which waits on the socket and would not see it otherwise."""
+    db = await Database.connect(dsn, min_size=1, max_size=1)
+    try:
+        async with db.connection() as conn:
+            await conn.execute("LISTEN plait_idle_check")
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as other:
+            await other.execute("NOTIFY plait_idle_check, 'hello'")
+        await asyncio.sleep(0.2)  # delivered to the idle connection
+        async with db.connection() as conn:  # the lease polls, and reads it
+            got = [n.payload async for n in conn.notifies(timeout=5, stop_after=1)]
+            await conn.execute("UNLISTEN plait_idle_check")
+        assert got == ["hello"]
+    finally:
+        await db.close()

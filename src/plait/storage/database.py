@@ -655,17 +655,20 @@ class _Lease:
         return hot
 
     async def _drop(self, conn: AsyncConnection[TupleRow]) -> None:
-        """Give back a connection found dead before use; the pool discards it."""
-        self._db._lost()
-        await conn.close()
-        if self._pooled is not None:
-            pooled, self._pooled = self._pooled, None
-            await pooled.__aexit__(None, None, None)
-            return
+        """Give back a connection found dead before use; the pool discards it. The
+        lease lets go of it before the first await (a cancellation then leaks
+        nothing); closed first, so that the pool's exit does not try to use it."""
         db = self._db
-        self._hot = db._hot = None
-        db._hot_busy = False
-        await db._pool.putconn(conn)
+        db._lost()
+        pooled, self._pooled = self._pooled, None
+        if pooled is None:
+            self._hot = db._hot = None
+            db._hot_busy = False
+        await conn.close()
+        if pooled is not None:
+            await pooled.__aexit__(None, None, None)
+        else:
+            await db._pool.putconn(conn)
 
     async def __aexit__(
         self,
@@ -701,22 +704,31 @@ def _closed_while_idle(conn: AsyncConnection[TupleRow]) -> bool:
     """Whether the server ended this idle connection while nobody used it (a restart, a
     crash, `pg_terminate_backend`): an idle connection has nothing to read, one the
     server ended has its last words and the end of the stream. One poll with no wait,
-    a few µs; what arrives otherwise (a notification, a parameter) is kept by libpq."""
+    a few µs. What arrives otherwise (a notification, a parameter) is parsed here and
+    notifications handed to psycopg, as its own statements would: `notifies()` waits
+    on the socket, and would not see what this read from it."""
     pgconn = conn.pgconn
     if pgconn.status != pq.ConnStatus.OK:
         return True
     if not hasattr(select, "poll"):  # Windows: the statement finds out
         return False
+    consumed = False
     try:
         poller = select.poll()
         poller.register(pgconn.socket, select.POLLIN)
         for _ in range(4):  # the server's message, then the end of the stream
             if not poller.poll(0):
-                return False
+                break
             pgconn.consume_input()
+            consumed = True
     except (psycopg.OperationalError, OSError):
         return True
-    return pgconn.status != pq.ConnStatus.OK
+    if pgconn.status != pq.ConnStatus.OK:
+        return True
+    while consumed and (notify := pgconn.notifies()) is not None:
+        if pgconn.notify_handler is not None:
+            pgconn.notify_handler(notify)
+    return False
 
 
 # psycopg_pool retries a failed connection with a doubling delay for up to this long,
@@ -821,8 +833,8 @@ class Database:
         self._closed = False
         self._identity = identity or _Identity()
         self._retry_reads_for = retry_reads_for
-        # Set when a statement failed because its connection died: the next lease first
-        # tests the idle connections (`_replace_lost`).
+        # Set when a connection was found dead (`_lost`): the next lease first tests the
+        # idle connections (`_replace_lost`).
         self._lost_one = False
         self._connections_lost = 0  # `connections_lost`
         self._replacing: asyncio.Task[None] | None = None
@@ -944,9 +956,10 @@ class Database:
 
     @property
     def connections_lost(self) -> int:
-        """How many statements failed because their connection died so far. When it
-        grows, the server may have restarted or crashed, and a crash loses what was
-        committed asynchronously since its last WAL flush (position rows)."""
+        """How many connections were found dead so far (under a statement, or idle
+        before use). When it grows, the server may have restarted or crashed, and a
+        crash loses what was committed asynchronously since its last WAL flush
+        (position rows)."""
         return self._connections_lost
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[TupleRow]]:
@@ -1069,11 +1082,10 @@ class Database:
         self.wal_flushed = 0  # perhaps another server's WAL next (a failover)
 
     async def _replace_lost(self) -> None:
-        """A connection died under a statement: the server restarted, crashed or failed
-        over, and the pool's idle connections (and the hot one) died with it. Test them
-        all now (a round trip each) and replace the dead ones, so that after a restart
-        one statement fails, not one per connection the pool kept. One test at a time;
-        leases meanwhile wait for it."""
+        """A connection was found dead: the server restarted, crashed or failed over,
+        and the pool's idle connections (and the hot one) most likely died with it. Test
+        them all now (a round trip each) and replace the dead ones, rather than let each
+        lease find its own. One test at a time; leases meanwhile wait for it."""
         task = self._replacing
         if task is None or task.done():
             self._lost_one = False
