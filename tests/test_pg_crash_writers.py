@@ -254,7 +254,10 @@ async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position
                 )
             ).fetchone()
         assert row is not None
-        assert row[0] < reported  # what the crash did: the last store was lost
+        if row[0] >= reported:
+            # The WAL writer's own cycle (10 s here, its longest) fell between the last
+            # store and the crash, and wrote it out: seen once in CI, under load.
+            pytest.skip("the crash did not lose the last position store this time")
     finally:
         for proc in procs:
             if proc.returncode is None:
