@@ -37,6 +37,20 @@ async def _until(what: str, condition: Callable[[], bool], within: float = 30.0)
         await asyncio.sleep(0.05)
 
 
+async def _w1_behind_a_proxy(server: RestartablePostgres) -> tuple[CutProxy, Database]:
+    """A proxy in front of `server`, started, and a Database of instance w1 (a new
+    incarnation) that reaches the server only through it: the test decides when w1 may
+    connect."""
+    proxy = CutProxy(free_port(), server.port)
+    await proxy.start()
+    db = await Database.connect(
+        make_conninfo(server.dsn, port=str(proxy.port)),
+        max_size=4,
+        incarnation=Incarnation.new("w1"),
+    )
+    return proxy, db
+
+
 async def _epoch_row(db: Database) -> tuple[int, int | None, object]:
     async with db.connection() as conn:
         cur = await conn.execute(
@@ -64,11 +78,9 @@ async def test_a_writer_fenced_after_a_crash_goes_on_as_a_new_incarnation(
     # w1 reaches the server through a proxy, so the test decides when it may connect
     # again: after the reader fenced it (else it may reconnect first, and rightly not
     # be fenced at all).
-    proxy = CutProxy(free_port(), server.port)
-    await proxy.start()
-    through_proxy = make_conninfo(server.dsn, port=str(proxy.port))
-    first = Incarnation.new("w1")
-    w1_db = await Database.connect(through_proxy, max_size=4, incarnation=first)
+    proxy, w1_db = await _w1_behind_a_proxy(server)
+    first = w1_db.incarnation
+    assert first is not None
     w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=0.1)
     reader_db = await Database.connect(server.dsn, max_size=4)
     reader = await MultiWriterIdGenerator.create(
@@ -385,13 +397,7 @@ async def test_a_writer_fenced_after_a_crash_reports_no_position_above_the_seque
     server = restartable_pg
     await _schema_with_slow_wal_writes(server)
     spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w1"])
-    proxy = CutProxy(free_port(), server.port)
-    await proxy.start()
-    w1_db = await Database.connect(
-        make_conninfo(server.dsn, port=str(proxy.port)),
-        max_size=4,
-        incarnation=Incarnation.new("w1"),
-    )
+    proxy, w1_db = await _w1_behind_a_proxy(server)
     other = await psycopg.AsyncConnection.connect(server.dsn)  # not autocommit
     reader_db: Database | None = None
     try:
@@ -626,13 +632,7 @@ async def test_a_new_run_waits_for_the_previous_one_and_supersedes_it(
     insert = "INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id"
     # The old run reaches the server through a proxy: the test cuts it off, and decides
     # when it may connect again (after the new run registered).
-    proxy = CutProxy(free_port(), server.port)
-    await proxy.start()
-    old_db = await Database.connect(
-        make_conninfo(server.dsn, port=str(proxy.port)),
-        max_size=4,
-        incarnation=Incarnation.new("w1"),
-    )
+    proxy, old_db = await _w1_behind_a_proxy(server)
     new_db = await Database.connect(
         server.dsn, max_size=4, incarnation=Incarnation.new("w1"), retry_reads_for=3.0
     )

@@ -265,9 +265,10 @@ class StreamStore:
         # how far it is on disk: `Database.wal_flushed`).
         self.allocated_lsn = 0
         self._durable = asyncio.Lock()  # one check or flush at a time serves the others
-        self._durable_tries = 0  # statements `make_durable` sent, and the last that failed
-        self._durable_failed = 0
+        # Statements `make_durable` sent; the last failure, and which of them it was.
+        self._durable_tries = 0
         self._durable_failure: BaseException | None = None
+        self._durable_failed_at = 0
 
     # -- start-up checks ------------------------------------------------------------------
 
@@ -883,7 +884,7 @@ class StreamStore:
         async with self._durable:
             if self.db.wal_flushed >= lsn:  # the statement before this one covered it
                 return
-            if self._durable_failure is not None and self._durable_failed > tries:
+            if self._durable_failure is not None and self._durable_failed_at > tries:
                 raise DatabaseUnavailableError(
                     f"could not make sure PostgreSQL's log is on disk: {self._durable_failure}"
                 )
@@ -898,8 +899,7 @@ class StreamStore:
                     await self.flush_wal()
                     flushed = lsn
             except (psycopg.Error, OSError, PlaitError) as err:
-                self._durable_failure = err
-                self._durable_failed = self._durable_tries
+                self._durable_failure, self._durable_failed_at = err, self._durable_tries
                 raise
             self.db.wal_flushed = max(self.db.wal_flushed, flushed)
 
