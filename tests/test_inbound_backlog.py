@@ -121,6 +121,48 @@ class Reader:
 
 
 @given(st.data())
+def test_a_connection_that_ends_leaves_every_row_it_named_delivered_once(
+    data: st.DataObject,
+) -> None:
+    """The connection ends at any point (the writers may have departed: nothing is sent
+    again): what waits in the backlog is drained, and the reader has each writer's rows
+    up to the highest position that arrived, exactly once, in order; rows of a batch
+    whose numbered row never arrived wait for that writer's next POSITION elsewhere."""
+    count = data.draw(st.integers(1, len(WRITERS)), label="writers")
+    all_scripts = [
+        data.draw(scripts(w, first=i + 1), label=w) for i, w in enumerate(WRITERS[:count])
+    ]
+    bound = data.draw(st.integers(1, 6), label="bound")
+    streams = [
+        [Position(STREAM, s.writer, s.sent[0][1], s.sent[0][1]), *[c for c, _ in s.sent]]
+        for s in all_scripts
+    ]
+    starts = {s.writer: s.sent[0][1] for s in all_scripts}
+    named = dict(starts)  # the highest position each writer's arrived commands named
+    reader = Reader(all_scripts, starts)
+    backlog = Backlog(STREAM, bound)
+    for _ in range(data.draw(st.integers(0, sum(map(len, streams))), label="arrivals")):
+        i = data.draw(st.sampled_from([i for i, s in enumerate(streams) if s]), label="next")
+        command = streams[i].pop(0)
+        upto = command.new if isinstance(command, Position) else command.token
+        if upto is not None:
+            named[command.instance] = max(named[command.instance], upto)
+        backlog.push(command)
+        for _ in range(data.draw(st.integers(0, 2), label="handled")):
+            if (queued := backlog.pop()) is not None:
+                reader.handle(queued)
+    backlog.ended()
+    while (queued := backlog.pop()) is not None:
+        reader.handle(queued)
+    assert backlog.idle()
+
+    for script in all_scripts:
+        start, upto = starts[script.writer], named[script.writer]
+        assert reader.got[script.writer] == [(t, r) for t, r in script.rows if start < t <= upto]
+        assert reader.current[script.writer] == upto
+
+
+@given(st.data())
 def test_every_row_arrives_exactly_once_in_order_through_overflowing_backlogs(
     data: st.DataObject,
 ) -> None:
@@ -276,6 +318,22 @@ def test_a_writer_cut_inside_a_batch_that_departs_is_no_longer_cut() -> None:
     backlog.push(Rdata(STREAM, "b", None, "z.1"))
     assert backlog.push(Departure(STREAM, "b"))  # overflows as it departs: no position
     assert backlog.pop() == Departure(STREAM, "b")
+    assert backlog.idle()
+
+
+def test_a_writer_cut_inside_a_batch_when_the_connection_ends_is_read_up_to_below_it() -> None:
+    """No numbered row will end the batch on this connection: what the dropped commands
+    named is read at once."""
+    backlog = Backlog(STREAM, bound=2)
+    backlog.push(Rdata(STREAM, "a", 4, "x"))
+    backlog.push(Rdata(STREAM, "a", None, "y.0"))
+    assert backlog.push(Rdata(STREAM, "a", None, "y.1"))  # cut inside the batch
+    backlog.push(Rdata(STREAM, "b", None, "z.0"))
+    backlog.push(Rdata(STREAM, "b", None, "z.1"))
+    assert backlog.push(Rdata(STREAM, "b", None, "z.2"))  # cut, having named nothing
+    backlog.ended()
+    assert backlog.pop() == Resync(STREAM, "a", 4)
+    assert backlog.pop() is None
     assert backlog.idle()
 
 

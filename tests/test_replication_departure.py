@@ -11,9 +11,12 @@ from typing import Any
 
 import pytest
 
+from plait import Database
 from replication_helpers import (
     Cluster,
     Seen,
+    TableRows,
+    cluster_of,
     connected,
     metric,
     until,
@@ -94,3 +97,95 @@ async def test_a_departing_writers_queued_rows_are_all_delivered_once(
     assert reader.rows_after_departure == 0  # the departure came after its rows
     if inbound_queue < BURST:
         assert metric(r, "plait_inbound_overflows_total", stream="events") >= 1
+
+
+@pytest.mark.parametrize("inbound_queue", [100_000, 50], ids=["within-bound", "past-bound"])
+async def test_a_hub_that_reads_slowly_delivers_a_departed_clients_queued_rows(
+    db: Database, inbound_queue: int
+) -> None:
+    """The hub is the slow reader: the departing writer's connection ends while its rows
+    still wait in the hub's queue. They are the hub's to deliver all the same (nobody
+    sends them again: the writer is gone)."""
+    async with cluster_of(db, "tcp", hub="hub") as cluster:
+        reader = SlowRows()
+        hub = cluster.instance("hub", replication={"inbound_queue": inbound_queue})
+        hub.on_rows("events", reader.on_rows_slowly)
+        hub.on_departure(reader.departed.append)
+        await cluster.start(hub)
+        w1 = await cluster.start(cluster.instance("w1"))
+        await connected(hub, w1)
+
+        ids = [await write(w1, "first")]
+        ids += await write_many(w1, BURST, "w1-")
+        gen = w1.generator("events")
+        await w1.stop()  # sends what is left, then DEPART, then hangs up
+        last = gen.get_current_token_for_writer("w1")
+
+        def received(command: str) -> float:
+            return metric(hub, "plait_commands_received_total", command=command)
+
+        try:
+            await until(lambda: received("DEPART") >= 1, within=30, what="the DEPART of w1")
+            await until(
+                lambda: metric(hub, "plait_connection_up", link="tcp:w1") == 0,
+                within=30,
+                what="the hub to see w1's connection end",
+            )
+        finally:
+            reader.release.set()
+
+        await reader.wait(len(ids), within=60)
+        assert await hub.wait_for_stream_position("w1", "events", last, timeout=30), (
+            "the hub's position of w1 never reached w1's last"
+        )
+        await until(lambda: reader.departed == ["w1"], within=30, what="the departure listener")
+        await asyncio.sleep(0.5)
+        got = [row[1] for row in reader.rows]
+        assert got == sorted(set(got))
+        assert set(got) == set(ids)
+
+
+class RefusesPoison(TableRows):
+    """Refuses the row `poison.0` as it comes over the wire (a codec that changed, say);
+    from the database it reads it."""
+
+    def from_json(self, value: Any) -> tuple[str, int, str, str]:
+        if value[3] == "poison.0":
+            raise ValueError("this codec refuses poison.0")
+        return super().from_json(value)
+
+
+async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_writer_left(
+    cluster: Cluster,
+) -> None:
+    """Handling a queued row failed after its writer had departed: the reader tries it
+    again from the database instead of dropping the rows queued behind it (nobody sends
+    them again)."""
+    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
+    w1 = await cluster.start(cluster.instance("w1"))
+    reader = SlowRows()
+    r = cluster.instance("r")
+    r.row_type("events", RefusesPoison())
+    r.on_rows("events", reader.on_rows_slowly)
+    await cluster.start(r)
+    await connected(*others, w1, r)
+
+    ids = [await write(w1, "first"), await write(w1, "poison")]
+    ids += await write_many(w1, 50, "w1-")
+    gen = w1.generator("events")
+    await w1.stop()
+    last = gen.get_current_token_for_writer("w1")
+    try:
+        await until(
+            lambda: metric(r, "plait_commands_received_total", command="DEPART") >= 1,
+            within=30,
+            what="the DEPART of w1",
+        )
+    finally:
+        reader.release.set()
+    await reader.wait(len(ids), within=60)
+    assert await r.wait_for_stream_position("w1", "events", last, timeout=30), "w1's last position"
+    got = [row[1] for row in reader.rows]
+    assert got == sorted(set(got))
+    assert set(got) == set(ids)
+    assert ("events", ids[1], "w1", "poison.0") in reader.rows  # as the database has it

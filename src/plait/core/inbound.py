@@ -33,6 +33,10 @@ in-memory stream). Why no row is skipped or repeated:
   highest one per writer instead, after the `Resync`s, for the shell to prove against
   the database as when it arrives. Believed or not, it only ever moves a writer forward.
 
+A connection that ends leaves its backlogs to be handled all the same (the shell drains
+them): what arrived was sent once, and a writer that departed sends it nowhere again.
+`ended` gives a writer cut off inside a batch its `Resync` at once.
+
 A writer that leaves cleanly sends DEPART (R-RP-8). Its rows sent before it must still
 be handled, and only then does its RDATA stop counting (until its next POSITION, should
 it come back: a restarted writer's tokens follow its answer to REPLICATE). So a DEPART
@@ -171,6 +175,15 @@ class Backlog:
     def pop(self) -> Queued | None:
         """The next command to handle, oldest first; None when none waits."""
         return self._commands.popleft() if self._commands else None
+
+    def ended(self) -> None:
+        """The connection ended: no numbered command will end a cut writer's batch on
+        it, so what its dropped commands named is read now, as a `Resync` (the batch
+        rows above it wait for the writer's next POSITION elsewhere, or a fence)."""
+        for writer, upto in self._cut.items():
+            if upto is not None:
+                self._commands.append(Resync(self.stream, writer, upto))
+        self._cut.clear()
 
     def _upto(self, command: Rdata | Position | Resync) -> int | None:
         if isinstance(command, Resync):

@@ -7,8 +7,12 @@ catch-up on one stream holds up no other. A POSITION whose writer is out of reac
 followed by a catch-up in pages before the writer advances. A connection counts as up
 once every writer caught up on it (or, for configured writers that never answered,
 once a grace period passed); the transport resets its reconnect backoff only then. A
-failure while catching up closes the connection, so the transport reconnects after a
-growing delay and the catch-up starts over: no row is skipped. A queue holds at most
+failure while handling a command closes the connection, so the transport reconnects
+after a growing delay and catches up afresh; the command itself is tried again, as a
+catch-up from the source, after a growing delay of its own (the commands behind it
+build on it: skipping it would skip its rows). A connection that ends leaves what it
+brought to be handled all the same: its writer may have departed, and nobody would
+send it again. A queue holds at most
 `inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a catch-up
 from the source, counted in plait_inbound_overflows and logged at most every 10 s.
 A DEPART (R-RP-8) waits in each stream's queue behind the commands of its writer that
@@ -42,6 +46,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.core.backoff import Backoff
 from plait.core.commands import (
     Command,
     CommandSet,
@@ -95,6 +100,9 @@ _TRANSPORT_COMMANDS = (Name, Server, Ping)
 # One warning per (connection, stream, writer) this often about refused claims; the
 # metric counts every one.
 _REFUSALS_LOGGED_EVERY = 10.0
+# A command whose handling failed is tried again after these delays (seconds), growing.
+_RETRY_INITIAL = 0.1
+_RETRY_CAP = 10.0
 # One warning per (connection, stream) this often about overflowing inbound queues.
 _OVERFLOWS_LOGGED_EVERY = 10.0
 
@@ -197,6 +205,11 @@ class ReplicationHandler:
         # a connection is up once every writer that did answer caught up.
         self.up_grace = 2 * announce_interval + 1.0 if up_grace is None else up_grace
         self._sessions: list[_Session] = []
+        # Sessions whose connection ended while commands still waited: they drain.
+        self._draining: set[_Session] = set()
+        # Every task of every session: `stop` ends them all.
+        self._session_tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
         self._senders = [
             _Sender(self, stream)
             for stream in self.streams.values()
@@ -241,7 +254,9 @@ class ReplicationHandler:
         self._tasks.append(asyncio.create_task(self._announce(), name="plait-announce"))
 
     async def stop(self, *, depart: bool = True) -> None:
-        """Send what is left, announce our departure (R-RP-8), end every task."""
+        """Send what is left, announce our departure (R-RP-8), end every task (what
+        waits in the inbound queues is not handled)."""
+        self.stopping = True
         await cancel_and_wait(*self._tasks, *self._fence_tasks)
         self._tasks.clear()
         for sender in self._senders:
@@ -253,6 +268,8 @@ class ReplicationHandler:
             self.broadcast([Depart(self._name)])
         for session in list(self._sessions):
             session.closed()
+        await cancel_and_wait(*self._session_tasks)
+        self._draining.clear()
 
     # -- connections --------------------------------------------------------------------
 
@@ -267,6 +284,19 @@ class ReplicationHandler:
         with contextlib.suppress(ValueError):
             self._sessions.remove(session)
 
+    def own_task(self, task: asyncio.Task[None]) -> None:
+        """A session's task: `stop` cancels it and waits for it."""
+        self._session_tasks.add(task)
+        task.add_done_callback(self._session_tasks.discard)
+
+    def drain(self, session: _Session) -> None:
+        """`session`'s connection ended with commands waiting: they are handled all the
+        same (counted in the inbound queue length until then)."""
+        self._draining.add(session)
+
+    def drained(self, session: _Session) -> None:
+        self._draining.discard(session)
+
     def expected_writers(self) -> set[tuple[str, str]]:
         """(stream, writer) pairs that should announce themselves on a new connection."""
         return {
@@ -277,7 +307,7 @@ class ReplicationHandler:
         }
 
     def queue_length(self, stream: str) -> int:
-        return sum(s.queue_length(stream) for s in self._sessions)
+        return sum(s.queue_length(stream) for s in (*self._sessions, *self._draining))
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -641,7 +671,8 @@ class _Session:
         self._inbound = Inbound(handler.instance_name)
         self._own_name = handler.instance_name
         self._own_bytes = self._own_name.encode()
-        self._commands: asyncio.Queue[Command | _Departing] | None = None  # the application's
+        # The application's commands; None once the connection ended, after them.
+        self._commands: asyncio.Queue[Command | _Departing | None] | None = None
         self._backlogs: dict[str, Backlog] = {}  # per stream
         self._departing: dict[str, list[_Departing]] = {}  # per writer, oldest first
         self._wakes: dict[str, asyncio.Event] = {}  # set when a backlog got a command
@@ -651,7 +682,9 @@ class _Session:
         self._changed = asyncio.Event()
         self._up = asyncio.Event()
         self._closed = False
+        self._retry = Backoff(initial=_RETRY_INITIAL, cap=_RETRY_CAP)
         self._watcher = asyncio.create_task(self._watch_up(), name=f"plait-up-{link.label}")
+        handler.own_task(self._watcher)
 
     def queue_length(self, stream: str) -> int:
         backlog = self._backlogs.get(stream)
@@ -690,13 +723,28 @@ class _Session:
         await self._up.wait()
 
     def closed(self) -> None:
+        """The connection ended. What it brought and still waits is handled all the same
+        (the writer may have departed: nobody would send it again); a new connection
+        starts over beside it, and a writer's rows are handed over one command at a
+        time, so either one's step is stale to the other. When the handler stops,
+        nothing more is handled."""
         if self._closed:
             return
         self._closed = True
-        for task in (*self._workers.values(), self._watcher):
-            task.cancel()
-        self._inbound.lost()
+        self._watcher.cancel()
         self._handler.forget(self)
+        if self._handler.stopping:
+            for task in self._workers.values():
+                task.cancel()
+            return
+        for backlog in self._backlogs.values():
+            backlog.ended()
+        for wake in self._wakes.values():
+            wake.set()
+        if self._commands is not None:
+            self._commands.put_nowait(None)
+        if any(not task.done() for task in self._workers.values()):
+            self._handler.drain(self)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -792,8 +840,10 @@ class _Session:
             )
             wake = self._wakes[stream.name] = asyncio.Event()
 
-            async def next_command() -> Queued:
+            async def next_command() -> Queued | None:
                 while (queued := backlog.pop()) is None:
+                    if self._closed:
+                        return None
                     wake.clear()
                     await wake.wait()
                 return queued
@@ -806,43 +856,79 @@ class _Session:
     def _start_worker(
         self,
         key: str,
-        take: Callable[[], Awaitable[_Work]],
+        take: Callable[[], Awaitable[_Work | None]],
         empty: Callable[[], bool],
     ) -> None:
-        self._workers[key] = asyncio.create_task(
+        task = asyncio.create_task(
             self._work(key, take, empty), name=f"plait-in-{key}-{self.link.label}"
         )
+        self._workers[key] = task
+        self._handler.own_task(task)
 
     async def _work(
         self,
         key: str,
-        take: Callable[[], Awaitable[_Work]],
+        take: Callable[[], Awaitable[_Work | None]],
         empty: Callable[[], bool],
     ) -> None:
-        # Not `while True`: a cancellation by `closed()` can be swallowed inside
+        # Not `while True`: a cancellation by the handler's stop can be swallowed inside
         # `_handle` (psycopg_pool waits for a connection with asyncio.wait_for, which
         # does that on Python 3.11); the worker then ends here, not on a queue nobody
         # feeds (it was logged as a task destroyed while pending).
-        while not self._closed:
-            command = await take()
-            self._busy.add(key)
+        try:
+            while not self._handler.stopping:
+                command = await take()
+                if command is None:
+                    return  # the connection ended, and everything it brought was handled
+                self._busy.add(key)
+                try:
+                    await self._handle_surely(command)
+                finally:
+                    if empty():
+                        self._busy.discard(key)
+        finally:
+            if self._closed and all(
+                task.done() or task is asyncio.current_task() for task in self._workers.values()
+            ):
+                self._handler.drained(self)
+
+    async def _handle_surely(self, command: _Work) -> None:
+        """Handle `command`, trying again after a growing delay while that fails
+        (database or peer unreachable). A failure also drops the connection, so that
+        the transport reconnects and catches up afresh; this command is still handled
+        here, as a catch-up where it can be: the ones after it build on it (a row is
+        delivered when its token is above what was seen, so skipping one would skip its
+        rows)."""
+        while True:
             try:
                 await self._handle(command)
             except Exception as err:
-                # Catching up failed (database or peer unreachable): start over on a new
-                # connection after the transport's backoff; nothing was skipped.
                 logger.warning(
-                    "replication: %s on %s failed (%s: %s); reconnecting",
+                    "replication: %s on %s failed (%s: %s); %s",
                     _label(command),
                     self.link.label,
                     type(err).__name__,
                     err,
+                    "trying again" if self._closed else "reconnecting",
                 )
                 self.link.close()
+                command = self._as_catch_up(command)
+                await asyncio.sleep(self._retry.next_delay())
+            else:
+                self._retry.up()
                 return
-            finally:
-                if empty():
-                    self._busy.discard(key)
+
+    def _as_catch_up(self, command: _Work) -> _Work:
+        """What to try again in place of a failed `command`: its writer's rows up to
+        what it named, read from the source (a row the codec refused arrives from there
+        as the database holds it)."""
+        if isinstance(command, Rdata) and command.token is not None:
+            upto = self._handler.streams[command.stream].sign * command.token
+        elif isinstance(command, Position):
+            upto = self._handler.streams[command.stream].sign * command.new
+        else:
+            return command
+        return Resync(command.stream, command.instance, upto)
 
     async def _handle(self, command: _Work) -> None:
         handler = self._handler
@@ -895,14 +981,8 @@ class _Session:
     def _rdata_now(self, stream: ReplicatedStream, command: Rdata) -> None:
         try:
             accepted = self._accept(stream, command)
-        except Exception as err:  # a row the codec refuses: read it from the source
-            logger.warning(
-                "replication: RDATA on %s failed (%s: %s); reconnecting",
-                self.link.label,
-                type(err).__name__,
-                err,
-            )
-            self.link.close()
+        except Exception:  # a row the codec refuses: the queue tries it, then the source
+            self._enqueue_stream(stream, command)
             return
         if accepted is not None:
             self._handler.deliver_now(stream, command.instance, *accepted)
