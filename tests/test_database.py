@@ -246,3 +246,84 @@ async def test_a_notification_that_arrived_while_idle_still_reaches_notifies(dsn
         assert got == ["hello"]
     finally:
         await db.close()
+
+
+class HoldsTheEnd:
+    """A TCP proxy to PostgreSQL that passes bytes both ways at once, but lets its
+    client hear that the server ended the connection only `delay` s later: the
+    server's last words (FATAL) have arrived, the end of the stream not yet (a busy
+    network or host can part them)."""
+
+    def __init__(self, host: str, port: int, delay: float) -> None:
+        self._target = (host, port)
+        self._delay = delay
+        self.server_ended = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(*self._target)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, late: bool) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+                if late:
+                    self.server_ended.set()
+                    await asyncio.sleep(self._delay)
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        for task in (
+            asyncio.create_task(pipe(client_r, server_w, late=False)),
+            asyncio.create_task(pipe(server_r, client_w, late=True)),
+        ):
+            self._tasks.add(task)
+
+
+async def test_a_connection_whose_server_said_fatal_is_not_used_before_its_end_arrives(
+    dsn: str,
+) -> None:
+    """The idle check also takes the server's FATAL (read while idle: libpq hands it to
+    the notice handler) as the end, without waiting for the end of the stream. Before,
+    the lease handed the connection out, and the statement failed with
+    OperationalError once the end arrived."""
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    proxy = HoldsTheEnd(str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432), 5.0)
+    port = await proxy.start()
+    db = await Database.connect(
+        psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=port), min_size=1, max_size=1
+    )
+    try:
+        async with db.connection() as conn:
+            row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+        assert row is not None
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as other:
+            await other.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        try:
+            async with asyncio.timeout(10):
+                await proxy.server_ended.wait()
+        except TimeoutError:
+            pytest.fail("waited 10 s for the server to end the terminated connection")
+        await asyncio.sleep(0.1)  # the FATAL reached the idle connection's socket
+        try:
+            async with asyncio.timeout(4), db.connection() as conn:  # not the held end's 5 s
+                await conn.execute("SELECT 1")
+        except TimeoutError:
+            pytest.fail("waited 4 s for SELECT 1: the lease handed out the ended connection")
+        assert db.connections_lost >= 1
+    finally:
+        await db.close()
+        await proxy.close()

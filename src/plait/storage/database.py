@@ -703,27 +703,46 @@ _DEAD_IDLE_TRIES = 3
 def _closed_while_idle(conn: AsyncConnection[TupleRow]) -> bool:
     """Whether the server ended this idle connection while nobody used it (a restart, a
     crash, `pg_terminate_backend`): an idle connection has nothing to read, one the
-    server ended has its last words and the end of the stream. One poll with no wait,
-    a few µs. What arrives otherwise (a notification, a parameter) is parsed here and
-    notifications handed to psycopg, as its own statements would: `notifies()` waits
-    on the socket, and would not see what this read from it."""
+    server ended has its last words (FATAL) and the end of the stream, either of which
+    tells. One poll with no wait, a few µs. What arrives otherwise (a notification, a
+    parameter) is parsed here and notifications handed to psycopg, as its own
+    statements would: `notifies()` waits on the socket, and would not see what this
+    read from it."""
     pgconn = conn.pgconn
     if pgconn.status != pq.ConnStatus.OK:
         return True
     if not hasattr(select, "poll"):  # Windows: the statement finds out
         return False
-    consumed = False
+    consumed = fatal = False
     try:
         poller = select.poll()
         poller.register(pgconn.socket, select.POLLIN)
-        for _ in range(4):  # the server's message, then the end of the stream
-            if not poller.poll(0):
-                break
-            pgconn.consume_input()
-            consumed = True
+        if not poller.poll(0):
+            return False  # nearly always: nothing arrived
+        # libpq hands what the server says while idle, a FATAL included, to the
+        # notice handler: its last words count as the end, which may arrive later.
+        handler = pgconn.notice_handler
+
+        def notice(result: pq.abc.PGresult) -> None:
+            nonlocal fatal
+            severity = result.error_field(pq.DiagnosticField.SEVERITY_NONLOCALIZED)
+            fatal = fatal or severity in (b"FATAL", b"PANIC")
+            if handler is not None:
+                handler(result)
+
+        pgconn.notice_handler = notice
+        try:
+            for _ in range(4):  # the server's message, then the end of the stream
+                pgconn.consume_input()
+                pgconn.is_busy()  # parses what was read (consume_input only buffers)
+                consumed = True
+                if fatal or not poller.poll(0):
+                    break
+        finally:
+            pgconn.notice_handler = handler
     except (psycopg.OperationalError, OSError):
         return True
-    if pgconn.status != pq.ConnStatus.OK:
+    if fatal or pgconn.status != pq.ConnStatus.OK:
         return True
     while consumed and (notify := pgconn.notifies()) is not None:
         if pgconn.notify_handler is not None:
