@@ -503,17 +503,26 @@ async def test_writers_keep_writing_through_a_redis_restart_every_reader_gets_ev
             n += 1
             await asyncio.sleep(0.003)
 
+    async def each_writes(more: int, when: str) -> None:
+        """Until each writer wrote `more` rows from now (at its own pace: a busy machine
+        only makes the phase longer)."""
+        marks = {name: len(ids) for name, ids in written.items()}
+        await until(
+            lambda: all(len(written[n]) >= marks[n] + more for n in written),
+            within=60,
+            what=f"each writer to write {more} rows {when}",
+        )
+
     writers = [asyncio.create_task(keep_writing(name)) for name in written]
     try:
-        await asyncio.sleep(0.3)
+        await each_writes(20, "before Redis stops")
         redis_server.stop()
-        await asyncio.sleep(0.5)
+        await each_writes(20, "while Redis is down")
         redis_server.start()
-        await asyncio.sleep(0.7)
+        await each_writes(40, "after Redis started again")
     finally:
         stop.set()
         await asyncio.gather(*writers)
-    assert all(len(ids) > 50 for ids in written.values())
 
     expected = {
         "r": sorted(written["w1"] + written["w2"]),

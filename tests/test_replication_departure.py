@@ -189,3 +189,33 @@ async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_w
     assert got == sorted(set(got))
     assert set(got) == set(ids)
     assert ("events", ids[1], "w1", "poison.0") in reader.rows  # as the database has it
+
+
+async def test_a_batch_whose_row_fails_on_the_fast_path_is_read_whole_from_the_database(
+    cluster: Cluster,
+) -> None:
+    """A plain-function listener gets live rows without a queue. When the codec refuses
+    a row of a batch there, the whole batch is read from the database: the rows held
+    before the numbered one are not lost."""
+    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
+    w1 = await cluster.start(cluster.instance("w1"))
+    seen = Seen()
+    r = cluster.instance("r")
+    r.row_type("events", RefusesPoison())
+    r.on_rows("events", seen.on_rows)
+    await cluster.start(r)
+    await connected(*others, w1, r)
+
+    first = await write(w1, "first")
+    poisoned = await write(w1, "poison", rows=3)  # poison.0 is refused, the batch's first
+    after = await write(w1, "after")
+    await seen.wait(5, within=30)
+    assert await r.wait_for_stream_position("w1", "events", after, timeout=30), "w1's last row"
+    await asyncio.sleep(0.3)  # nothing arrives twice later
+    assert sorted(seen.rows) == sorted(
+        [
+            ("events", first, "w1", "first.0"),
+            *[("events", poisoned, "w1", f"poison.{i}") for i in range(3)],
+            ("events", after, "w1", "after.0"),
+        ]
+    )

@@ -147,8 +147,9 @@ class Backlog:
         """Nothing waits, nor is any writer cut off: a command may be handled at once."""
         return not self._commands and not self._cut
 
-    def push(self, command: Rdata | Position | Fenced | Departure) -> bool:
-        """Queue `command`; True when the backlog overflowed and dropped what it held."""
+    def push(self, command: Rdata | Position | Fenced | Departure | Resync) -> bool:
+        """Queue `command`; True when the backlog overflowed and dropped what it held.
+        (A `Resync` comes from the shell when a row it took failed.)"""
         if isinstance(command, Fenced):
             self._commands.append(command)  # not the writer's own: no part in its batches
         elif (writer := command.instance) not in self._cut:

@@ -100,9 +100,11 @@ _TRANSPORT_COMMANDS = (Name, Server, Ping)
 # One warning per (connection, stream, writer) this often about refused claims; the
 # metric counts every one.
 _REFUSALS_LOGGED_EVERY = 10.0
-# A command whose handling failed is tried again after these delays (seconds), growing.
+# A command whose handling failed is tried again after these delays (seconds), growing,
+# for this long; then the connection's commands are given up.
 _RETRY_INITIAL = 0.1
 _RETRY_CAP = 10.0
+_RETRY_FOR = 300.0
 # One warning per (connection, stream) this often about overflowing inbound queues.
 _OVERFLOWS_LOGGED_EVERY = 10.0
 
@@ -631,6 +633,10 @@ class _Sender:
         self._handler.send_lines(lines)
 
 
+class _GivenUp(Exception):
+    """A command failed for `_RETRY_FOR` s: its worker ends."""
+
+
 @dataclass(slots=True)
 class _Departing:
     """A DEPART in the application commands' queue: its listeners run once every stream
@@ -682,7 +688,6 @@ class _Session:
         self._changed = asyncio.Event()
         self._up = asyncio.Event()
         self._closed = False
-        self._retry = Backoff(initial=_RETRY_INITIAL, cap=_RETRY_CAP)
         self._watcher = asyncio.create_task(self._watch_up(), name=f"plait-up-{link.label}")
         handler.own_task(self._watcher)
 
@@ -831,7 +836,7 @@ class _Session:
         queue.put_nowait(command)
 
     def _enqueue_stream(
-        self, stream: ReplicatedStream, command: Rdata | Position | Fenced | Departure
+        self, stream: ReplicatedStream, command: Rdata | Position | Fenced | Departure | Resync
     ) -> None:
         backlog = self._backlogs.get(stream.name)
         if backlog is None:
@@ -883,6 +888,8 @@ class _Session:
                 self._busy.add(key)
                 try:
                     await self._handle_surely(command)
+                except _GivenUp:
+                    return
                 finally:
                     if empty():
                         self._busy.discard(key)
@@ -898,25 +905,45 @@ class _Session:
         the transport reconnects and catches up afresh; this command is still handled
         here, as a catch-up where it can be: the ones after it build on it (a row is
         delivered when its token is above what was seen, so skipping one would skip its
-        rows)."""
+        rows). Once the new connection got that far, the catch-up has nothing left to
+        read. Past `_RETRY_FOR` s of failures the connection's commands are given up
+        (said at ERROR): what they carried waits for the writer's next POSITION."""
+        retry = Backoff(initial=_RETRY_INITIAL, cap=_RETRY_CAP)
+        failures = 0
+        deadline = time.monotonic() + _RETRY_FOR
         while True:
             try:
                 await self._handle(command)
-            except Exception as err:
-                logger.warning(
-                    "replication: %s on %s failed (%s: %s); %s",
-                    _label(command),
-                    self.link.label,
-                    type(err).__name__,
-                    err,
-                    "trying again" if self._closed else "reconnecting",
-                )
-                self.link.close()
-                command = self._as_catch_up(command)
-                await asyncio.sleep(self._retry.next_delay())
-            else:
-                self._retry.up()
                 return
+            except Exception as err:
+                self.link.close()
+                if self._handler.stopping:
+                    return
+                failures += 1
+                if time.monotonic() > deadline:
+                    logger.error(
+                        "replication: %s on %s failed for %.0f s (%s: %s); giving up the "
+                        "commands of this connection: what they carried arrives with the "
+                        "writer's next POSITION",
+                        _label(command),
+                        self.link.label,
+                        _RETRY_FOR,
+                        type(err).__name__,
+                        err,
+                    )
+                    raise _GivenUp from err
+                if failures & (failures - 1) == 0:  # 1st, 2nd, 4th, 8th...: not a flood
+                    logger.warning(
+                        "replication: %s on %s failed (%s: %s); trying again as a catch-up "
+                        "(failure %d)",
+                        _label(command),
+                        self.link.label,
+                        type(err).__name__,
+                        err,
+                        failures,
+                    )
+                command = self._as_catch_up(command)
+                await asyncio.sleep(retry.next_delay())
 
     def _as_catch_up(self, command: _Work) -> _Work:
         """What to try again in place of a failed `command`: its writer's rows up to
@@ -981,8 +1008,12 @@ class _Session:
     def _rdata_now(self, stream: ReplicatedStream, command: Rdata) -> None:
         try:
             accepted = self._accept(stream, command)
-        except Exception:  # a row the codec refuses: the queue tries it, then the source
-            self._enqueue_stream(stream, command)
+        except Exception:  # a row the codec refuses: read its rows from the source
+            # Only a numbered row is decoded, with the batch rows before it, which the
+            # inbound state has handed over: the catch-up reads them all.
+            assert command.token is not None
+            upto = stream.sign * command.token
+            self._enqueue_stream(stream, Resync(stream.name, command.instance, upto))
             return
         if accepted is not None:
             self._handler.deliver_now(stream, command.instance, *accepted)
