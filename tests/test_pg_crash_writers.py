@@ -6,11 +6,14 @@ incarnation by itself, and its position never goes backwards through the fence."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
 from asyncio.subprocess import Process
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +99,7 @@ async def test_a_writer_fenced_after_a_crash_goes_on_as_a_new_incarnation(
         held = w1.get_next()  # an ID in flight when the server dies
         held_id = await held.__aenter__()
         await proxy.stop()  # w1 cannot reconnect...
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         await _until("the reader to fence w1 after the crash", lambda: reader.fences >= 1)
         await proxy.start()  # ...until now
         # While the ID taken before the fence is held, this run may not write: it
@@ -145,10 +148,39 @@ async def _stored(db: Database) -> int:
     return (await _epoch_row(db))[0]
 
 
+# Per server port: the pid of its WAL writer, stopped (SIGSTOP) by the test.
+_held_wal_writers: dict[int, int] = {}
+
+
+@pytest.fixture
+async def restartable_pg(
+    restartable_pg: RestartablePostgres,
+) -> AsyncIterator[RestartablePostgres]:
+    """conftest's, whose WAL writer, when a test stopped it, runs again before the
+    server is stopped (a stopped one would hold the shutdown up)."""
+    yield restartable_pg
+    pid = _held_wal_writers.pop(restartable_pg.port, None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _crash(server: RestartablePostgres) -> None:
+    """kill -9 of the postmaster and of a stopped WAL writer (which would never notice
+    its postmaster died, and hold the new one off), then start."""
+    server.kill()
+    pid = _held_wal_writers.pop(server.port, None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    server.start()
+
+
 async def _schema_with_slow_wal_writes(server: RestartablePostgres) -> None:
-    """The events table, and a WAL writer that writes asynchronous commits out only
-    every 10 s: a crash then loses every position row stored since the last commit
-    that waited for its WAL (nearly always: an abort may still wake the WAL writer)."""
+    """The events table, and a WAL writer that writes nothing out (stopped, SIGSTOP,
+    until the crash): a crash then loses every position row stored since the last
+    commit that waited for its WAL. Its 10 s cycle alone left a race: under load in
+    CI it sometimes wrote out what the test's crash was meant to lose."""
     setup = await Database.connect(server.dsn, max_size=2)
     try:
         await setup.migrate()
@@ -159,6 +191,14 @@ async def _schema_with_slow_wal_writes(server: RestartablePostgres) -> None:
             )
             await conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
             await conn.execute("SELECT pg_reload_conf()")
+            row = await (
+                await conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'"
+                )
+            ).fetchone()
+            assert row is not None, "PostgreSQL shows no WAL writer"
+            os.kill(row[0], signal.SIGSTOP)
+            _held_wal_writers[server.port] = row[0]
     finally:
         await setup.close()
 
@@ -185,7 +225,7 @@ async def test_a_writers_position_never_goes_back_through_a_crash_and_a_restart(
         assert reported == 6 > rows[-1][0]
         await w1.flush_position()
         assert await _stored(w1_db) == reported
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         # The writer lives through the crash; then its process restarts.
         await w1.close()
     finally:
@@ -258,7 +298,7 @@ async def test_a_writer_killed_with_postgresql_restarts_at_or_above_its_position
         for proc in procs:
             proc.kill()
             await proc.wait()
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         async with await psycopg.AsyncConnection.connect(server.dsn, autocommit=True) as look:
             row = await (
                 await look.execute(
@@ -337,7 +377,7 @@ async def test_a_rolled_back_transactions_ids_count_once_their_sequence_record_i
             lambda: w1.get_current_token_for_writer("w1") >= ids[-1],
         )
         reported = w1.get_current_token_for_writer("w1")
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         assert await _sequence_head(server) >= reported
         await w1.close()
     finally:
@@ -376,7 +416,7 @@ async def test_an_id_without_a_row_counts_once_its_sequence_record_is_on_disk(
                     "w1's position to reach its transaction's ID",
                     lambda taken=new_id: w1.get_current_token_for_writer("w1") == taken,
                 )
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         assert await _sequence_head(server) >= new_id
         await w1.close()
     finally:
@@ -410,7 +450,7 @@ async def test_a_writer_fenced_after_a_crash_reports_no_position_above_the_seque
             async with w1.get_next_mult(5) as taken:
                 ids.extend(taken)
                 await proxy.stop()  # w1 cannot reconnect until the test says so
-                await asyncio.to_thread(server.crash)
+                await asyncio.to_thread(_crash, server)
                 raise _Rollback  # the write died with the server
 
         with pytest.raises(_Rollback):
@@ -466,7 +506,7 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
         await _log_the_sequence_ahead(other)
         async with w1.get_next_mult(5) as ids:
             handed_out = ids[-1]
-            await asyncio.to_thread(server.crash)
+            await asyncio.to_thread(_crash, server)
             if await _sequence_head(server) >= handed_out:
                 # The WAL writer woke and wrote the record out.
                 pytest.skip("the crash did not take the sequence back this time")
@@ -512,7 +552,7 @@ async def test_a_position_heard_after_reconnecting_is_caught_up_before_the_next_
             row = await (await w2.execute("SELECT nextval('events_seq')")).fetchone()
         assert row is not None
         reported = int(row[0])
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         if await _sequence_head(server) >= reported:
             pytest.skip("the crash did not take the sequence back this time")
         # w1 finds its connections dead and makes new ones (it knows no head of w2's).
@@ -585,7 +625,7 @@ async def test_a_live_writer_stores_its_position_again_after_a_crash(
             pass
         reported = w1.get_current_token_for_writer("w1")
         await w1.flush_position()
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         lost = await look.retry_read("w1's row", lambda: _stored(look))
         assert lost < reported  # what the crash did (asynchronous commit)
         await _until(
@@ -596,7 +636,7 @@ async def test_a_live_writer_stores_its_position_again_after_a_crash(
         while await look.retry_read("w1's row", lambda: _stored(look)) < reported:
             assert time.monotonic() < deadline, "w1 did not store its position again in 30 s"
             await asyncio.sleep(0.1)
-        await asyncio.to_thread(server.crash)
+        await asyncio.to_thread(_crash, server)
         assert await look.retry_read("w1's row", lambda: _stored(look)) >= reported
         await w1.close()
     finally:
