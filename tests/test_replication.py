@@ -272,6 +272,36 @@ async def test_an_idle_writer_lets_the_linear_position_advance(cluster: Cluster)
     assert elapsed <= announce + 0.1, elapsed
 
 
+async def test_an_idle_writer_whose_listener_lags_still_follows_the_others(
+    cluster: Cluster,
+) -> None:
+    """w2 writes nothing, and its own `on_rows` is slow: replication moves its view of
+    w1 only at its listener's pace. Its idle position follows w1's stored position all
+    the same (R-ID-5, R-ID-8), or every reader's linear position would lag by w2's
+    listener (before: it reached w1's last ID only as its listener got there)."""
+    others = [await started(cluster, "hub")] if cluster.transport == "tcp" else []
+    w1 = await started(cluster, "w1")
+    heard: list[int] = []
+
+    async def slowly(stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        await asyncio.sleep(0.05)
+        heard.append(token)
+
+    w2_instance = cluster.instance("w2")
+    w2_instance.on_rows("events", slowly)
+    w2 = await cluster.start(w2_instance)
+    await connected(*others, w1, w2)
+
+    ids = [await write(w1, f"x{i}") for i in range(150)]  # w2 hears them in >= 7.5 s
+    try:  # stored: what readers of the database follow
+        async with asyncio.timeout(60):
+            while (await stored_positions(cluster.db)).get("w2", 0) < ids[-1]:
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        pytest.fail("waited 60 s for w2's stored idle position to reach w1's last ID")
+    assert len(heard) < len(ids), "w2 got there only as its listener heard w1's last row"
+
+
 async def test_wait_for_stream_position_and_read_your_writes(cluster: Cluster) -> None:
     seen_r = Seen()
     if cluster.transport == "tcp":

@@ -779,6 +779,7 @@ class _Session:
             ):
                 self._rdata_now(stream, command)  # nothing queued before it: no task switch
                 return
+            self._heard(stream, command)
             self._enqueue_stream(stream, command)
         elif isinstance(command, Replicate):
             handler.answer_replicate(self.link)
@@ -793,6 +794,20 @@ class _Session:
             self._enqueue(command)
         else:
             logger.debug("replication: no listener for %s", command.NAME)
+
+    def _heard(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
+        """A writer's word about how far it got, queued behind others: heard now, it
+        moves this instance's idle position at once (`ReplicatedStream.heard`)."""
+        if isinstance(command, Position):
+            said: int | None = command.new
+        elif isinstance(command, Rdata):
+            said = command.token
+        else:
+            return  # a FENCED counts once the database shows it
+        if said is not None and (
+            not self._check_every_claim or stream.is_known_allocated(stream.sign * said)
+        ):
+            stream.heard(command.instance, stream.sign * said)
 
     def _depart(self, name: str) -> None:
         """Queue the departure of `name` behind its commands on every stream it writes,

@@ -79,6 +79,11 @@ class ReplicatedStream(Protocol):
         """This process has seen every row of `writer` up to `token` (never backwards)."""
         ...
 
+    def heard(self, writer: str, token: int) -> None:
+        """`writer` said it reached `token`, before this process handled what came
+        before: it moves this instance's own idle position only (R-ID-5)."""
+        ...
+
     def own_position(self) -> int | None:
         """This instance's position as a writer of the stream; None when it is not one."""
         ...
@@ -203,6 +208,9 @@ class DatabaseStream:
             return
         self._seen[writer] = token
         self._gen.vouched(writer, self._sign * token)
+
+    def heard(self, writer: str, token: int) -> None:
+        self._gen.heard(writer, self._sign * token)
 
     def own_position(self) -> int | None:
         if not self._gen.is_writer:
@@ -365,6 +373,9 @@ class InMemoryStream:
     def advance(self, writer: str, token: int) -> None:
         if token > self._seen.get(writer, 0):
             self._seen[writer] = token
+
+    def heard(self, writer: str, token: int) -> None:
+        pass  # a memory stream's writer counts by its own clock: no idle rule
 
     def own_position(self) -> int | None:
         return None if self.memory is None else self.memory.position
