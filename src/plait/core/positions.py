@@ -429,8 +429,9 @@ class PositionTracker:
         self._settle()
 
     def learn_completed(self, stream_id: int) -> None:
-        """A completed ID learned outside replication (another writer's stored position),
-        for the idle rule (R-ID-5) only: it moves no other writer's position and is not
+        """A completed ID learned other than by its rows arriving (another writer's
+        stored position, or its position heard before the rows before it were
+        handled), for the idle rule (R-ID-5) only: it moves no other writer's position and is not
         among the IDs persisted-up-to skips over; both promise that rows reached this
         instance."""
         if stream_id > self._max_seen:
