@@ -798,15 +798,15 @@ class _Session:
     def _heard(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
         """A writer's word about how far it got, queued behind others: heard now, it
         moves this instance's idle position at once (`ReplicatedStream.heard`)."""
-        if isinstance(command, Position):
-            said: int | None = command.new
-        elif isinstance(command, Rdata):
+        if isinstance(command, Position):  # checked as `_position` checks it
+            said = command.new
+            claim = max(stream.sign * command.prev, stream.sign * command.new)
+        elif isinstance(command, Rdata) and command.token is not None:
             said = command.token
+            claim = stream.sign * said
         else:
-            return  # a FENCED counts once the database shows it
-        if said is not None and (
-            not self._check_every_claim or stream.is_known_allocated(stream.sign * said)
-        ):
+            return  # a batch row says nothing; a FENCED counts once the database shows it
+        if not self._check_every_claim or stream.is_known_allocated(claim):
             stream.heard(command.instance, stream.sign * said)
 
     def _depart(self, name: str) -> None:
@@ -904,6 +904,7 @@ class _Session:
                 try:
                     await self._handle_surely(command)
                 except _GivenUp:
+                    self._give_up(key)
                     return
                 finally:
                     if empty():
@@ -959,6 +960,15 @@ class _Session:
                     )
                 command = self._as_catch_up(command)
                 await asyncio.sleep(retry.next_delay())
+
+    def _give_up(self, key: str) -> None:
+        """A stream's commands are given up: its writers' departures queued among them
+        still count (their listeners wait for every stream to get there)."""
+        backlog = self._backlogs.get(key)
+        while backlog is not None and (command := backlog.pop()) is not None:
+            if isinstance(command, Departure):
+                self._inbound.departed(command)
+                self._stream_departed(command)
 
     def _as_catch_up(self, command: _Work) -> _Work:
         """What to try again in place of a failed `command`: its writer's rows up to

@@ -664,17 +664,17 @@ class MultiWriterIdGenerator:
         this process handled the rows before it: it moves this writer's own position
         while idle (`PositionTracker.learn_completed`), and nothing else. A writer
         whose listeners (or catch-ups) lag behind what it hears then still follows the
-        others, or every reader's linear position would lag with it (R-ID-5)."""
+        others, or every reader's linear position would lag with it (R-ID-5). Like
+        `vouched`, it pokes nothing: the idle position is stored and announced on
+        their own schedules (once per interval), not once per token heard."""
         internal = self._sign * position
         tracker = self._tracker
         if internal <= tracker.max_seen or not tracker.is_writer:
-            return  # no news (nearly always), or no position of its own
+            return  # no news, or no position of its own
         if not self._configured(instance_name):
             return
         self._db.note_head(self._spec.sequence, internal, heard=True)
-        before = tracker.local_position
         tracker.learn_completed(internal)
-        self._poke_if_moved(before)
 
     def _configured(self, writer: str) -> bool:
         """Whether `writer`'s positions count here. The configured writers are
