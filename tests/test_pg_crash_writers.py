@@ -226,6 +226,14 @@ async def test_a_writers_position_never_goes_back_through_a_crash_and_a_restart(
         await w1.flush_position()
         assert await _stored(w1_db) == reported
         await asyncio.to_thread(_crash, server)
+        async with await psycopg.AsyncConnection.connect(server.dsn) as look:
+            row = await (
+                await look.execute(
+                    "SELECT stream_id FROM stream_positions WHERE instance_name = 'w1'"
+                )
+            ).fetchone()
+        assert row is not None
+        assert row[0] < reported, "the crash lost the last position store (the premise)"
         # The writer lives through the crash; then its process restarts.
         await w1.close()
     finally:
