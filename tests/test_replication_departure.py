@@ -192,7 +192,7 @@ async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_w
 
 
 async def test_a_batch_whose_row_fails_on_the_fast_path_is_read_whole_from_the_database(
-    cluster: Cluster,
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A plain-function listener gets live rows without a queue. When the codec refuses
     a row of a batch there, the whole batch is read from the database: the rows held
@@ -219,3 +219,4 @@ async def test_a_batch_whose_row_fails_on_the_fast_path_is_read_whole_from_the_d
             ("events", after, "w1", "after.0"),
         ]
     )
+    assert "the row type of events refuses (ValueError: this codec refuses poison.0" in caplog.text

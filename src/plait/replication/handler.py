@@ -225,6 +225,7 @@ class ReplicationHandler:
         self._delivering: dict[tuple[str, str], asyncio.Lock] = {}
         self._fence_tasks: set[asyncio.Task[None]] = set()
         self._refusals = Throttle(_REFUSALS_LOGGED_EVERY)
+        self.decode_failures = Throttle(_REFUSALS_LOGGED_EVERY)
         self._overflows = Throttle(_OVERFLOWS_LOGGED_EVERY)
         for stream in self.streams.values():
             stream.add_fence_listener(functools.partial(self._fenced, stream))
@@ -1033,10 +1034,23 @@ class _Session:
     def _rdata_now(self, stream: ReplicatedStream, command: Rdata) -> None:
         try:
             accepted = self._accept(stream, command)
-        except Exception:  # a row the codec refuses: read its rows from the source
+        except Exception as err:  # a row the codec refuses: read its rows from the source
             # Only a numbered row is decoded, with the batch rows before it, which the
             # inbound state has handed over: the catch-up reads them all.
             assert command.token is not None
+            key = ("decode", self.link.label, stream.name, command.instance)
+            held = self._handler.decode_failures.allow(key, time.monotonic())
+            if held is not None:
+                logger.warning(
+                    "replication: a row of %s on %s arrived that the row type of %s refuses "
+                    "(%s: %s; %d more like it not logged); reading it from the database",
+                    command.instance,
+                    self.link.label,
+                    stream.name,
+                    type(err).__name__,
+                    err,
+                    held,
+                )
             upto = stream.sign * command.token
             self._enqueue_stream(stream, Resync(stream.name, command.instance, upto))
             return
