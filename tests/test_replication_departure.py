@@ -7,11 +7,13 @@ PostgreSQL, real Redis or TCP."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from plait import Database
+from plait.instance import Instance
 from replication_helpers import (
     Cluster,
     Seen,
@@ -155,20 +157,29 @@ class RefusesPoison(TableRows):
         return super().from_json(value)
 
 
+async def _w1_and_a_reader_refusing_poison(
+    cluster: Cluster, on_rows: Callable[..., Any]
+) -> tuple[Instance, Instance]:
+    """w1, and a reader "r" whose row type refuses `poison.0`, connected (through the
+    hub over TCP)."""
+    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
+    w1 = await cluster.start(cluster.instance("w1"))
+    r = cluster.instance("r")
+    r.row_type("events", RefusesPoison())
+    r.on_rows("events", on_rows)
+    await cluster.start(r)
+    await connected(*others, w1, r)
+    return w1, r
+
+
 async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_writer_left(
     cluster: Cluster,
 ) -> None:
     """Handling a queued row failed after its writer had departed: the reader tries it
     again from the database instead of dropping the rows queued behind it (nobody sends
     them again)."""
-    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
-    w1 = await cluster.start(cluster.instance("w1"))
     reader = SlowRows()
-    r = cluster.instance("r")
-    r.row_type("events", RefusesPoison())
-    r.on_rows("events", reader.on_rows_slowly)
-    await cluster.start(r)
-    await connected(*others, w1, r)
+    w1, r = await _w1_and_a_reader_refusing_poison(cluster, reader.on_rows_slowly)
 
     ids = [await write(w1, "first"), await write(w1, "poison")]
     ids += await write_many(w1, 50, "w1-")
@@ -197,14 +208,8 @@ async def test_a_batch_whose_row_fails_on_the_fast_path_is_read_whole_from_the_d
     """A plain-function listener gets live rows without a queue. When the codec refuses
     a row of a batch there, the whole batch is read from the database: the rows held
     before the numbered one are not lost."""
-    others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
-    w1 = await cluster.start(cluster.instance("w1"))
     seen = Seen()
-    r = cluster.instance("r")
-    r.row_type("events", RefusesPoison())
-    r.on_rows("events", seen.on_rows)
-    await cluster.start(r)
-    await connected(*others, w1, r)
+    w1, r = await _w1_and_a_reader_refusing_poison(cluster, seen.on_rows)
 
     first = await write(w1, "first")
     poisoned = await write(w1, "poison", rows=3)  # poison.0 is refused, the batch's first

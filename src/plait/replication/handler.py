@@ -224,8 +224,8 @@ class ReplicationHandler:
         # and a connection's RDATA or POSITION for that writer never interleave.
         self._delivering: dict[tuple[str, str], asyncio.Lock] = {}
         self._fence_tasks: set[asyncio.Task[None]] = set()
-        self._refusals = Throttle(_REFUSALS_LOGGED_EVERY)
-        self.decode_failures = Throttle(_REFUSALS_LOGGED_EVERY)
+        # Refused claims and rows that fail to decode, keyed apart.
+        self.warnings = Throttle(_REFUSALS_LOGGED_EVERY)
         self._overflows = Throttle(_OVERFLOWS_LOGGED_EVERY)
         for stream in self.streams.values():
             stream.add_fence_listener(functools.partial(self._fenced, stream))
@@ -472,7 +472,7 @@ class ReplicationHandler:
         a fence the database does not show: it is dropped, counted and logged
         (rate-limited), never adopted (R-ID-14)."""
         self.metrics.refused_positions.labels(stream.name).inc()
-        held = self._refusals.allow((link, stream.name, command.instance), time.monotonic())
+        held = self.warnings.allow((link, stream.name, command.instance), time.monotonic())
         if held is None:
             return
         if isinstance(command, Fenced):
@@ -1039,7 +1039,7 @@ class _Session:
             # inbound state has handed over: the catch-up reads them all.
             assert command.token is not None
             key = ("decode", self.link.label, stream.name, command.instance)
-            held = self._handler.decode_failures.allow(key, time.monotonic())
+            held = self._handler.warnings.allow(key, time.monotonic())
             if held is not None:
                 logger.warning(
                     "replication: a row of %s on %s arrived that the row type of %s refuses "
