@@ -14,6 +14,8 @@ import pytest
 
 from plait import Database
 from plait.instance import Instance
+from plait.replication import handler as handler_module
+from plait.storage.stream_store import StreamRow
 from replication_helpers import (
     Cluster,
     Seen,
@@ -157,16 +159,33 @@ class RefusesPoison(TableRows):
         return super().from_json(value)
 
 
+class RefusesPoisonEverywhere(RefusesPoison):
+    """Refuses `poison.0` from the database too, while `broken`."""
+
+    def __init__(self) -> None:
+        self.broken = True
+
+    def from_db(self, row: StreamRow) -> tuple[str, int, str, str]:
+        if self.broken and row.data["payload"] == "poison.0":
+            raise ValueError("this codec refuses poison.0 from the database too")
+        return super().from_db(row)
+
+
 async def _w1_and_a_reader_refusing_poison(
-    cluster: Cluster, on_rows: Callable[..., Any]
+    cluster: Cluster,
+    on_rows: Callable[..., Any],
+    row_type: TableRows | None = None,
+    on_departure: Callable[[str], Any] | None = None,
 ) -> tuple[Instance, Instance]:
-    """w1, and a reader "r" whose row type refuses `poison.0`, connected (through the
-    hub over TCP)."""
+    """w1, and a reader "r" whose row type refuses `poison.0` (`RefusesPoison` unless
+    given), connected (through the hub over TCP)."""
     others = [await cluster.start(cluster.instance("hub"))] if cluster.transport == "tcp" else []
     w1 = await cluster.start(cluster.instance("w1"))
     r = cluster.instance("r")
-    r.row_type("events", RefusesPoison())
+    r.row_type("events", row_type or RefusesPoison())
     r.on_rows("events", on_rows)
+    if on_departure is not None:
+        r.on_departure(on_departure)
     await cluster.start(r)
     await connected(*others, w1, r)
     return w1, r
@@ -200,6 +219,49 @@ async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_w
     assert got == sorted(set(got))
     assert set(got) == set(ids)
     assert ("events", ids[1], "w1", "poison.0") in reader.rows  # as the database has it
+
+
+async def test_a_reader_that_gives_up_a_failing_row_gets_it_when_its_writer_comes_back(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row that cannot be handled for `_RETRY_FOR` s (shortened here) is given up, with
+    the commands queued behind it, said at ERROR; the writer's departure queued among
+    them still reaches the departure listeners. What was given up arrives, once and in
+    order, when the writer speaks again (a restart: its next POSITION)."""
+    monkeypatch.setattr(handler_module, "_RETRY_FOR", 1.0)
+    reader = SlowRows()
+    codec = RefusesPoisonEverywhere()
+    departed: list[str] = []
+    w1, r = await _w1_and_a_reader_refusing_poison(
+        cluster, reader.on_rows_slowly, codec, departed.append
+    )
+
+    ids = [await write(w1, "first"), await write(w1, "poison")]
+    ids += await write_many(w1, 20, "w1-")
+    await w1.stop()
+    try:
+        await until(
+            lambda: metric(r, "plait_commands_received_total", command="DEPART") >= 1,
+            within=30,
+            what="the DEPART of w1",
+        )
+    finally:
+        reader.release.set()
+    await until(lambda: "giving up the commands" in caplog.text, within=60, what="the give-up")
+    await until(lambda: departed == ["w1"], within=30, what="the departure listener")
+    assert [row[1] for row in reader.rows] == ids[:1]  # nothing past the row given up
+    assert any(
+        rec.levelname == "ERROR" and "failed for 1 s" in rec.getMessage() for rec in caplog.records
+    )
+
+    codec.broken = False
+    w1 = await cluster.start(cluster.instance("w1"))
+    ids.append(await write(w1, "later"))
+    await reader.wait(len(ids), within=60)
+    await asyncio.sleep(0.3)  # nothing arrives twice later
+    got = [row[1] for row in reader.rows]
+    assert got == ids
+    assert ("events", ids[1], "w1", "poison.0") in reader.rows
 
 
 async def test_a_batch_whose_row_fails_on_the_fast_path_is_read_whole_from_the_database(
