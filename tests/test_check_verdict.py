@@ -162,6 +162,39 @@ def test_a_partitioned_writer_holds_until_its_connections_end_then_may_be_fenced
     assert (round(stall, 3), at_id) == (1.0, 3)
 
 
+def test_a_partitioned_writer_is_fenced_only_while_postgresql_is_up() -> None:
+    # As above, but PostgreSQL crashes 0.8 s after the cut (before anyone could fence
+    # w1: fence_after and a scan) and is back at 10.5; the partition heals at 11.0,
+    # before a fence could follow: w1 is never fenced and goes on alive, its open
+    # transaction holding it until it ends at 15.0 (seen in a run: 10 s of a slow
+    # commit counted as a stall).
+    def h(db_outages: list[tuple[float, float]]) -> History:
+        return history(
+            (1.0, "w0", "A", [1]),
+            (1.1, "w0", "C", [1]),
+            (1.5, "w1", "A", [2]),
+            (1.6, "w0", "A", [3, 4]),
+            (1.7, "w0", "C", [3, 4]),
+            (15.0, "w1", "E", [2]),
+            partitions={"w1": [(2.0, 8.0, 11.0)]},
+            db_outages=db_outages,
+        )
+
+    linear = least(allowed_positions(h([(8.8, 10.5)]), "s", W))
+    assert at(linear, 14.9) == 0
+    assert at(linear, 15.0) == 2
+    assert at(linear, 15.0 + IDLE_GRACE) == 4
+    # Back at 9.0, PostgreSQL leaves the others fence_after and a scan before the heal:
+    # w1 may be fenced from then on (the outage's grace excuses a reader meanwhile).
+    linear = least(allowed_positions(h([(8.8, 9.0)]), "s", W))
+    assert at(linear, 8.9) == 0
+    assert at(linear, 9.0) == 4
+    # An outage before the hole, or one that begins once a fence could be done, moves
+    # nothing.
+    for outage in [(3.0, 4.0), (10.0, 10.5)]:
+        assert at(least(allowed_positions(h([outage]), "s", W)), 8.0) == 4
+
+
 def test_a_partitioned_writer_could_not_publish_what_it_did_just_before() -> None:
     # w1 commits 2 just before the partition: it publishes through the database (it
     # reads its rows back to send them), so nothing may count on 2 before the cut.

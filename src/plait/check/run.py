@@ -748,6 +748,8 @@ class Checker:
             if line.kind == "S" and line.fields[0] == "reviving":
                 self.faults.revived.append(" ".join(line.fields[2:]))
         history = History(
+            db_outages=self.faults.db_outages,
+            fence_after=self.options.fence_after,
             deaths=self.faults.deaths,
             stops=self.faults.stops,
             partitions={

@@ -14,7 +14,9 @@ rebuilt from the writers' journals:
   until its connections end (the partition's `cut`: the keepalive bound), and what it
   did just before (it publishes through the database): from then on it is dead until
   the partition heals, then alive again where the fence left it, held by its fetches
-  still on their way (it goes on, renewed, or exits);
+  still on their way (it goes on, renewed, or exits). A fence needs PostgreSQL: an
+  outage moves the cut past it, and a partition that heals before anyone could fence
+  the writer leaves it alive where it was;
 - the linear position is the least of them.
 
 A reader's *stall* on a committed ID is the time from the allowed position passing
@@ -62,6 +64,10 @@ DATABASE_GRACE = 4.0
 # not register at the head as a restarted one does), so the judge must not put it
 # further than that.
 FENCE_LAG = 2.0
+# How long after `fence_after` the others need to find a writer whose connections ended
+# and fence it: a look at the writers holding them back (every fence_after / 10) and a
+# round trip.
+FENCE_SCAN = 1.0
 
 Steps = list[tuple[float, int]]  # (time, position), both non-decreasing
 
@@ -85,6 +91,25 @@ class History:
         default_factory=dict
     )
     own_positions: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # When PostgreSQL was down (restarts, crashes): nobody can fence then.
+    db_outages: list[tuple[float, float]] = field(default_factory=list)
+    fence_after: float = 1.0  # the writers' setting
+
+    def fenceable(self, cut: float, healed: float | None) -> float | None:
+        """When a fence may first claim a writer whose connections a partition ended
+        at `cut`: then, unless PostgreSQL went down before the others had `FENCE_SCAN`
+        after `fence_after` of it (pushed past each such outage). None when the
+        partition healed before that: nobody could fence it, and it goes on alive
+        where it was (seen in a run: cut, a crash 0.8 s later, healed 0.5 s after the
+        server came back; the writer's own open transactions then held it, rightly)."""
+        window = self.fence_after + FENCE_SCAN
+        at = cut
+        for down, up in merged_windows(self.db_outages):
+            if down < at + window and up > at:
+                at = up
+        if healed is not None and healed < at + window:
+            return None
+        return at
 
 
 @dataclass
@@ -154,7 +179,8 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
             timeline += [(start, 0, w, "pause", []), (end, 0, w, "cont", [])]
         for hole, cut, healed in history.partitions.get(w, []):
             timeline.append((hole, 0, w, "hole", []))
-            timeline += [(t, 0, w, kind, []) for t, kind in ((cut, "cut"), (healed, "heal")) if t]
+            fence = history.fenceable(cut, healed) if cut is not None else None
+            timeline += [(t, 0, w, kind, []) for t, kind in ((fence, "cut"), (healed, "heal")) if t]
     if timeline:  # idle writers move with time, not only at events
         first, last = min(e[0] for e in timeline), max(e[0] for e in timeline)
         ticks = int((last - first + 2 * IDLE_GRACE) / TICK) + 1
@@ -274,7 +300,10 @@ def allowed_positions(history: History, stream: str, writers: Iterable[str]) -> 
         (w, start, end) for w, pauses in history.stops.items() for start, end in pauses
     ]
     for w, partitions in history.partitions.items():
-        unpublished += [(w, hole, cut or healed) for hole, cut, healed in partitions]
+        unpublished += [
+            (w, hole, (history.fenceable(cut, healed) if cut is not None else None) or healed)
+            for hole, cut, healed in partitions
+        ]
     for w, since, until in unpublished:
         if w in steps and until is not None:
             steps[w] = [
