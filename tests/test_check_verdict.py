@@ -195,6 +195,41 @@ def test_a_partitioned_writer_is_fenced_only_while_postgresql_is_up() -> None:
         assert at(least(allowed_positions(h([outage]), "s", W)), 8.0) == 4
 
 
+def test_a_stall_names_the_writers_that_held_the_reader_back() -> None:
+    # w1 held 2 open until 9.0; the reader's views (as it journals them, when they
+    # change) show w1 below 2 from the stall's start to its end.
+    h = history(
+        (1.0, "w0", "A", [1]),
+        (1.1, "w1", "A", [2]),
+        (1.2, "w0", "C", [1]),
+        (1.3, "w0", "A", [3]),
+        (1.4, "w0", "C", [3]),
+        deaths={"w1": [2.0]},
+    )
+    log = ReaderLog(
+        rows={("s", "*"): [1, 2, 3]},
+        tokens={("s", "*"): [(1.3, 1), (9.0, 3)]},
+        caught_up=True,
+        views={
+            "s": [
+                (0.5, {"w0": 0, "w1": 0}),
+                (1.5, {"w0": 3, "w1": 1}),
+                (9.0, {"w0": 3, "w1": 3}),
+            ]
+        },
+    )
+    verdict = judge_reader(
+        "linear",
+        log,
+        {"s": {1: "w0", 2: "w1", 3: "w0"}},
+        {"s": allowed_positions(h, "s", W)},
+        per_writer=False,
+    )
+    assert verdict.stall_at == "s:2"
+    assert verdict.held_by == "held back by w1 at 1"
+    assert verdict.violations(4.0) == ["stall 7.00 s > 4 s at s:2 (held back by w1 at 1)"]
+
+
 def test_a_partitioned_writer_could_not_publish_what_it_did_just_before() -> None:
     # w1 commits 2 just before the partition: it publishes through the database (it
     # reads its rows back to send them), so nothing may count on 2 before the cut.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import signal
 import sys
@@ -136,6 +137,7 @@ class Report:
                     "replays": r.replays,
                     "longest_stall": round(r.longest_stall, 3),
                     "stall_at": r.stall_at,
+                    "held_by": r.held_by or None,
                     "caught_up": r.caught_up,
                     "died": r.died or None,
                 }
@@ -884,6 +886,9 @@ def _reader_log(path: Path) -> ReaderLog:
         elif line.kind == "W":
             stream, writer, token = line.fields
             log.tokens.setdefault((stream, writer), []).append((line.t, int(token)))
+        elif line.kind == "Q":
+            stream, view = line.fields
+            log.views.setdefault(stream, []).append((line.t, json.loads(view)))
         elif line.kind == "V":
             log.violations[line.fields[0]] += 1
         elif line.kind == "S" and line.fields[0] == "caught-up":

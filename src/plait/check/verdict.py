@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
@@ -119,6 +120,9 @@ class ReaderLog:
 
     rows: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     tokens: dict[tuple[str, str], Steps] = field(default_factory=dict)
+    # Per stream: (time, each writer's position) as the reader saw them, when they
+    # changed (at most once a second): who held a stall back.
+    views: dict[str, list[tuple[float, dict[str, int]]]] = field(default_factory=dict)
     violations: Counter[str] = field(default_factory=Counter)
     caught_up: bool = False
 
@@ -135,6 +139,7 @@ class ReaderVerdict:
     replays: int = 0  # batches read again (Spark) with other rows than the first time
     longest_stall: float = 0.0
     stall_at: str = ""
+    held_by: str = ""  # the writers below the stalled ID in the reader's view, if known
     caught_up: bool = True
     examples: list[str] = field(default_factory=list)
     # Whether the stall bound applies: to linear positions. A per-writer token of a
@@ -160,7 +165,8 @@ class ReaderVerdict:
         if self.died:  # next to the losses it explains
             found.append(f"stopped reading: {self.died}")
         if self.bounded and self.longest_stall > bound:
-            found.append(f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}")
+            held = f" ({self.held_by})" if self.held_by else ""
+            found.append(f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}{held}")
         if not self.caught_up:
             found.append("did not catch up")
         return found
@@ -390,6 +396,28 @@ def longest_stall(
     return worst, worst_id
 
 
+def stall_window(allowed: Steps, reached: Steps, x: int) -> tuple[float, float]:
+    """When `allowed` passed ID `x` and when `reached` did (both present)."""
+    ready = next((t for t, p in allowed if p >= x), math.inf)
+    done = next((t for t, p in reached if p >= x), math.inf)
+    return min(ready, done), done
+
+
+def held_by(views: list[tuple[float, dict[str, int]]], x: int, start: float, end: float) -> str:
+    """Who held a reader below ID `x` from `start` to `end`, by its views of the
+    writers' positions then (the last one before `start` on): each writer below `x`
+    in the most of them, with the position it stayed at. "" with no views."""
+    i = max(0, bisect.bisect_right(views, start, key=lambda v: v[0]) - 1)
+    seen = [view for t, view in views[i:] if t < end]
+    below: Counter[str] = Counter(w for view in seen for w, p in view.items() if p < x)
+    if not below:
+        return ""
+    most = max(below.values())
+    names = sorted(w for w, n in below.items() if n == most)
+    lowest = {w: min(view[w] for view in seen if view.get(w, x) < x) for w in names}
+    return "held back by " + ", ".join(f"{w} at {lowest[w]}" for w in names)
+
+
 def judge_reader(
     name: str,
     log: ReaderLog,
@@ -454,6 +482,9 @@ def judge_reader(
             if stall > verdict.longest_stall:
                 where = f"{stream}:{at}" + (f" ({w})" if w else "")
                 verdict.longest_stall, verdict.stall_at = stall, where
+                if not per_writer:
+                    start, end = stall_window(steps, reached, at)
+                    verdict.held_by = held_by(log.views.get(stream, []), at, start, end)
     return verdict
 
 
