@@ -18,6 +18,7 @@ import pytest
 
 import plait.spark
 from conftest import with_search_path
+from pg_proxy import proxy_in_front
 from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
 from plait.spark import source
 from stream_helpers import create_generator, spec_for
@@ -335,3 +336,84 @@ async def test_a_checkpoint_from_another_database_is_refused_saying_what_to_do(
         await other.close()
         async with await psycopg.AsyncConnection.connect(server_dsn, autocommit=True) as conn:
             await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+async def _terminate_readers(db: Database) -> int:
+    """End the connections that read rows of `events` for Spark (what a PostgreSQL
+    restart, a failover or an idle timeout does to them)."""
+    async with db.connection() as conn:
+        cur = await conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE pid <> pg_backend_pid() AND datname = current_database()"
+            " AND query LIKE %s",
+            ('%FROM "events" WHERE%',),
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_a_read_after_the_servers_end_of_its_connections_goes_on(
+    db: Database, spark: Any
+) -> None:
+    """Between two reads, PostgreSQL ends the connections the Python workers read with
+    (pg_terminate_backend): the next read gets every row, with no worker crash (the
+    ADBC driver 1.8 aborts the process when a query is sent on a connection the server
+    closed, so none is kept from one read to the next)."""
+    await create_events(db)
+    async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
+        written = await write(gens["w1"], "a", 500) + await write(gens["w2"], "b", 500)
+        options = {"maxIdsPerPartition": "100"}  # tasks on both workers
+        first = await asyncio.to_thread(lambda: reader(spark, db.dsn, **options).load().collect())
+        assert sorted(r.stream_id for r in first) == sorted(written)
+        await _terminate_readers(db)
+        written += await write(gens["w1"], "c", 10)
+        again = await asyncio.to_thread(lambda: reader(spark, db.dsn, **options).load().collect())
+        assert sorted(r.stream_id for r in again) == sorted(written)
+
+
+async def test_a_read_whose_connection_drops_midway_fails_its_task_and_spark_tries_again(
+    db: Database, spark: Any
+) -> None:
+    """The connection a Python worker reads rows on is reset in the middle of the read
+    (a failover, a proxy restart): the task fails, Spark runs it again (plait's local
+    sessions retry tasks as a cluster does), and the read returns every row once. A
+    worker crash, or a local session without retries, fails this test. (A connection
+    that goes silent instead fails the same way once libpq's keepalives give up on it:
+    `tests/test_partition.py` shows those settings end a silent connection.)"""
+    await create_events(db)
+    async with writers(db, "w1", all_writers=["w1"]) as gens:
+        written: list[int] = []
+        for _ in range(4):
+            written += await write(gens["w1"], "a", 250_000)
+    async with proxy_in_front(db.dsn) as (proxy, through):
+
+        def read() -> list[int]:
+            frame = reader(spark, through, maxIdsPerPartition=250_000).load()
+            return [row.stream_id for row in frame.select("stream_id").collect()]
+
+        task = asyncio.ensure_future(asyncio.to_thread(read))
+        async with db.connection() as conn:
+
+            async def reading() -> bool:
+                cur = await conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+                    " AND query LIKE %s AND pid <> pg_backend_pid()",
+                    ('%FROM "events" WHERE%',),
+                )
+                row = await cur.fetchone()
+                return bool(row and row[0])
+
+            try:
+                async with asyncio.timeout(120):
+                    while not await reading():  # noqa: ASYNC110 - the server's state
+                        await asyncio.sleep(0.01)
+            except TimeoutError:
+                raise TimeoutError("waited 120 s for a Spark task to read events") from None
+        assert proxy.drop_all() >= 1
+        try:
+            async with asyncio.timeout(180):
+                got = await task
+        except TimeoutError:
+            raise TimeoutError("waited 180 s for the read to end after the reset") from None
+    assert sorted(got) == sorted(written)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -125,11 +126,28 @@ def python_for_workers(conf: dict[str, str] | None) -> None:
     os.environ["PYSPARK_PYTHON"] = sys.executable
 
 
+# Spark's own default on a cluster (spark.task.maxFailures); local mode takes it from the
+# master URL alone, and defaults to 1.
+TASK_TRIES = 4
+_LOCAL = re.compile(r"local(?:\[(\*|[0-9]+)\])?")
+
+
+def with_task_retries(master: str) -> str:
+    """`local` and `local[N]` as `local[N,4]`: a task that fails (a read whose database
+    connection was dropped or went silent) is tried again, as on a cluster, instead of
+    ending the query. Any other master, or one that names its tries, stays as given."""
+    match = _LOCAL.fullmatch(master.strip())
+    if match is None:
+        return master
+    return f"local[{match.group(1) or 1},{TASK_TRIES}]"
+
+
 def quiet_session(
     app_name: str = "plait", master: str = "local[*]", conf: dict[str, str] | None = None
 ) -> Any:
     """A SparkSession (the one already running, if any) that logs errors only, with
-    the `plait` data source registered."""
+    the `plait` data source registered; in local mode failed tasks are tried again
+    (`with_task_retries`)."""
     from pyspark.sql import SparkSession
 
     import plait.spark
@@ -139,7 +157,7 @@ def quiet_session(
     java_options = f"-Dlog4j2.configurationFile=file:{log_config()}"
     builder = (
         SparkSession.builder.appName(app_name)
-        .master(master)
+        .master(with_task_retries(master))
         .config("spark.driver.extraJavaOptions", java_options)
         .config("spark.executor.extraJavaOptions", java_options)
         .config("spark.ui.enabled", "false")

@@ -229,10 +229,10 @@ class RangePartition(InputPartition):
         self.query = query
 
 
-# Connections kept per process and DSN: ADBC ones in each Python worker (Spark reuses
-# its workers for the next tasks, and connecting costs about 50 ms, a tenth of reading a
-# 250 000-row range), psycopg ones where Spark plans a read or asks for offsets (its
-# planning workers are reused too: each read would otherwise connect two or three times).
+# Catalog connections (psycopg) kept per process and DSN where Spark plans a read or
+# asks for offsets: its planning workers are reused, and each read would otherwise
+# connect two or three times. A kept one the server closed raises, and `_kept` tries
+# once more on a new one. Row reads connect afresh each time (`read_arrow`).
 _KEPT: dict[tuple[str, str], Any] = {}
 
 
@@ -282,31 +282,25 @@ def _adbc(dsn: str) -> Any:
 
 
 def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
-    """The rows of `query` as Arrow record batches of `schema`'s types."""
+    """The rows of `query` as Arrow record batches of `schema`'s types, on a connection
+    of their own.
+
+    Not one kept from an earlier read: the ADBC driver held at 1.8 (pyproject.toml)
+    aborts the whole process (`std::logic_error`, exit 134) when a query is sent on a
+    connection the server has closed meanwhile (a restart, a failover, an idle timeout,
+    pg_terminate_backend), which no retry can catch. A connection that fails while
+    rows arrive raises, and Spark tries the task again. Connecting costs about 25 ms
+    on one host (BENCHMARKS.md: the read's ratio to JDBC, which connects per task too)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    def run(conn: Any) -> Any:
-        cursor = conn.cursor()
-        try:
-            cursor.execute(query)
-        except BaseException:
-            cursor.close()
-            raise
-        return cursor
-
     target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
-    cursor = _kept("adbc", dsn, _adbc, run)
-    workers.settle()  # everything this worker needs is loaded by now
-    try:
+    with contextlib.closing(_adbc(dsn)) as conn, contextlib.closing(conn.cursor()) as cursor:
+        cursor.execute(query)
+        workers.settle()  # everything this worker needs is loaded by now
         for batch in cursor.fetch_record_batch():
             if not batch.schema.equals(target, check_metadata=False):
                 batch = batch.cast(target, safe=False)  # numeric text to decimal, and such
             yield batch
-    except BaseException:
-        _forget("adbc", dsn)  # a connection that failed mid-read is not used again
-        raise
-    finally:
-        cursor.close()
 
 
 class PlaitSource(DataSource):
