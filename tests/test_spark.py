@@ -294,10 +294,11 @@ async def test_a_backwards_stream_reads_its_negative_ids_in_batch_and_streaming(
 async def test_a_checkpoint_from_another_database_is_refused_saying_what_to_do(
     db: Database, spark: Any, tmp_path: Path, server_dsn: str
 ) -> None:
-    """A streaming query's checkpoint, run against another database whose stream has
-    fewer IDs (another deployment, a recreated stream, an older backup): its offsets are
-    above that stream's sequence head, and the query fails saying so, not waiting for
-    IDs that may never come."""
+    """A streaming query's checkpoint, run against another database's stream of the same
+    name (another deployment): the query fails saying so (the offsets name the stream's
+    uid), neither waiting for IDs that may never come nor reading from the wrong place.
+    (Offsets above the sequence head, of a checkpoint that names nothing: see
+    test_spark_offsets.)"""
     await create_events(db)
     async with writers(db, "w1", all_writers=["w1"]) as gens:
         await write(gens["w1"], "a", 50)
@@ -330,7 +331,8 @@ async def test_a_checkpoint_from_another_database_is_refused_saying_what_to_do(
             await asyncio.to_thread(run, other.dsn)
         message = str(caught.value)
         assert "the checkpoint's offset" in message
-        assert "its min 51 is above the stream's sequence head 4" in message
+        assert "it is an offset of stream 'events' (uid " in message
+        assert "of another database, not of stream 'events' (uid " in message
         assert "delete the checkpoint" in message
     finally:
         await other.close()
@@ -417,3 +419,47 @@ async def test_a_read_whose_connection_drops_midway_fails_its_task_and_spark_tri
         except TimeoutError:
             raise TimeoutError("waited 180 s for the read to end after the reset") from None
     assert sorted(got) == sorted(written)
+
+
+async def test_a_checkpoint_of_another_stream_is_refused_naming_both(
+    db: Database, spark: Any, tmp_path: Path
+) -> None:
+    """The checkpoint of a query on `events2` given to a query on `events` (a copied
+    command line): the query fails naming both streams. Before offsets named their
+    stream, it ran from events2's offsets and left events' rows below them out."""
+    await create_events(db)
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events2 (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT)"
+        )
+    spec2 = spec_for(["w1"], ("events2",), name="events2")
+    gen2 = await MultiWriterIdGenerator.create(db, spec2, "w1", position_flush_interval=0.2)
+    try:
+        await gen2.insert(
+            "INSERT INTO events2 SELECT {id}, 'w1', 'x' || g FROM generate_series(1, 300) g"
+            " RETURNING stream_id"
+        )
+        await gen2.flush_position()
+    finally:
+        await gen2.close()
+    checkpoint = tmp_path / "checkpoint"
+
+    def run(stream: str) -> list[int]:
+        query = (
+            plait.spark.stream(spark, db.dsn, stream)
+            .writeStream.format("parquet")
+            .option("path", str(tmp_path / stream))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        return [p.numInputRows for p in query.recentProgress]
+
+    assert sum(await asyncio.to_thread(run, "events2")) == 300
+    async with writers(db, "w1", all_writers=["w1"]) as gens:
+        await write(gens["w1"], "a", 400)  # past events2's offsets: no head check fires
+    with pytest.raises(Exception, match="it is an offset of stream 'events2'") as caught:
+        await asyncio.to_thread(run, "events")
+    assert "not of stream 'events' (uid " in str(caught.value)

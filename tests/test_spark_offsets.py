@@ -162,9 +162,51 @@ def test_offsets_round_trip_through_their_canonical_json(token: StreamToken) -> 
     assert offsets.from_json(token.to_json_dict()) == token
 
 
+identities = st.builds(
+    offsets.Identity,
+    st.sampled_from(["events", "events2"]),
+    st.one_of(st.none(), st.sampled_from(["u1", "u2"])),
+)
+
+
+@given(tokens(), identities)
+def test_an_offset_names_what_it_is_an_offset_of_and_round_trips(
+    token: StreamToken, identity: offsets.Identity
+) -> None:
+    value = offsets.offset(token, identity)
+    text = json.dumps(value)
+    assert offsets.parse(text) == (token, identity)
+    assert offsets.parse(value) == (token, identity)
+    assert offsets.from_json(text) == token
+    assert offsets.foreign(identity, identity) is None
+    # A token a user wrote, or an offset of an older plait, names nothing: not refused.
+    assert offsets.parse(token.to_json_dict()) == (token, None)
+    assert offsets.foreign(None, identity) is None
+
+
+@given(identities, identities)
+def test_an_offset_of_another_stream_or_database_is_foreign(
+    found: offsets.Identity, expected: offsets.Identity
+) -> None:
+    why = offsets.foreign(found, expected)
+    if found.uid is not None and expected.uid is not None:
+        assert (why is None) == (found.uid == expected.uid)  # the uid decides
+    else:
+        assert (why is None) == (found.stream == expected.stream)  # else the name
+    if why is not None:
+        assert f"it is an offset of {found}" in why
+        assert f"not of {expected}" in why
+        assert ("of another database" in why) == (found.stream == expected.stream)
+
+
 @pytest.mark.parametrize(
     ("bad", "reason"),
     [
+        ('{"min": 1, "stream": ""}', "must be a stream's name"),
+        ('{"min": 1, "stream": 5}', "must be a stream's name"),
+        ('{"min": 1, "stream": "s", "uid": 7}', "must be a stream's uid"),
+        ('{"min": 1, "uid": "u"}', 'a "uid" but no "stream"'),
+        ('{"min": 1, "stream": "s", "other": 1}', "unknown keys"),
         ("{", "not valid JSON"),
         ('{"min": -1}', "non-negative"),
         ('{"min": 3, "writers": {"a": 2}}', "not ahead of min"),
@@ -425,8 +467,16 @@ async def test_a_checkpoint_offset_above_the_head_is_refused_before_any_planning
                 await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())
         # The stream's own offsets still plan and move on.
         end = await asyncio.to_thread(reader.latestOffset, {"min": 0}, ReadAllAvailable())
-        assert end == {"min": 4, "writers": {"w2": 8}}
+        uid = plan.identity.uid
+        assert uid is not None
+        assert end == {"min": 4, "writers": {"w2": 8}, "stream": "events", "uid": uid}
         assert await asyncio.to_thread(reader.partitions, {"min": 0, "writers": {}}, end)
+        # An offset of another stream (or of this name in another database) is refused
+        # by what it names, wherever it is.
+        for other in ({"stream": "events2", "uid": "u2"}, {"stream": "events", "uid": "u3"}):
+            with pytest.raises(ConfigError, match="it is an offset of stream") as caught:
+                await asyncio.to_thread(reader.latestOffset, {**end, **other}, ReadAllAvailable())
+            assert f"not of stream 'events' (uid {uid})" in str(caught.value)
     finally:
         reader.stop()
 
@@ -496,12 +546,27 @@ async def test_a_stream_without_its_sequence_says_so(
             await asyncio.to_thread(plan.token, value, "startToken")
 
 
-@pytest.mark.parametrize("key", ["startingOffsets", "startToken ", "maxRows", "path"])
-def test_unknown_source_options_are_refused_by_name(key: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("startingOffsets", "startingToken"),  # Kafka's names
+        ("maxOffsetsPerTrigger", "maxRowsPerTrigger"),
+        ("endingOffsets", "endToken"),
+        ("url", "dsn"),  # JDBC's
+        ("startToken ", "startToken"),
+        ("maxRows", "maxRowsPerTrigger"),
+        ("strean", "stream"),
+        ("maxIdsPerPartion", "maxIdsPerPartition"),
+        ("path", None),
+    ],
+)
+def test_unknown_source_options_are_refused_by_name(key: str, meant: str | None) -> None:
     """A misspelt option (Kafka's `startingOffsets` for `startingToken`) would otherwise
-    be ignored, and the read start from the default: SPEC R-SP-4 makes it an error."""
+    be ignored, and the read start from the default: SPEC R-SP-4 makes it an error,
+    which names the option most likely meant."""
     with pytest.raises(ConfigError) as caught:
         source.Options.parse({"dsn": "postgresql:///x", "stream": "events", key: "latest"})
     message = str(caught.value)
-    assert message.startswith(f"plait source: unknown option {key!r}; the options are ")
+    hint = f" (did you mean {meant!r}?)" if meant else ""
+    assert message.startswith(f"plait source: unknown option {key!r}{hint}; the options are ")
     assert "startingToken" in message

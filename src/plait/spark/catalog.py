@@ -85,6 +85,16 @@ def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:
     return spec
 
 
+def stream_uid(conn: psycopg.Connection[Any], stream: str) -> str | None:
+    """The uid the database gave `stream` when it was first recorded (None in a
+    database whose plait schema predates uids: its writers add them when they start)."""
+    row = conn.execute(
+        "SELECT to_jsonb(s) ->> 'stream_uid' FROM plait_streams s WHERE stream_name = %s",
+        (stream,),
+    ).fetchone()
+    return None if row is None else row[0]
+
+
 def pick_table(spec: StreamSpec, table: str | None) -> TableSpec:
     names = [t.name for t in spec.tables]
     if table is None:
@@ -279,7 +289,7 @@ FOREIGN_TOKEN = (
 )
 # ... and for a checkpoint whose offsets are refused.
 FOREIGN_CHECKPOINT = (
-    "the checkpoint belongs to another database or deployment, or the stream was recreated "
+    "the checkpoint belongs to another stream, database or deployment, or the stream was recreated "
     "or the database restored from an older backup since it was written: delete the "
     "checkpoint (or use a new checkpoint location), and start again from startingToken"
 )

@@ -2,8 +2,14 @@
 
 An offset is a stream token in its JSON form, `{"min": m, "writers": {"w1": p1, ...}}`
 (internal, always-growing IDs, as everywhere inside plait): every writer is at `min`
-unless listed. A micro-batch from `start` to `end` reads, for each writer, the rows
-with its instance name and IDs in `(start.get(w), end.get(w)]`. A writer listed in
+unless listed. The offsets the source makes also name what they are offsets of:
+`"stream"` and the stream's `"uid"` (made by the database when the stream was first
+recorded, kept through failovers, upgrades and restores, new for a stream of the same
+name in another database), so a checkpoint reused for another stream or database is
+refused by name instead of read from at the wrong place.
+
+A micro-batch from `start` to `end` reads, for each writer, the rows with its instance
+name and IDs in `(start.get(w), end.get(w)]`. A writer listed in
 neither offset is at `min` in both: one more range covers every such writer at once,
 `(start.min, end.min]` for any instance name not listed. So a writer first seen in a
 later offset is read from the previous offset's `min`, and an idle writer or one with
@@ -46,14 +52,44 @@ class WriterRange:
     others_than: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What an offset is an offset of: a stream, by name and by the uid its database
+    gave it (None where the database predates uids: the name alone is then checked)."""
+
+    stream: str
+    uid: str | None
+
+    def __str__(self) -> str:
+        return f"stream {self.stream!r}" + (f" (uid {self.uid})" if self.uid else "")
+
+
+_IDENTITY_KEYS = ("stream", "uid")
+
+
 def to_json(token: StreamToken) -> str:
     """The canonical text of an offset: sorted keys, no spaces, one line."""
     return json.dumps(token.to_json_dict(), sort_keys=True, separators=(",", ":"))
 
 
+def offset(token: StreamToken, identity: Identity) -> dict[str, object]:
+    """The offset Spark keeps: the token's JSON form and what it is an offset of."""
+    value: dict[str, object] = {**token.to_json_dict(), "stream": identity.stream}
+    if identity.uid is not None:
+        value["uid"] = identity.uid
+    return value
+
+
 def from_json(value: object) -> StreamToken:
     """An offset from its JSON text or the dict Spark hands back; `TokenParseError`
-    (saying what is wrong) for anything else."""
+    (saying what is wrong) for anything else. What it names as its stream is left out
+    (`parse` returns it)."""
+    return parse(value)[0]
+
+
+def parse(value: object) -> tuple[StreamToken, Identity | None]:
+    """An offset and what it says it is an offset of (None when it says nothing: a
+    token a user wrote, or an offset of a plait older than these names)."""
     if isinstance(value, str):
         if len(value) > MAX_TOKEN_TEXT:
             raise TokenParseError(
@@ -63,7 +99,32 @@ def from_json(value: object) -> StreamToken:
             value = strict_json.loads(value)
         except ValueError as err:
             raise TokenParseError(f"offset is not valid JSON: {err}") from None
-    return StreamToken.from_json_dict(value)
+    if not isinstance(value, dict) or "stream" not in value:
+        if isinstance(value, dict) and "uid" in value:
+            raise TokenParseError('offset has a "uid" but no "stream"')
+        return StreamToken.from_json_dict(value), None
+    stream, uid = value.get("stream"), value.get("uid")
+    if not isinstance(stream, str) or not stream or len(stream) > 200:
+        raise TokenParseError('offset "stream" must be a stream\'s name')
+    if uid is not None and (not isinstance(uid, str) or not uid or len(uid) > 100):
+        raise TokenParseError('offset "uid" must be a stream\'s uid')
+    rest = {k: v for k, v in value.items() if k not in _IDENTITY_KEYS}
+    return StreamToken.from_json_dict(rest), Identity(stream, uid)
+
+
+def foreign(found: Identity | None, expected: Identity) -> str | None:
+    """Why an offset naming `found` is no offset of `expected` (None: it may be one).
+    A uid decides when both have one; the name decides otherwise."""
+    if found is None:
+        return None
+    if found.uid is not None and expected.uid is not None:
+        same = found.uid == expected.uid
+    else:
+        same = found.stream == expected.stream
+    if same:
+        return None
+    where = "" if found.stream != expected.stream else " of another database"
+    return f"it is an offset of {found}{where}, not of {expected}"
 
 
 def refusal(token: StreamToken, head: int, writers: Collection[str]) -> str | None:

@@ -28,6 +28,7 @@ COPY), cast to the schema's Arrow types.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -93,9 +94,11 @@ class Options:
         for key in raw:
             # A misspelt option would be ignored and the read start from the default.
             if str(key).lower() not in known:
+                hint = suggestion(str(key))
                 raise ConfigError(
-                    f"plait source: unknown option {str(key)[:100]!r}; the options are "
-                    f"{', '.join(OPTIONS)}"
+                    f"plait source: unknown option {str(key)[:100]!r}"
+                    + (f" (did you mean {hint!r}?)" if hint else "")
+                    + f"; the options are {', '.join(OPTIONS)}"
                 )
         for required in ("dsn", "stream"):
             if not options.get(required):
@@ -111,6 +114,34 @@ class Options:
             max_ids=_positive(options, "maxidsperpartition") or DEFAULT_MAX_IDS,
             by_writer=_partitioning(options) == "writers",
         )
+
+
+# Other sources' names for plait's options: Kafka's, JDBC's, and plait's own batch and
+# streaming names given to the other kind of read.
+_OTHER_NAMES = {
+    "maxoffsetspertrigger": "maxRowsPerTrigger",
+    "maxfilespertrigger": "maxRowsPerTrigger",
+    "startingoffsets": "startingToken",
+    "startingoffsetsbytimestamp": "startingToken",
+    "endingoffsets": "endToken",
+    "url": "dsn",
+    "dbtable": "table",
+    "numpartitions": "maxIdsPerPartition",
+}
+
+
+def suggestion(key: str) -> str | None:
+    """The option a user most likely meant by an unknown `key`: its counterpart in
+    another source, or the closest spelling of one of plait's."""
+    folded = key.strip().lower()
+    if folded in _OTHER_NAMES:
+        return _OTHER_NAMES[folded]
+    by_folded = {name.lower(): name for name in OPTIONS}
+    started = [name for name in by_folded if len(folded) >= 4 and name.startswith(folded)]
+    if len(started) == 1:
+        return by_folded[started[0]]
+    close = difflib.get_close_matches(folded, list(by_folded), n=1, cutoff=0.75)
+    return by_folded[close[0]] if close else None
 
 
 def _partitioning(options: Mapping[str, str]) -> str:
@@ -144,6 +175,7 @@ class Plan:
     spec: StreamSpec
     table: TableSpec
     columns: tuple[catalog.Column, ...]
+    identity: offsets.Identity  # what this source's offsets are offsets of
 
     @classmethod
     def load(cls, options: Options, run: catalog.Ask | None = None) -> Plan:
@@ -152,9 +184,14 @@ class Plan:
         def find(conn: Any) -> Plan:
             spec = catalog.load_spec(conn, options.stream)
             table = catalog.pick_table(spec, options.table)
-            return cls(options, spec, table, tuple(catalog.columns(conn, table)))
+            identity = offsets.Identity(spec.name, catalog.stream_uid(conn, spec.name))
+            return cls(options, spec, table, tuple(catalog.columns(conn, table)), identity)
 
         return (run or Kept(options.dsn))(find)
+
+    def offset(self, token: StreamToken) -> dict[str, Any]:
+        """`token` as an offset of this stream (what Spark keeps in the checkpoint)."""
+        return offsets.offset(token, self.identity)
 
     def ask(self, work: Callable[[Any], T]) -> T:
         """`work(conn)` on this process's kept catalog connection."""
@@ -178,7 +215,11 @@ class Plan:
         parsed and checked against the stream with one read of its sequence head, before
         anything is planned by them."""
         try:
-            tokens = [offsets.from_json(value) for value in given]
+            parsed = [offsets.parse(value) for value in given]
+            for _, identity in parsed:
+                if why := offsets.foreign(identity, self.identity):
+                    raise catalog.Refused(why)
+            tokens = [token for token, _ in parsed]
             everything = tokens[0]
             for token in tokens[1:]:
                 everything = everything.copy_and_advance(token)  # every writer at its highest
@@ -371,7 +412,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._latest: StreamToken | None = None
 
     def initialOffset(self) -> dict[str, Any]:
-        return self._plan.token(self._plan.options.starting, "startingToken").to_json_dict()
+        return self._plan.offset(self._plan.token(self._plan.options.starting, "startingToken"))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         max_rows = self._plan.options.max_rows
@@ -396,11 +437,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
-        return end.to_json_dict()
+        return self._plan.offset(end)
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         """What the last trigger found (for the query's status; no query of its own)."""
-        return None if self._latest is None else self._latest.to_json_dict()
+        return None if self._latest is None else self._plan.offset(self._latest)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
         begin, until = self._plan.checked(start, end)

@@ -75,6 +75,17 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             ADD COLUMN IF NOT EXISTS fenced_at TIMESTAMPTZ;
         """,
     ),
+    (
+        5,
+        "a uid per stream, which Spark offsets carry",
+        # A checkpoint of one stream reused for another, or for the same name in
+        # another database, is then refused by name (plait.spark.offsets). Random per
+        # row, existing rows included; kept by failovers, upgrades and restores.
+        """
+        ALTER TABLE plait_streams
+            ADD COLUMN IF NOT EXISTS stream_uid UUID NOT NULL DEFAULT gen_random_uuid();
+        """,
+    ),
 )
 
 LATEST = MIGRATIONS[-1][0]
