@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 from psycopg import sql
@@ -166,3 +169,58 @@ def test_a_mistyped_flag_is_refused_by_its_name_before_anything_runs(
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert f"Invalid value for {flag}" in result.output
+
+
+async def test_spark_commands_check_their_flags_before_spark_starts(
+    db: Database, tmp_path: Path
+) -> None:
+    """`plait export`/`derive` with a mistake Spark would find only tens of seconds
+    into its JVM (or after creating the target table): refused first, naming the flag,
+    and nothing is created."""
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    await gen.close()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    base = ["--dsn", db.dsn, "--stream", "events", "--once"]
+    out = ["--path", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "ck")]
+    derive = ["derive", *base, "--checkpoint", str(tmp_path / "c"), "--target-table", "kept"]
+    cases = [
+        (["export", *base, *out, "--table", "nosuch"], "'--table'", "has no table 'nosuch'"),
+        (["export", *base, *out, "--partition-by", "room"], "'--partition-by'", "no column 'room'"),
+        (
+            ["export", *base, *out, "--partition-by-date", "at"],
+            "'--partition-by-date'",
+            "has no column 'at'; its columns: stream_id, instance_name, payload",
+        ),
+        (
+            ["export", *base, "--path", str(a_file / "out"), "--checkpoint", str(tmp_path / "c")],
+            "'--path'",
+            "a file, not a folder",
+        ),
+        (
+            ["export", *base, "--path", str(tmp_path / "o"), "--checkpoint", str(a_file)],
+            "'--checkpoint'",
+            "is a file",
+        ),
+        (
+            [*derive, "--key", "nosuchcol"],
+            "'--key'",
+            "has no column 'nosuchcol'",
+        ),
+        (
+            [*derive, "--key", "instance_name", "--kind", "counts", "--time-column", "when"],
+            "'--time-column'",
+            "has no column 'when'",
+        ),
+    ]
+    for args, flag, reason in cases:
+        result = await asyncio.to_thread(CliRunner().invoke, main, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert f"Invalid value for {flag}" in result.output, result.output
+        assert reason in result.output, result.output
+    async with db.connection() as conn:
+        cur = await conn.execute("SELECT to_regclass('kept')")
+        assert await cur.fetchone() == (None,)  # derive created nothing
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "ck").exists()

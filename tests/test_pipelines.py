@@ -168,7 +168,42 @@ async def test_export_to_delta_resumes_from_its_checkpoint_with_each_row_once(
     ids = table.to_pyarrow_table(columns=["stream_id"])["stream_id"].to_pylist()
     assert sorted(ids) == sorted(written)  # 1 300 rows, each once
     assert table.metadata().partition_columns == ["instance_name"]
-    assert table.transaction_version(f"plait-export:{tmp_path / 'ck'}") == 3  # batches 0-3
+    query_id = pipelines.checkpoint_query_id(str(tmp_path / "ck"))
+    assert query_id is not None
+    assert table.transaction_version(f"plait-export:{query_id}") == 3  # batches 0-3
+
+
+async def test_a_delta_batch_replayed_through_a_checkpoint_spelt_otherwise_is_written_once(
+    db: Database, spark: Any, tmp_path: Path
+) -> None:
+    """A crash between the Delta commit of a batch and Spark's own commit of it: on the
+    next run Spark replays that batch, and the export skips it, also when the next run
+    names the same checkpoint by another path (relative, where the first was absolute).
+    Keyed by the path's text, the batch was written twice."""
+    written = await prepare(db, 500)
+    source = pipelines.Source(db.dsn, "events", max_rows=400)
+    checkpoint = tmp_path / "ck"
+    delta = str(tmp_path / "delta")
+
+    def export_once(spelt: str) -> None:
+        query = pipelines.export(spark, source, to="delta", path=delta, checkpoint=spelt, once=True)
+        query.awaitTermination(120)
+
+    await asyncio.to_thread(export_once, str(checkpoint))
+    commits = sorted(
+        (p for p in (checkpoint / "commits").iterdir() if p.name.isdigit()),
+        key=lambda p: int(p.name),
+    )
+    assert [p.name for p in commits] == ["0", "1", "2"]  # 1 000 rows, at most 400 a batch
+    commits[-1].unlink()  # Spark's commit of batch 2 never happened: it replays it
+    (checkpoint / "commits" / ".2.crc").unlink(missing_ok=True)
+    relative = await asyncio.to_thread(os.path.relpath, checkpoint)  # Spark resolves it here
+    assert not relative.startswith("/")
+    await asyncio.to_thread(export_once, relative)
+    from deltalake import DeltaTable
+
+    ids = DeltaTable(delta).to_pyarrow_table(columns=["stream_id"])["stream_id"].to_pylist()
+    assert sorted(ids) == sorted(written)  # batch 2 once, not twice
 
 
 @pytest.mark.slow

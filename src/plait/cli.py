@@ -94,7 +94,13 @@ def export(**options: Any) -> None:
     """Export a stream to Parquet or Delta Lake, exactly once, one line per batch."""
     from plait.spark import pipelines
 
-    _check_starting_token(options)
+    _check_before_spark(
+        options,
+        {
+            "--partition-by": options["partition_by"],
+            "--partition-by-date": options["partition_by_date"],
+        },
+    )
     spark = _spark(options["master"])
     query = pipelines.export(
         spark,
@@ -128,7 +134,11 @@ def derive(**options: Any) -> None:
     """Keep a PostgreSQL table from a stream; a replayed batch changes nothing."""
     from plait.spark import pipelines
 
-    _check_starting_token(options)
+    counts = options["kind"] == "counts"
+    _check_before_spark(
+        options,
+        {"--key": options["key"], "--time-column": options["time_column"] if counts else None},
+    )
     spark = _spark(options["master"])
     target = pipelines.Derived(
         dsn=options["target_dsn"] or options["dsn"],
@@ -661,13 +671,32 @@ def _num(value: int | None, prefix: str = "") -> str:
     return "-" if value is None else f"{prefix}{value}"
 
 
-def _check_starting_token(options: dict[str, Any]) -> None:
-    """--starting-token checked against the stream before Spark starts (seconds), and
-    refused in the flag's name rather than in the Spark source's option's."""
+def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None]) -> None:
+    """What Spark would otherwise find wrong tens of seconds into its JVM, or after
+    creating something: the database, the stream, --table, the stream's columns that
+    `columns` names by flag, --starting-token, and that --path and --checkpoint can be
+    folders. Checked first, in under a second, and refused in the flag's name."""
     from plait.spark import catalog
 
+    for flag in ("--path", "--checkpoint"):
+        folder = options.get(flag.removeprefix("--"))
+        if folder:
+            _check_folder(folder, flag)
     with catalog.connect(options["dsn"]) as conn:
         spec = catalog.load_spec(conn, options["stream"])
+        try:
+            table = catalog.pick_table(spec, options["table"])
+        except ConfigError as err:
+            reason = str(err).removeprefix("plait source: ")
+            raise click.BadParameter(reason, param_hint="'--table'") from None
+        names = [column.name for column in catalog.columns(conn, table)]
+        for flag, column in columns.items():
+            if column is not None and column not in names:
+                raise click.BadParameter(
+                    f"stream {spec.name!r} (table {table.name!r}) has no column {column!r}; "
+                    f"its columns: {', '.join(names)}",
+                    param_hint=f"'{flag}'",
+                )
         value = options["starting_token"]
         try:
             catalog.parse_token(spec, value, catalog.OnConnection(conn))
@@ -678,6 +707,19 @@ def _check_starting_token(options: dict[str, Any]) -> None:
         except ValueError as err:  # worded for the Spark source, which the flag feeds
             reason = str(err).removeprefix("plait source: ")
             raise click.BadParameter(reason, param_hint="'--starting-token'") from None
+
+
+def _check_folder(folder: str, flag: str) -> None:
+    """A local folder that is one already or can be made: not a file, nor under one."""
+    if "://" in folder:
+        return  # another file system's: Spark's to reach
+    path = Path(folder).absolute()
+    for place in (path, *path.parents):
+        if place.is_dir():
+            return
+        if place.exists():
+            what = "is a file" if place == path else f"is under {str(place)!r}, a file"
+            raise click.BadParameter(f"{folder!r} {what}, not a folder", param_hint=f"'{flag}'")
 
 
 def _source(options: dict[str, Any]) -> Any:

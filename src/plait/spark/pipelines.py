@@ -14,10 +14,13 @@ Each prints one line per batch (rows, offsets, seconds) through a query listener
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from psycopg import sql
@@ -124,23 +127,44 @@ def export(
 
 class DeltaBatches:
     """`foreachBatch` into a Delta table with `deltalake`; the batch id is recorded in
-    the same commit (an application transaction of this checkpoint), so a batch Spark
-    replays after a crash is skipped."""
+    the same commit (an application transaction of the query), so a batch Spark
+    replays after a crash is skipped.
+
+    The transaction is keyed by the query's id, which Spark keeps in the checkpoint
+    (`metadata`) for every run from it, not by how the checkpoint's path was spelt: the
+    same checkpoint given once relative and once absolute wrote a replayed batch twice.
+    A checkpoint Spark reaches by a URI of another file system (s3a://, hdfs://) is
+    keyed by its text, as given. Versions recorded under the older key (the path's text)
+    still count."""
 
     def __init__(self, path: str, checkpoint: str, partitions: list[str]) -> None:
         self.path = path
-        self.app_id = f"plait-export:{checkpoint}"
+        self.checkpoint = checkpoint
         self.partitions = partitions
+        self._app_id: str | None = None
+
+    @property
+    def app_id(self) -> str:
+        if self._app_id is None:
+            query_id = checkpoint_query_id(self.checkpoint)
+            self._app_id = f"plait-export:{query_id or self.checkpoint}"
+        return self._app_id
+
+    def _older_app_ids(self) -> list[str]:
+        local = _local_path(self.checkpoint)
+        spelt = [self.checkpoint] + ([str(local), str(local.resolve())] if local else [])
+        return [f"plait-export:{text}" for text in dict.fromkeys(spelt)]
 
     def done_upto(self) -> int:
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
         try:
-            version = DeltaTable(self.path).transaction_version(self.app_id)
+            table = DeltaTable(self.path)
         except TableNotFoundError:
             return -1
-        return -1 if version is None else int(version)
+        versions = [table.transaction_version(app) for app in [self.app_id, *self._older_app_ids()]]
+        return max((int(v) for v in versions if v is not None), default=-1)
 
     def __call__(self, frame: Any, batch_id: int) -> None:
         from deltalake import CommitProperties, Transaction, write_deltalake
@@ -157,6 +181,35 @@ class DeltaBatches:
                 app_transactions=[Transaction(self.app_id, batch_id, int(time.time() * 1000))]
             ),
         )
+
+
+def _local_path(checkpoint: str) -> Path | None:
+    """The local path a checkpoint location names (None: another file system's URI)."""
+    scheme = _SCHEME.match(checkpoint)
+    if scheme is None:
+        return Path(checkpoint).absolute()
+    if scheme.group(1).lower() != "file":
+        return None
+    rest = checkpoint[scheme.end() :]
+    return Path("/" + rest.lstrip("/")) if rest.startswith("/") else Path(rest).absolute()
+
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not C:
+
+
+def checkpoint_query_id(checkpoint: str) -> str | None:
+    """The id of the streaming query whose checkpoint this is (Spark writes it to the
+    checkpoint's `metadata` when the query first starts and keeps it for every run);
+    None where it cannot be read here."""
+    local = _local_path(checkpoint)
+    if local is None:
+        return None
+    try:
+        value = json.loads((local / "metadata").read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    query_id = value.get("id") if isinstance(value, dict) else None
+    return query_id if isinstance(query_id, str) and query_id else None
 
 
 # -- derived tables --------------------------------------------------------------------------
