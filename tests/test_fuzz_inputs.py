@@ -232,6 +232,7 @@ PLAN = Plan(
     StreamSpec("events", tables=[TableSpec("events")], writers=["w1", "w2"]),
     TableSpec("events"),
     (),
+    offsets.Identity("events", "u1"),
 )
 
 
