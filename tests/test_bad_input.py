@@ -159,6 +159,13 @@ async def test_case_sensitive_identifiers_are_quoted(db: Database) -> None:
             ],
             "'--max-rows-per-trigger'",
         ),
+        (
+            [
+                *("derive", "--dsn", "x", "--stream", "s", "--checkpoint", "c"),
+                *("--target-table", "t", "--key", "k", "--conf", "spark.executor.memory"),
+            ],
+            "'--conf'",
+        ),
     ],
 )
 def test_a_mistyped_flag_is_refused_by_its_name_before_anything_runs(

@@ -39,6 +39,16 @@ _ANY_DSN = click.option(
 )
 
 
+def _spark_conf(_ctx: Any, _param: Any, values: tuple[str, ...]) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for value in values:
+        key, sep, setting = value.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE", param_hint="'--conf'")
+        conf[key.strip()] = setting
+    return conf
+
+
 def _source_options(command: Any) -> Any:
     for option in reversed(
         [
@@ -67,6 +77,14 @@ def _source_options(command: Any) -> Any:
                 "default: follow the stream until Ctrl-C.",
             ),
             click.option("--master", default="local[*]", show_default=True, help="Spark master."),
+            click.option(
+                "--conf",
+                multiple=True,
+                metavar="KEY=VALUE",
+                callback=_spark_conf,
+                help="A Spark setting, as spark-submit takes it (repeat for several): "
+                "e.g. --conf spark.executor.memory=2g.",
+            ),
         ]
     ):
         command = option(command)
@@ -101,7 +119,7 @@ def export(**options: Any) -> None:
             "--partition-by-date": options["partition_by_date"],
         },
     )
-    spark = _spark(options["master"])
+    spark = _spark(options["master"], options["conf"])
     query = pipelines.export(
         spark,
         _source(options),
@@ -139,7 +157,7 @@ def derive(**options: Any) -> None:
         options,
         {"--key": options["key"], "--time-column": options["time_column"] if counts else None},
     )
-    spark = _spark(options["master"])
+    spark = _spark(options["master"], options["conf"])
     target = pipelines.Derived(
         dsn=options["target_dsn"] or options["dsn"],
         table=options["target_table"],
@@ -734,11 +752,11 @@ def _source(options: dict[str, Any]) -> Any:
     )
 
 
-def _spark(master: str) -> Any:
+def _spark(master: str, conf: dict[str, str]) -> Any:
     from plait.spark.pipelines import progress_printer
     from plait.spark.session import quiet_session
 
-    spark = quiet_session("plait", master=master)
+    spark = quiet_session("plait", master=master, conf=conf)
     progress_printer(spark)
     return spark
 

@@ -1,0 +1,109 @@
+"""A Spark standalone cluster on this machine, started from the installed PySpark: a
+master and one worker (1 core, 1 GiB), bound to 127.0.0.1. Real separate JVMs, so the
+driver, the executors and their Python workers are separate processes, as on a cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyspark
+
+from plait.ports import free_port
+from plait.spark.session import ensure_java
+
+SPARK_HOME = Path(pyspark.__file__).parent
+START_WITHIN = 120.0
+
+
+@dataclass
+class Cluster:
+    master: str  # spark://127.0.0.1:port
+    logs: Path
+
+    def log_text(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.logs.glob("*")))
+
+
+def _spark_env(work: Path) -> dict[str, str]:
+    ensure_java()  # JAVA_HOME: the wrapper plait's own sessions use
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    env.update(
+        SPARK_HOME=str(SPARK_HOME),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_WORKER_DIR=str(work / "worker"),
+        SPARK_LOCAL_DIRS=str(work / "local"),
+        SPARK_LOG_DIR=str(work / "logs"),
+    )
+    return env
+
+
+def _wait(log: Path, word: str, process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + START_WITHIN
+    while time.monotonic() < deadline:
+        if word in log.read_text(errors="replace"):
+            return
+        if process.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"waited {START_WITHIN:.0f} s for the {what} to say {word!r}; its log ends:\n"
+        + log.read_text(errors="replace")[-3000:]
+    )
+
+
+@contextlib.contextmanager
+def standalone_cluster(work: Path) -> Iterator[Cluster]:
+    """A master and a worker of the installed PySpark; both stopped at the end."""
+    work.mkdir(parents=True, exist_ok=True)
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    env = _spark_env(work)
+    port = free_port()
+    spark_class = str(SPARK_HOME / "bin" / "spark-class")
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        master_log = logs / "master.log"
+        master = subprocess.Popen(
+            [
+                *(spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"),
+                *("--port", str(port), "--webui-port", str(free_port())),
+            ],
+            env=env,
+            stdout=master_log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        processes.append(master)
+        _wait(master_log, "I have been elected leader", master, "master")
+        url = f"spark://127.0.0.1:{port}"
+        worker_log = logs / "worker.log"
+        worker = subprocess.Popen(
+            [
+                *(spark_class, "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1"),
+                *("--cores", "1", "--memory", "1g", "--webui-port", str(free_port())),
+            ],
+            env=env,
+            stdout=worker_log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        processes.append(worker)
+        _wait(worker_log, "Successfully registered with master", worker, "worker")
+        yield Cluster(url, logs)
+    finally:
+        for process in reversed(processes):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 15)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, 9)
+                process.wait()

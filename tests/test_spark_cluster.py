@@ -1,0 +1,94 @@
+"""The plait source on a Spark standalone cluster (a master and a worker started from the
+installed PySpark, `spark_cluster`): the driver, the executor and its Python workers are
+separate processes, as on a real cluster, with plait installed in the Python they run
+(the cluster route README's "Running on a cluster" describes). Run the way a user runs
+it: the installed `plait` script, its venv not activated."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait import Database
+from spark_cluster import standalone_cluster
+from stream_helpers import create_generator
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+INSERT = (
+    "INSERT INTO events (stream_id, instance_name, payload)"
+    " SELECT {id}, %s, %s || g FROM generate_series(1, %s) g RETURNING stream_id"
+)
+BATCH_READ = """
+import sys
+import plait.spark
+from plait.spark.session import quiet_session
+spark = quiet_session("plait-cluster-batch", master=sys.argv[1])
+rows = plait.spark.batch(spark, sys.argv[2], "events", maxIdsPerPartition=300).collect()
+ids = [r.stream_id for r in rows]
+print(len(ids), len(set(ids)), sum(ids))
+spark.stop()
+"""
+
+
+async def write(db: Database, count: int) -> list[int]:
+    ids: list[int] = []
+    for name in ("w1", "w2"):
+        gen = await create_generator(db, ["w1", "w2"], name)
+        try:
+            ids += await gen.insert(INSERT, (name, f"{name}-", count))
+            await gen.flush_position()
+        finally:
+            await gen.close()
+    return ids
+
+
+def run(args: list[str], cwd: Path) -> str:
+    """A command as a user runs it: the venv's script, PATH without the venv."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
+    env["PATH"] = "/usr/bin:/bin"
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert done.returncode == 0, f"{args[:2]} failed:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_restart(
+    db: Database, tmp_path: Path
+) -> None:
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
+            " payload TEXT); CREATE INDEX ON events (instance_name, stream_id)"
+        )
+    written = await write(db, 700)
+    plait = str(Path(sys.executable).parent / "plait")
+    with contextlib.ExitStack() as stack:
+        cluster = await asyncio.to_thread(
+            stack.enter_context, standalone_cluster(tmp_path / "cluster")
+        )
+        export = [
+            plait, "export", "--master", cluster.master, "--dsn", db.dsn, "--stream", "events",
+            "--checkpoint", str(tmp_path / "ck"), "--path", str(tmp_path / "out"),
+            "--max-rows-per-trigger", "500", "--once",
+            "--conf", "spark.app.name=plait-cluster-export",  # passed through to Spark
+        ]  # fmt: skip
+        await asyncio.to_thread(run, export, tmp_path)
+        written += await write(db, 300)  # while no query runs: the restart picks them up
+        await asyncio.to_thread(run, export, tmp_path)
+        batch = [sys.executable, "-c", BATCH_READ, cluster.master, db.dsn]
+        count, distinct, total = map(int, (await asyncio.to_thread(run, batch, tmp_path)).split())
+        apps = list((tmp_path / "cluster" / "worker").glob("app-*"))
+        master_log = (tmp_path / "cluster" / "logs" / "master.log").read_text()
+    assert (count, distinct, total) == (len(written), len(written), sum(written))
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(tmp_path / "out", columns=["stream_id"])["stream_id"].to_pylist()
+    assert sorted(ids) == sorted(written)  # every row once across the restart
+    assert len(apps) == 3, "each command ran its tasks on the cluster's executor"
+    assert master_log.count("Registering app plait-cluster-export") == 2
