@@ -168,31 +168,34 @@ def test_a_partitioned_writer_is_fenced_only_while_postgresql_is_up() -> None:
     # before a fence could follow: w1 is never fenced and goes on alive, its open
     # transaction holding it until it ends at 15.0 (seen in a run: 10 s of a slow
     # commit counted as a stall).
-    def h(db_outages: list[tuple[float, float]]) -> History:
+    def h(db_outages: list[tuple[float, float]], healed: float = 11.0) -> History:
         return history(
             (1.0, "w0", "A", [1]),
             (1.1, "w0", "C", [1]),
             (1.5, "w1", "A", [2]),
             (1.6, "w0", "A", [3, 4]),
             (1.7, "w0", "C", [3, 4]),
-            (15.0, "w1", "E", [2]),
-            partitions={"w1": [(2.0, 8.0, 11.0)]},
+            (30.0, "w1", "E", [2]),
+            partitions={"w1": [(2.0, 8.0, healed)]},
             db_outages=db_outages,
         )
 
     linear = least(allowed_positions(h([(8.8, 10.5)]), "s", W))
-    assert at(linear, 14.9) == 0
-    assert at(linear, 15.0) == 2
-    assert at(linear, 15.0 + IDLE_GRACE) == 4
-    # Back at 9.0, PostgreSQL leaves the others fence_after and a scan before the heal:
-    # w1 may be fenced from then on (the outage's grace excuses a reader meanwhile).
-    linear = least(allowed_positions(h([(8.8, 9.0)]), "s", W))
-    assert at(linear, 8.9) == 0
-    assert at(linear, 9.0) == 4
-    # An outage before the hole, or one that begins once a fence could be done, moves
-    # nothing.
-    for outage in [(3.0, 4.0), (10.0, 10.5)]:
-        assert at(least(allowed_positions(h([outage]), "s", W)), 8.0) == 4
+    assert at(linear, 29.9) == 0
+    assert at(linear, 30.0) == 2
+    assert at(linear, 30.0 + IDLE_GRACE) == 4
+    # The fencers reconnect within the outage's grace: a heal then leaves w1 unfenced.
+    back = 9.0
+    fence = back + DATABASE_GRACE  # the latest a fence may come after the outage
+    assert at(least(allowed_positions(h([(8.8, back)]), "s", W)), 29.9) == 0
+    # A partition that lasts past that and a scan: w1 may be fenced from then on.
+    linear = least(allowed_positions(h([(8.8, back)], healed=fence + 2.5), "s", W))
+    assert at(linear, fence - 0.1) == 0
+    assert at(linear, fence) == 4
+    # An outage long before the cut, or once a fence could be done, moves nothing.
+    for outage in [(2.0, 3.0), (11.0, 11.5)]:
+        linear = least(allowed_positions(h([outage], healed=20.0), "s", W))
+        assert at(linear, 8.0) == 4
 
 
 def test_a_stall_names_the_writers_that_held_the_reader_back() -> None:

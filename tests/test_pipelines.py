@@ -187,7 +187,7 @@ async def test_a_delta_batch_replayed_through_a_checkpoint_spelt_otherwise_is_wr
 
     def export_once(spelt: str) -> None:
         query = pipelines.export(spark, source, to="delta", path=delta, checkpoint=spelt, once=True)
-        query.awaitTermination(120)
+        assert query.awaitTermination(120), "waited 120 s for the export to read all rows"
 
     await asyncio.to_thread(export_once, str(checkpoint))
     commits = sorted(

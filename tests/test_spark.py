@@ -340,6 +340,24 @@ async def test_a_checkpoint_from_another_database_is_refused_saying_what_to_do(
             await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
+def _collect_ids(spark: Any, frame: Any, group: str) -> list[int]:
+    """The stream IDs of `frame`, read as Spark job group `group` (`_failed_tasks`)."""
+    spark.sparkContext.setJobGroup(group, group)
+    try:
+        return [row.stream_id for row in frame.select("stream_id").collect()]
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+
+
+def _failed_tasks(spark: Any, group: str) -> int:
+    """Task attempts of job group `group` that failed (and were tried again)."""
+    tracker = spark.sparkContext.statusTracker()
+    jobs = [tracker.getJobInfo(job) for job in tracker.getJobIdsForGroup(group)]
+    assert jobs, f"no Spark job of group {group!r}"
+    stages = [tracker.getStageInfo(stage) for job in jobs if job for stage in job.stageIds]
+    return sum(stage.numFailedTasks for stage in stages if stage)
+
+
 async def _terminate_readers(db: Database) -> int:
     """End the connections that read rows of `events` for Spark (what a PostgreSQL
     restart, a failover or an idle timeout does to them)."""
@@ -366,12 +384,16 @@ async def test_a_read_after_the_servers_end_of_its_connections_goes_on(
     async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
         written = await write(gens["w1"], "a", 500) + await write(gens["w2"], "b", 500)
         options = {"maxIdsPerPartition": "100"}  # tasks on both workers
-        first = await asyncio.to_thread(lambda: reader(spark, db.dsn, **options).load().collect())
-        assert sorted(r.stream_id for r in first) == sorted(written)
-        await _terminate_readers(db)
+        frame = reader(spark, db.dsn, **options).load()
+        first = await asyncio.to_thread(_collect_ids, spark, frame, "before")
+        assert sorted(first) == sorted(written)
+        await _terminate_readers(db)  # kept connections, if any: what a restart does
         written += await write(gens["w1"], "c", 10)
-        again = await asyncio.to_thread(lambda: reader(spark, db.dsn, **options).load().collect())
-        assert sorted(r.stream_id for r in again) == sorted(written)
+        frame = reader(spark, db.dsn, **options).load()
+        again = await asyncio.to_thread(_collect_ids, spark, frame, "after-terminate")
+        assert sorted(again) == sorted(written)
+        # Not by a retry: a task whose worker crashed would be run again (local[2,4]).
+        assert await asyncio.to_thread(_failed_tasks, spark, "after-terminate") == 0
 
 
 async def test_a_read_whose_connection_drops_midway_fails_its_task_and_spark_tries_again(
@@ -390,9 +412,9 @@ async def test_a_read_whose_connection_drops_midway_fails_its_task_and_spark_tri
             written += await write(gens["w1"], "a", 250_000)
     async with proxy_in_front(db.dsn) as (proxy, through):
 
-        def read() -> list[int]:
+        def read() -> list[int]:  # in a thread: the proxy needs this event loop
             frame = reader(spark, through, maxIdsPerPartition=250_000).load()
-            return [row.stream_id for row in frame.select("stream_id").collect()]
+            return _collect_ids(spark, frame, "reset")
 
         task = asyncio.ensure_future(asyncio.to_thread(read))
         async with db.connection() as conn:
@@ -419,6 +441,7 @@ async def test_a_read_whose_connection_drops_midway_fails_its_task_and_spark_tri
         except TimeoutError:
             raise TimeoutError("waited 180 s for the read to end after the reset") from None
     assert sorted(got) == sorted(written)
+    assert await asyncio.to_thread(_failed_tasks, spark, "reset") >= 1  # the reset one
 
 
 async def test_a_checkpoint_of_another_stream_is_refused_naming_both(

@@ -19,7 +19,7 @@ from plait import Database
 from spark_cluster import standalone_cluster
 from stream_helpers import create_generator
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 INSERT = (
     "INSERT INTO events (stream_id, instance_name, payload)"
@@ -53,7 +53,8 @@ def run(args: list[str], cwd: Path) -> str:
     """A command as a user runs it: the venv's script, PATH without the venv."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
     env["PATH"] = "/usr/bin:/bin"
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    # 3 commands and the cluster's start (2 x 120 s) stay within the test's timeout.
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, cwd=cwd)
     assert done.returncode == 0, f"{args[:2]} failed:\n{done.stderr[-4000:]}"
     return done.stdout
 

@@ -415,6 +415,8 @@ async def test_tokens_above_the_sequence_head_or_of_writers_the_stream_lacks_are
         ('{"min": 0, "writers": {"ghost": 3}}', "writer 'ghost', which is not a writer of"),
         ('{"min": 1e30}', "must be a non-negative integer"),
         (f'{{"min": {10**30}}}', "BIGINT"),
+        # An offset of another stream (as a progress line prints it), pasted as a token.
+        ('{"min": 2, "stream": "events2", "uid": "u2"}', "it is an offset of stream 'events2'"),
     ]:
         with pytest.raises(ConfigError) as caught:
             await asyncio.to_thread(plan.token, bad, "startingToken")
@@ -427,6 +429,8 @@ async def test_tokens_above_the_sequence_head_or_of_writers_the_stream_lacks_are
     # Up to the head, and only the stream's writers: fine.
     token = await asyncio.to_thread(plan.token, '{"min": 2, "writers": {"w2": 8}}', "startToken")
     assert token == StreamToken(2, {"w2": 8})
+    own = json.dumps(plan.offset(token))  # the stream's own offset, naming it: fine
+    assert await asyncio.to_thread(plan.token, own, "startToken") == token
 
 
 async def test_a_writer_removed_from_the_stream_is_still_known_by_its_rows(

@@ -98,16 +98,19 @@ class History:
 
     def fenceable(self, cut: float, healed: float | None) -> float | None:
         """When a fence may first claim a writer whose connections a partition ended
-        at `cut`: then, unless PostgreSQL went down before the others had `FENCE_SCAN`
-        after `fence_after` of it (pushed past each such outage). None when the
-        partition healed before that: nobody could fence it, and it goes on alive
-        where it was (seen in a run: cut, a crash 0.8 s later, healed 0.5 s after the
-        server came back; the writer's own open transactions then held it, rightly)."""
+        at `cut`: then, unless PostgreSQL was down, or had come back less than
+        `DATABASE_GRACE` before (the fencers reconnect), before the others had
+        `FENCE_SCAN` after `fence_after` of it: then that grace after it came back.
+        None when the partition healed before a fence could follow (the latest one
+        can: a quick fencer may do it sooner, which is never held against it): the
+        writer goes on alive where it was. Seen in a run: cut, a crash 0.8 s later,
+        healed 0.5 s after the server came back; the writer's own open transaction
+        then held it, rightly."""
         window = self.fence_after + FENCE_SCAN
         at = cut
         for down, up in merged_windows(self.db_outages):
-            if down < at + window and up > at:
-                at = up
+            if down < at + window and up + DATABASE_GRACE > at:
+                at = up + DATABASE_GRACE
         if healed is not None and healed < at + window:
             return None
         return at

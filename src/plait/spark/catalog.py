@@ -254,7 +254,7 @@ def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     """A starting or ending point: "earliest", "latest", a token's text form (s5,
     m3~1.5) or its JSON form, checked against the stream (`check`). `ValueError`
     (`TokenParseError`, `ConfigError`) saying what is wrong, naming no option."""
-    from plait.spark.offsets import from_json
+    from plait.spark.offsets import Identity, foreign, parse
 
     text = value.strip()
     if text == "earliest":
@@ -262,7 +262,11 @@ def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     if text == "latest":
         return run(lambda conn: latest(conn, spec))
     if text.startswith("{"):
-        token = from_json(text)
+        token, named = parse(text)  # an offset a progress line printed, say
+        if named is not None:
+            uid = run(lambda conn: stream_uid(conn, spec.name))
+            if why := foreign(named, Identity(spec.name, uid)):
+                raise Refused(why)
     else:
         low, by_id = decode_text(text)
         if by_id:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO
+from urllib.parse import unquote, urlsplit
 
 from psycopg import sql
 
@@ -130,12 +131,12 @@ class DeltaBatches:
     the same commit (an application transaction of the query), so a batch Spark
     replays after a crash is skipped.
 
-    The transaction is keyed by the query's id, which Spark keeps in the checkpoint
-    (`metadata`) for every run from it, not by how the checkpoint's path was spelt: the
-    same checkpoint given once relative and once absolute wrote a replayed batch twice.
-    A checkpoint Spark reaches by a URI of another file system (s3a://, hdfs://) is
-    keyed by its text, as given. Versions recorded under the older key (the path's text)
-    still count."""
+    The transaction is keyed by the query's id, which Spark keeps in the checkpoint for
+    every run from it, not by how the checkpoint's path was spelt: the same checkpoint
+    given once relative and once absolute wrote a replayed batch twice, and a checkpoint
+    deleted and made again at the same path would skip the new query's first batches.
+    The id comes from the running query (a classic session), else from the checkpoint's
+    `metadata` file (a local checkpoint), else the checkpoint's text is the key."""
 
     def __init__(self, path: str, checkpoint: str, partitions: list[str]) -> None:
         self.path = path
@@ -143,33 +144,26 @@ class DeltaBatches:
         self.partitions = partitions
         self._app_id: str | None = None
 
-    @property
-    def app_id(self) -> str:
+    def app_id(self, frame: Any = None) -> str:
         if self._app_id is None:
-            query_id = checkpoint_query_id(self.checkpoint)
+            query_id = running_query_id(frame) or checkpoint_query_id(self.checkpoint)
             self._app_id = f"plait-export:{query_id or self.checkpoint}"
         return self._app_id
 
-    def _older_app_ids(self) -> list[str]:
-        local = _local_path(self.checkpoint)
-        spelt = [self.checkpoint] + ([str(local), str(local.resolve())] if local else [])
-        return [f"plait-export:{text}" for text in dict.fromkeys(spelt)]
-
-    def done_upto(self) -> int:
+    def done_upto(self, frame: Any = None) -> int:
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
         try:
-            table = DeltaTable(self.path)
+            version = DeltaTable(self.path).transaction_version(self.app_id(frame))
         except TableNotFoundError:
             return -1
-        versions = [table.transaction_version(app) for app in [self.app_id, *self._older_app_ids()]]
-        return max((int(v) for v in versions if v is not None), default=-1)
+        return -1 if version is None else int(version)
 
     def __call__(self, frame: Any, batch_id: int) -> None:
         from deltalake import CommitProperties, Transaction, write_deltalake
 
-        if batch_id <= self.done_upto():
+        if batch_id <= self.done_upto(frame):
             return  # committed before a crash: Spark replays it, Delta has it
         table = frame.toArrow()
         write_deltalake(
@@ -178,23 +172,36 @@ class DeltaBatches:
             mode="append",
             partition_by=self.partitions or None,
             commit_properties=CommitProperties(
-                app_transactions=[Transaction(self.app_id, batch_id, int(time.time() * 1000))]
+                app_transactions=[
+                    Transaction(self.app_id(frame), batch_id, int(time.time() * 1000))
+                ]
             ),
         )
 
 
+def running_query_id(frame: Any) -> str | None:
+    """The id of the streaming query whose batch `frame` is, as Spark tells the thread
+    that runs the batch (None outside one, or where the session cannot be asked)."""
+    if frame is None:
+        return None
+    try:
+        value = frame.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+    except Exception:  # Spark Connect has no SparkContext; nothing else to ask then
+        return None
+    return value if isinstance(value, str) and value else None
+
+
 def _local_path(checkpoint: str) -> Path | None:
     """The local path a checkpoint location names (None: another file system's URI)."""
-    scheme = _SCHEME.match(checkpoint)
-    if scheme is None:
+    if _SCHEME.match(checkpoint) is None:
         return Path(checkpoint).absolute()
-    if scheme.group(1).lower() != "file":
+    parts = urlsplit(checkpoint)
+    if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
         return None
-    rest = checkpoint[scheme.end() :]
-    return Path("/" + rest.lstrip("/")) if rest.startswith("/") else Path(rest).absolute()
+    return Path(unquote(parts.path)).absolute()
 
 
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not C:
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")  # two letters at least: not C:
 
 
 def checkpoint_query_id(checkpoint: str) -> str | None:

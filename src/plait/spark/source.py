@@ -322,6 +322,19 @@ def _adbc(dsn: str) -> Any:
     return adbc.connect(DEFAULT_TIMEOUTS.client_dsn(dsn), autocommit=True)
 
 
+@contextlib.contextmanager
+def _closing(thing: T) -> Iterator[T]:
+    """`contextlib.closing`, except that after a failure a failing `close()` (of a
+    connection that broke) does not hide the failure that matters."""
+    try:
+        yield thing
+    except BaseException:
+        with contextlib.suppress(Exception):
+            thing.close()  # type: ignore[attr-defined]
+        raise
+    thing.close()  # type: ignore[attr-defined]
+
+
 def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
     """The rows of `query` as Arrow record batches of `schema`'s types, on a connection
     of their own.
@@ -335,7 +348,7 @@ def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
-    with contextlib.closing(_adbc(dsn)) as conn, contextlib.closing(conn.cursor()) as cursor:
+    with _closing(_adbc(dsn)) as conn, _closing(conn.cursor()) as cursor:
         cursor.execute(query)
         workers.settle()  # everything this worker needs is loaded by now
         for batch in cursor.fetch_record_batch():
