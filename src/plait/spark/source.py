@@ -343,8 +343,9 @@ def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
     aborts the whole process (`std::logic_error`, exit 134) when a query is sent on a
     connection the server has closed meanwhile (a restart, a failover, an idle timeout,
     pg_terminate_backend), which no retry can catch. A connection that fails while
-    rows arrive raises, and Spark tries the task again. Connecting costs about 25 ms
-    on one host (BENCHMARKS.md: the read's ratio to JDBC, which connects per task too)."""
+    rows arrive raises, and Spark tries the task again. Connecting costs 15-18 ms on one
+    host (ADBC loads the server's type catalogue; BENCHMARKS.md has what it costs a read,
+    against JDBC, which connects per task too)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
     target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
