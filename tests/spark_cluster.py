@@ -68,33 +68,30 @@ def standalone_cluster(work: Path) -> Iterator[Cluster]:
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        master_log = logs / "master.log"
-        master = subprocess.Popen(
-            [
-                *(spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"),
-                *("--port", str(port), "--webui-port", str(free_port())),
-            ],
-            env=env,
-            stdout=master_log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+
+        def start(name: str, args: list[str], ready: str) -> None:
+            log = logs / f"{name}.log"
+            process = subprocess.Popen(
+                [spark_class, *args, "--host", "127.0.0.1", "--webui-port", str(free_port())],
+                env=env,
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            processes.append(process)
+            _wait(log, ready, process, name)
+
+        start(
+            "master",
+            ["org.apache.spark.deploy.master.Master", "--port", str(port)],
+            "I have been elected leader",
         )
-        processes.append(master)
-        _wait(master_log, "I have been elected leader", master, "master")
         url = f"spark://127.0.0.1:{port}"
-        worker_log = logs / "worker.log"
-        worker = subprocess.Popen(
-            [
-                *(spark_class, "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1"),
-                *("--cores", "1", "--memory", "1g", "--webui-port", str(free_port())),
-            ],
-            env=env,
-            stdout=worker_log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        start(
+            "worker",
+            ["org.apache.spark.deploy.worker.Worker", url, "--cores", "1", "--memory", "1g"],
+            "Successfully registered with master",
         )
-        processes.append(worker)
-        _wait(worker_log, "Successfully registered with master", worker, "worker")
         yield Cluster(url, logs)
     finally:
         for process in reversed(processes):

@@ -191,6 +191,19 @@ async def _w1_and_a_reader_refusing_poison(
     return w1, r
 
 
+async def _release_once_departed(r: Instance, reader: SlowRows) -> None:
+    """Let `reader`'s `on_rows` go on once `r` received w1's DEPART (queued behind its
+    rows), or, failing that, before the wait's error is raised."""
+    try:
+        await until(
+            lambda: metric(r, "plait_commands_received_total", command="DEPART") >= 1,
+            within=30,
+            what="the DEPART of w1",
+        )
+    finally:
+        reader.release.set()
+
+
 async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_writer_left(
     cluster: Cluster,
 ) -> None:
@@ -205,14 +218,7 @@ async def test_a_row_that_fails_to_arrive_is_read_from_the_database_though_its_w
     gen = w1.generator("events")
     await w1.stop()
     last = gen.get_current_token_for_writer("w1")
-    try:
-        await until(
-            lambda: metric(r, "plait_commands_received_total", command="DEPART") >= 1,
-            within=30,
-            what="the DEPART of w1",
-        )
-    finally:
-        reader.release.set()
+    await _release_once_departed(r, reader)
     await reader.wait(len(ids), within=60)
     assert await r.wait_for_stream_position("w1", "events", last, timeout=30), "w1's last position"
     got = [row[1] for row in reader.rows]
@@ -239,14 +245,7 @@ async def test_a_reader_that_gives_up_a_failing_row_gets_it_when_its_writer_come
     ids = [await write(w1, "first"), await write(w1, "poison")]
     ids += await write_many(w1, 20, "w1-")
     await w1.stop()
-    try:
-        await until(
-            lambda: metric(r, "plait_commands_received_total", command="DEPART") >= 1,
-            within=30,
-            what="the DEPART of w1",
-        )
-    finally:
-        reader.release.set()
+    await _release_once_departed(r, reader)
     await until(lambda: "giving up the commands" in caplog.text, within=60, what="the give-up")
     await until(lambda: departed == ["w1"], within=30, what="the departure listener")
     assert [row[1] for row in reader.rows] == ids[:1]  # nothing past the row given up

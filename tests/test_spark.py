@@ -21,7 +21,7 @@ from conftest import with_search_path
 from pg_proxy import proxy_in_front
 from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
 from plait.spark import source
-from stream_helpers import create_generator, spec_for
+from stream_helpers import create_generator, create_table, spec_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -275,7 +275,7 @@ async def test_a_backwards_stream_reads_its_negative_ids_in_batch_and_streaming(
         return sorted(row.stream_id for row in frame.collect())
 
     assert await asyncio.to_thread(read_all) == sorted(ids)
-    assert ("catalog", db.dsn) not in source._KEPT  # the driver keeps no connection
+    assert db.dsn not in source._KEPT  # the driver keeps no connection
 
     def stream_all() -> list[int]:
         query = (
@@ -451,11 +451,7 @@ async def test_a_checkpoint_of_another_stream_is_refused_naming_both(
     command line): the query fails naming both streams. Before offsets named their
     stream, it ran from events2's offsets and left events' rows below them out."""
     await create_events(db)
-    async with db.connection() as conn:
-        await conn.execute(
-            "CREATE TABLE events2 (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
-            " payload TEXT)"
-        )
+    await create_table(db, "events2")
     spec2 = spec_for(["w1"], ("events2",), name="events2")
     gen2 = await MultiWriterIdGenerator.create(db, spec2, "w1", position_flush_interval=0.2)
     try:

@@ -17,7 +17,7 @@ import pytest
 
 from plait import Database
 from spark_cluster import standalone_cluster
-from stream_helpers import create_generator
+from stream_helpers import create_generator, create_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -62,11 +62,7 @@ def run(args: list[str], cwd: Path) -> str:
 async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_restart(
     db: Database, tmp_path: Path
 ) -> None:
-    async with db.connection() as conn:
-        await conn.execute(
-            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL,"
-            " payload TEXT); CREATE INDEX ON events (instance_name, stream_id)"
-        )
+    await create_table(db)
     written = await write(db, 700)
     plait = str(Path(sys.executable).parent / "plait")
     with contextlib.ExitStack() as stack:

@@ -272,9 +272,9 @@ class RangePartition(InputPartition):
 
 # Catalog connections (psycopg) kept per process and DSN where Spark plans a read or
 # asks for offsets: its planning workers are reused, and each read would otherwise
-# connect two or three times. A kept one the server closed raises, and `_kept` tries
+# connect two or three times. A kept one the server closed raises, and `Kept` tries
 # once more on a new one. Row reads connect afresh each time (`read_arrow`).
-_KEPT: dict[tuple[str, str], Any] = {}
+_KEPT: dict[str, Any] = {}
 
 
 class Kept:
@@ -284,35 +284,27 @@ class Kept:
         self.dsn = dsn
 
     def __call__(self, work: Callable[[Any], T], /) -> T:
-        return _kept("catalog", self.dsn, catalog.connect, work)
+        """`work(conn)` on the kept connection; once more on a new one when it fails
+        (the kept one may have broken since; a real error fails again)."""
+        for attempt in (1, 2):
+            conn = _KEPT.get(self.dsn)
+            if conn is None:
+                conn = _KEPT[self.dsn] = catalog.connect(self.dsn)
+            try:
+                return work(conn)
+            except ConfigError:
+                raise  # a verdict on the options, not a broken connection
+            except Exception:
+                self.forget()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def forget(self) -> None:
-        _forget("catalog", self.dsn)
-
-
-def _kept(kind: str, dsn: str, connect: Callable[[str], Any], work: Callable[[Any], T]) -> T:
-    """`work(conn)` on the connection kept for (kind, dsn); once more on a new one when
-    it fails (the kept one may have broken since; a real error fails again)."""
-    for attempt in (1, 2):
-        conn = _KEPT.get((kind, dsn))
-        if conn is None:
-            conn = _KEPT[(kind, dsn)] = connect(dsn)
-        try:
-            return work(conn)
-        except ConfigError:
-            raise  # a verdict on the options, not a broken connection
-        except Exception:
-            _forget(kind, dsn)
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _forget(kind: str, dsn: str) -> None:
-    conn = _KEPT.pop((kind, dsn), None)
-    if conn is not None:
-        with contextlib.suppress(Exception):  # broken already: a new one replaces it
-            conn.close()
+        conn = _KEPT.pop(self.dsn, None)
+        if conn is not None:
+            with contextlib.suppress(Exception):  # broken already: a new one replaces it
+                conn.close()
 
 
 def _adbc(dsn: str) -> Any:
