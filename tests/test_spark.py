@@ -121,10 +121,13 @@ async def _token(db: Database, gens: dict[str, MultiWriterIdGenerator]) -> str:
     return await token.to_string(db)
 
 
-async def until(condition: Callable[[], bool], within: float = 60.0) -> None:
-    async with asyncio.timeout(within):
-        while not await asyncio.to_thread(condition):  # noqa: ASYNC110 - Spark's state
-            await asyncio.sleep(0.2)
+async def until(condition: Callable[[], bool], within: float = 60.0, what: str = "") -> None:
+    try:
+        async with asyncio.timeout(within):
+            while not await asyncio.to_thread(condition):  # noqa: ASYNC110 - Spark's state
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        raise TimeoutError(f"waited {within} s for {what or condition}") from None
 
 
 async def test_a_stream_is_never_held_back_by_a_slow_idle_or_late_writer(
@@ -223,6 +226,12 @@ async def test_exactly_once_across_a_restart_of_the_query(
         ({"table": "other"}, "has no table 'other'; its tables: ['events']"),
         ({"maxIdsPerPartition": "-5"}, "maxidsperpartition must be a positive integer"),
         ({"partitioning": "rows"}, "partitioning must be one of ['slices', 'writers'], not 'rows'"),
+        ({"maxTriggerDelay": "5"}, "maxtriggerdelay must be a duration such as 500ms, 30s"),
+        (
+            {"minRowsPerTrigger": "50", "maxRowsPerTrigger": "10"},
+            "minRowsPerTrigger (50) is above maxRowsPerTrigger (10)",
+        ),
+        ({"minOffsetsPerTrigger": "5"}, "(did you mean 'minRowsPerTrigger'?)"),
     ],
 )
 async def test_bad_options_fail_with_one_clear_message(
@@ -482,3 +491,140 @@ async def test_a_checkpoint_of_another_stream_is_refused_naming_both(
     with pytest.raises(Exception, match="it is an offset of stream 'events2'") as caught:
         await asyncio.to_thread(run, "events")
     assert "not of stream 'events' (uid " in str(caught.value)
+
+
+def _scanned_rows(frame: Any) -> int:
+    """The rows the plait scan handed to Spark in `frame`'s last run (the BatchScan's
+    numOutputRows): with a filter pushed, only the rows the SQL returned."""
+    counts: list[int] = []
+
+    def walk(node: Any) -> None:
+        metrics = node.metrics()
+        if node.nodeName().startswith("BatchScan") and metrics.contains("numOutputRows"):
+            counts.append(int(metrics.apply("numOutputRows").value()))
+        children = node.children()
+        for i in range(children.length()):
+            walk(children.apply(i))
+        if node.nodeName().startswith("AdaptiveSparkPlan"):
+            walk(node.executedPlan())
+
+    walk(frame._jdf.queryExecution().executedPlan())
+    assert counts, f"no BatchScan in {frame._jdf.queryExecution().executedPlan().toString()}"
+    return sum(counts)
+
+
+# Filters Spark hands the source, all of which PostgreSQL applies exactly (pushed), and
+# some it cannot push (an OR, a function, a timestamp), which Spark applies after.
+PUSHED = (
+    "stream_id > 10 AND stream_id <= 30",
+    "stream_id = 2",
+    "instance_name = 'w2'",
+    "instance_name IN ('w1', 'nobody')",
+    "NOT (instance_name = 'w1')",
+    "payload IS NULL",
+    "payload LIKE 'a1%'",
+    "payload LIKE '%7'",
+    "payload LIKE '%é%'",
+    "payload IN ('b2', 'a11', NULL)",
+    "payload <=> 'a4'",
+    "amount >= 5.00 AND amount < 9",
+    "amount IS NOT NULL AND NOT (amount > 3)",
+    """extra = '{"k": 3}'""",
+)
+NOT_PUSHED = (
+    "stream_id = 3 OR payload = 'b2'",
+    "upper(payload) = 'A1'",
+    "at < timestamp '2999-01-01 00:00:00' AND payload > 'a5'",
+    "payload > 'a5'",
+)
+
+
+async def test_filters_of_a_batch_read_are_applied_in_the_database_exactly_as_spark_would(
+    db: Database, spark: Any
+) -> None:
+    """`where stream_id = 2` reads one row from PostgreSQL, not the whole stream: each
+    pushable filter keeps exactly the rows Spark's own evaluation keeps (NULLs, text
+    forms, decimals), and the scan hands Spark only those; the others still hold."""
+    await create_events(db)
+    varied = (
+        "INSERT INTO events (stream_id, instance_name, payload, amount, extra)"
+        " SELECT {id}, %s, CASE WHEN g %% 5 = 0 THEN NULL WHEN g %% 6 = 0 THEN %s || 'é' || g"
+        " ELSE %s || g END, CASE WHEN g %% 7 = 0 THEN NULL ELSE g * 1.25 END,"
+        " jsonb_build_object('k', g %% 4) FROM generate_series(1, %s) g RETURNING stream_id"
+    )
+    async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
+        for name, prefix, count in (("w1", "a", 25), ("w2", "b", 15), ("w1", "a", 12)):
+            gen = gens[name]
+            await gen.insert(varied, (name, prefix, prefix, count))
+            await gen.flush_position()
+
+    def check() -> None:
+        everything = reader(spark, db.dsn).load()
+        rows = everything.collect()
+        assert len(rows) == 52
+        oracle = spark.createDataFrame(rows, everything.schema)  # no source: Spark filters
+        for where in PUSHED + NOT_PUSHED:
+            frame = reader(spark, db.dsn).load().where(where)
+            got = sorted(row.stream_id for row in frame.collect())
+            expected = sorted(row.stream_id for row in oracle.where(where).collect())
+            assert got == expected, where
+            assert expected, f"{where} selects nothing: it tests nothing"
+            scanned = _scanned_rows(frame)
+            if where in PUSHED:
+                assert scanned == len(expected), f"{where}: {scanned} rows read"
+            else:  # Spark may still push a part (upper(payload) = .. implies IS NOT NULL)
+                assert len(expected) < scanned <= len(rows), f"{where}: {scanned} rows read"
+        # With pushdown off (a session's choice, or Spark's default where the session's
+        # settings do not reach), Spark filters everything itself: the same rows.
+        spark.conf.set(plait.spark.PUSHDOWN, "false")
+        try:
+            frame = reader(spark, db.dsn).load().where("stream_id = 2")
+            assert [row.stream_id for row in frame.collect()] == [2]
+            assert _scanned_rows(frame) == len(rows)
+        finally:
+            spark.conf.set(plait.spark.PUSHDOWN, "true")
+
+    await asyncio.to_thread(check)
+
+
+async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_delay(
+    db: Database, spark: Any
+) -> None:
+    """minRowsPerTrigger (as the Kafka source's minOffsetsPerTrigger): no batch while
+    fewer rows are pending, one batch of all of them once there are enough; and with
+    fewer, a batch once maxTriggerDelay has passed since the query started."""
+    await create_events(db)
+
+    def start(name: str, **options: Any) -> Any:
+        frame = plait.spark.stream(spark, db.dsn, "events", **options)
+        return frame.writeStream.format("memory").queryName(name).start()
+
+    def count(name: str) -> int:
+        return int(spark.table(name).count())
+
+    async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
+        await write(gens["w1"], "a", 30)
+        query = await asyncio.to_thread(start, "waits", minRowsPerTrigger=50, maxTriggerDelay="1h")
+        try:
+            await asyncio.to_thread(query.processAllAvailable)
+            assert await asyncio.to_thread(count, "waits") == 0  # 30 < 50: no batch yet
+            await write(gens["w2"], "b", 25)
+            await asyncio.to_thread(query.processAllAvailable)
+            assert await asyncio.to_thread(count, "waits") == 55
+            batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+            assert batches == [55]  # all of them at once
+        finally:
+            await asyncio.to_thread(query.stop)
+
+        started = asyncio.get_running_loop().time()
+        query = await asyncio.to_thread(
+            start, "delayed", minRowsPerTrigger=1000, maxTriggerDelay="2s"
+        )
+        try:
+            await until(
+                lambda: count("delayed") == 55, within=120, what="the delayed batch of 55 rows"
+            )
+            # Not before the delay (a lower bound: a busy machine only makes it later).
+            assert asyncio.get_running_loop().time() - started >= 2.0
+        finally:
+            await asyncio.to_thread(query.stop)

@@ -49,6 +49,17 @@ def _spark_conf(_ctx: Any, _param: Any, values: tuple[str, ...]) -> dict[str, st
     return conf
 
 
+def _duration_flag(_ctx: Any, param: Any, value: str | None) -> str | None:
+    from plait.spark.source import duration
+
+    if value is not None:
+        try:
+            duration(value)
+        except ValueError as err:
+            raise click.BadParameter(f"must be {err}", param=param) from None
+    return value
+
+
 def _source_options(command: Any) -> Any:
     for option in reversed(
         [
@@ -63,6 +74,17 @@ def _source_options(command: Any) -> Any:
             ),
             click.option(
                 "--max-rows-per-trigger", type=click.IntRange(min=1), help="Rows per batch at most."
+            ),
+            click.option(
+                "--min-rows-per-trigger",
+                type=click.IntRange(min=1),
+                help="Wait for this many rows before a batch (at most --max-trigger-delay).",
+            ),
+            click.option(
+                "--max-trigger-delay",
+                callback=_duration_flag,
+                help="How long a batch waits for --min-rows-per-trigger rows, e.g. 30s, 5m "
+                "[default: 15m].",
             ),
             click.option(
                 "--checkpoint",
@@ -696,6 +718,12 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
     folders. Checked first, in under a second, and refused in the flag's name."""
     from plait.spark import catalog
 
+    most, least = options["max_rows_per_trigger"], options["min_rows_per_trigger"]
+    if most is not None and least is not None and least > most:
+        raise click.BadParameter(
+            f"{least} is above --max-rows-per-trigger {most}: no batch could satisfy both",
+            param_hint="'--min-rows-per-trigger'",
+        )
     for flag in ("--path", "--checkpoint"):
         folder = options.get(flag.removeprefix("--"))
         if folder:
@@ -749,6 +777,8 @@ def _source(options: dict[str, Any]) -> Any:
         table=options["table"],
         starting=options["starting_token"],
         max_rows=options["max_rows_per_trigger"],
+        min_rows=options["min_rows_per_trigger"],
+        max_delay=options["max_trigger_delay"],
     )
 
 

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
+# Spark calls a Python source's `pushFilters` only with this on (it is off by default).
+PUSHDOWN = "spark.sql.python.filterPushdown.enabled"
+
 
 def register(spark: Any) -> None:
     """Make `spark.read.format("plait")` and `spark.readStream.format("plait")` work in
-    this SparkSession."""
+    this SparkSession, and turn on filter pushdown for Python sources unless the
+    session turned it off (batch reads push filters into their SQL:
+    `plait.spark.pushdown`)."""
     from plait.spark.source import PlaitSource
 
+    if spark.conf.get(PUSHDOWN, None) is None:  # None: not set, Spark's default (off)
+        spark.conf.set(PUSHDOWN, "true")
     spark.dataSource.register(PlaitSource)
 
 
@@ -27,7 +34,8 @@ def batch(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
 
 def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
     """`spark.readStream.format("plait")...load()`, options checked first
-    (startingToken, maxRowsPerTrigger, table, maxIdsPerPartition, partitioning)."""
+    (startingToken, maxRowsPerTrigger, minRowsPerTrigger, maxTriggerDelay, table,
+    maxIdsPerPartition, partitioning)."""
     reader = spark.readStream.format("plait")
     return _with(reader, _checked(dsn, stream, options, batch=False)).load()
 

@@ -39,6 +39,8 @@ class Source:
     table: str | None = None
     starting: str = "earliest"
     max_rows: int | None = None
+    min_rows: int | None = None
+    max_delay: str | None = None  # "15m", as the source's maxTriggerDelay takes it
 
     def frame(self, spark: Any) -> Any:
         options: dict[str, Any] = {"startingToken": self.starting}
@@ -46,6 +48,10 @@ class Source:
             options["table"] = self.table
         if self.max_rows:
             options["maxRowsPerTrigger"] = self.max_rows
+        if self.min_rows:
+            options["minRowsPerTrigger"] = self.min_rows
+        if self.max_delay:
+            options["maxTriggerDelay"] = self.max_delay
         return plait.spark.stream(spark, self.dsn, self.stream, **options)
 
 

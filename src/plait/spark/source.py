@@ -7,6 +7,9 @@ Streaming source, exactly once (SPEC §8).
 Options: `dsn` and `stream` (required); `table` (streams over several tables);
 `startingToken` (streaming: "earliest", the default, "latest", a token or an offset);
 `startToken` / `endToken` (batch: default earliest and latest); `maxRowsPerTrigger`;
+`minRowsPerTrigger` with `maxTriggerDelay` (streaming: a trigger reads nothing until
+that many rows are pending or the last batch is that long ago, default 15m, as in the
+Kafka source);
 `maxIdsPerPartition` (default 250 000: the IDs a batch reads are cut into equal slices
 of at most that many, one task each, but never more than 10 000 slices: past that they
 are wider); `partitioning` (`slices`, the default: a task reads one slice of the ID
@@ -31,7 +34,8 @@ import contextlib
 import difflib
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,6 +44,7 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    Filter,
     InputPartition,
 )
 from pyspark.sql.streaming.datasource import (
@@ -52,7 +57,7 @@ from pyspark.sql.types import StructType
 
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError, TokenParseError
-from plait.spark import catalog, offsets, workers
+from plait.spark import catalog, offsets, pushdown, workers
 from plait.spark.schema import infer, text_columns
 from plait.storage.stream_store import ident
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
@@ -70,9 +75,12 @@ OPTIONS = (
     "startToken",
     "endToken",
     "maxRowsPerTrigger",
+    "minRowsPerTrigger",
+    "maxTriggerDelay",
     "maxIdsPerPartition",
     "partitioning",
 )
+DEFAULT_MAX_TRIGGER_DELAY = 15 * 60.0  # seconds: the Kafka source's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,8 @@ class Options:
     start: str
     end: str
     max_rows: int | None
+    min_rows: int | None
+    max_delay: float  # seconds a trigger waits for min_rows before it reads fewer
     max_ids: int
     by_writer: bool
 
@@ -103,6 +113,13 @@ class Options:
         for required in ("dsn", "stream"):
             if not options.get(required):
                 raise ConfigError(f'plait source: .option("{required}", ...) is required')
+        max_rows = _positive(options, "maxrowspertrigger")
+        min_rows = _positive(options, "minrowspertrigger")
+        if max_rows is not None and min_rows is not None and min_rows > max_rows:
+            raise ConfigError(
+                f"plait source: minRowsPerTrigger ({min_rows}) is above maxRowsPerTrigger "
+                f"({max_rows}): no batch could satisfy both"
+            )
         return cls(
             dsn=options["dsn"],
             stream=options["stream"],
@@ -110,7 +127,9 @@ class Options:
             starting=options.get("startingtoken", "earliest"),
             start=options.get("starttoken", "earliest"),
             end=options.get("endtoken", "latest"),
-            max_rows=_positive(options, "maxrowspertrigger"),
+            max_rows=max_rows,
+            min_rows=min_rows,
+            max_delay=_duration(options, "maxtriggerdelay", DEFAULT_MAX_TRIGGER_DELAY),
             max_ids=_positive(options, "maxidsperpartition") or DEFAULT_MAX_IDS,
             by_writer=_partitioning(options) == "writers",
         )
@@ -120,6 +139,7 @@ class Options:
 # streaming names given to the other kind of read.
 _OTHER_NAMES = {
     "maxoffsetspertrigger": "maxRowsPerTrigger",
+    "minoffsetspertrigger": "minRowsPerTrigger",
     "maxfilespertrigger": "maxRowsPerTrigger",
     "startingoffsets": "startingToken",
     "startingoffsetsbytimestamp": "startingToken",
@@ -165,6 +185,29 @@ def _positive(options: Mapping[str, str], key: str) -> int | None:
     if number < 1:
         raise ConfigError(f"plait source: option {key} must be a positive integer, not {value!r}")
     return number
+
+
+_DURATION = re.compile(r"([0-9]{1,9})\s*(ms|s|m|min|h|d)")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(value: str) -> float:
+    """Seconds from "500ms", "30s", "15m", "2h" or "1d" (as the Kafka source takes
+    maxTriggerDelay, with a unit always); `ValueError` otherwise."""
+    match = _DURATION.fullmatch(value.strip().lower())
+    if match is None:
+        raise ValueError(f"a duration such as 500ms, 30s, 15m or 1h, not {value!r}")
+    return int(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def _duration(options: Mapping[str, str], key: str, default: float) -> float:
+    value = options.get(key)
+    if value is None:
+        return default
+    try:
+        return duration(value)
+    except ValueError as err:
+        raise ConfigError(f"plait source: option {key} must be {err}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,14 +277,18 @@ class Plan:
         return tokens
 
     def partitions(
-        self, schema: StructType, start: StreamToken, end: StreamToken
+        self, schema: StructType, start: StreamToken, end: StreamToken, where: str | None = None
     ) -> list[RangePartition]:
+        """A task per piece of the rows between `start` and `end`; `where` (SQL, from
+        pushed filters) narrows each."""
         as_text = set(text_columns(list(self.columns), schema))
         cut = offsets.by_writer if self.options.by_writer else offsets.slices
         pieces = cut(offsets.ranges(start, end), self.options.max_ids)
-        return [RangePartition(self.query(schema, as_text, piece)) for piece in pieces]
+        return [RangePartition(self.query(schema, as_text, piece, where)) for piece in pieces]
 
-    def query(self, schema: StructType, as_text: set[str], piece: offsets.Slice) -> str:
+    def query(
+        self, schema: StructType, as_text: set[str], piece: offsets.Slice, where: str | None
+    ) -> str:
         select = sql.SQL(", ").join(
             sql.SQL("{c}::text AS {c}" if f.name in as_text else "{c}").format(
                 c=sql.Identifier(f.name)
@@ -249,6 +296,8 @@ class Plan:
             for f in schema.fields
         )
         condition = catalog.slice_condition(self.table, self.spec.backwards, piece)
+        if where is not None:
+            condition = sql.SQL("{} AND {}").format(condition, sql.SQL(where))
         return (
             sql.SQL("SELECT {} FROM {} WHERE {}")
             .format(select, ident(self.table.name), condition)
@@ -382,6 +431,26 @@ class PlaitSource(DataSource):
         return StreamReader(plan, schema)
 
 
+class _Pushdown:
+    """A reader's `pushFilters` that Spark runs when filter pushdown is on, and that
+    does not make it refuse the read when it is off.
+
+    Spark calls `pushFilters` only with spark.sql.python.filterPushdown.enabled
+    (`plait.spark.register` turns it on), and refuses to read a source whose reader
+    overrides it while that is off, which it is wherever the session's own settings do
+    not reach: a query planned from another thread (`df.rdd` in a worker thread) sees
+    Spark's defaults. Reading without pushdown gives the same rows (Spark applies every
+    filter itself), so Spark's check is told it is the base method."""
+
+    __func__ = staticmethod(DataSourceReader.pushFilters)  # what Spark's check compares
+
+    def __init__(self, push: Callable[[list[Filter]], Iterable[Filter]]) -> None:
+        self._push = push
+
+    def __call__(self, filters: list[Filter]) -> Iterable[Filter]:
+        return self._push(filters)
+
+
 class BatchReader(DataSourceReader):
     """The rows between two tokens (default: everything persisted now)."""
 
@@ -396,9 +465,22 @@ class BatchReader(DataSourceReader):
                 f"{offsets.to_json(start)} for some writer"
             )
         self._start, self._end = start, end
+        self._where: str | None = None  # the pushed filters, as SQL
+
+    @property
+    def pushFilters(self) -> Callable[[list[Filter]], Iterable[Filter]]:
+        return _Pushdown(self._push)
+
+    def _push(self, filters: list[Filter]) -> Iterable[Filter]:
+        """Filters PostgreSQL applies exactly as Spark would (`pushdown`) go into each
+        task's SQL, so only matching rows are read; the others stay with Spark."""
+        pushed, kept = pushdown.push(filters, pushdown.targets(self._plan.columns, self._schema))
+        if pushed:
+            self._where = sql.SQL(" AND ").join(pushed).as_string(None)
+        return kept
 
     def partitions(self) -> list[InputPartition]:
-        return list(self._plan.partitions(self._schema, self._start, self._end))
+        return list(self._plan.partitions(self._schema, self._start, self._end, self._where))
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, RangePartition)
@@ -416,6 +498,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._schema = schema
         self._target: StreamToken | None = None  # Trigger.AvailableNow: stop here
         self._latest: StreamToken | None = None
+        self._last_batch: float | None = None  # monotonic: when a trigger last read rows
 
     def initialOffset(self) -> dict[str, Any]:
         return self._plan.offset(self._plan.token(self._plan.options.starting, "startingToken"))
@@ -436,14 +519,36 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         (begin,) = self._plan.checked(start)
         latest = self._target if self._target is not None else self._now()
         end = begin.copy_and_advance(latest)  # never behind the start for any writer
+        spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
+        if self._waits(pending):
+            return self._plan.offset(begin)  # no new batch yet
         if isinstance(limit, ReadMaxRows):
-            spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
             cut = self._plan.ask(
                 lambda conn: catalog.cutoff(conn, spec, table, pending, limit.max_rows)
             )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
+        if pending:
+            self._last_batch = time.monotonic()
         return self._plan.offset(end)
+
+    def _waits(self, pending: list[offsets.WriterRange]) -> bool:
+        """Whether this trigger reads nothing yet: fewer than minRowsPerTrigger rows are
+        pending and the last batch is less than maxTriggerDelay ago (as the Kafka
+        source does; never under Trigger.AvailableNow, which must reach its end)."""
+        options = self._plan.options
+        if options.min_rows is None or self._target is not None or not pending:
+            return False
+        now = time.monotonic()
+        if self._last_batch is None:
+            self._last_batch = now  # the query's first trigger starts the clock
+        if now - self._last_batch >= options.max_delay:
+            return False
+        spec, table, at_least = self._plan.spec, self._plan.table, options.min_rows
+        enough = self._plan.ask(
+            lambda conn: catalog.cutoff(conn, spec, table, pending, at_least) is not None
+        )
+        return not enough
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         """What the last trigger found (for the query's status; no query of its own)."""
