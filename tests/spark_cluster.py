@@ -1,12 +1,14 @@
-"""A Spark standalone cluster on this machine, started from the installed PySpark: a
-master and one worker (1 core, 1 GiB), bound to 127.0.0.1. Real separate JVMs, so the
-driver, the executors and their Python workers are separate processes, as on a cluster."""
+"""Spark servers on this machine, started from the installed PySpark and bound to
+127.0.0.1: a standalone cluster (a master and one worker, 1 core, 1 GiB; real separate
+JVMs, so the driver, the executors and their Python workers are separate processes, as
+on a cluster), and a Spark Connect server."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,13 +96,57 @@ def standalone_cluster(work: Path) -> Iterator[Cluster]:
         )
         yield Cluster(url, logs)
     finally:
-        for process in reversed(processes):
+        _stop(processes)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """End each process's group (last started first): TERM, then KILL after 30 s."""
+    for process in reversed(processes):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 15)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, 15)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, 9)
-                process.wait()
+                os.killpg(process.pid, 9)
+            process.wait()
+
+
+@dataclass
+class ConnectServer:
+    url: str  # sc://127.0.0.1:port
+    log: Path
+
+
+@contextlib.contextmanager
+def connect_server(work: Path) -> Iterator[ConnectServer]:
+    """A Spark Connect server (local[2], task retries on) whose Python workers run this
+    Python, where plait is installed: the Connect route of README's "Running on a
+    cluster". Stopped at the end."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = _spark_env(work)
+    env["PYSPARK_PYTHON"] = sys.executable
+    port = free_port()
+    log = work / "connect-server.log"
+    command = [
+        str(SPARK_HOME / "bin" / "spark-submit"),
+        "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--master", "local[2,4]",
+        "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+        "--conf", f"spark.connect.grpc.binding.port={port}",
+        "--conf", "spark.ui.enabled=false",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=work,
+    )
+    try:
+        _wait(log, "Spark Connect server started at", process, "Spark Connect server")
+        yield ConnectServer(f"sc://127.0.0.1:{port}", log)
+    finally:
+        _stop([process])

@@ -1,8 +1,9 @@
 """The plait source on a Spark standalone cluster (a master and a worker started from the
 installed PySpark, `spark_cluster`): the driver, the executor and its Python workers are
 separate processes, as on a real cluster, with plait installed in the Python they run
-(the cluster route README's "Running on a cluster" describes). Run the way a user runs
-it: the installed `plait` script, its venv not activated."""
+(the cluster route README's "Running on a cluster" describes); and over a Spark Connect
+server. Run the way a user runs it: the installed `plait` script, its venv not
+activated."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from plait import Database
-from spark_cluster import standalone_cluster
+from spark_cluster import connect_server, standalone_cluster
 from stream_helpers import create_generator, create_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -89,3 +90,61 @@ async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_r
     assert sorted(ids) == sorted(written)  # every row once across the restart
     assert len(apps) == 3, "each command ran its tasks on the cluster's executor"
     assert master_log.count("Registering app plait-cluster-export") == 2
+
+
+CONNECT_READ = """
+import sys
+import plait.spark
+from plait.spark.session import quiet_session
+spark = quiet_session(remote=sys.argv[1])
+frame = plait.spark.batch(spark, sys.argv[2], "events").where("instance_name = 'w2'")
+ids = [r.stream_id for r in frame.collect()]
+print(len(ids), len(set(ids)), sum(ids))
+spark.stop()
+"""
+
+
+async def test_over_spark_connect_exports_and_reads_every_row_once(
+    db: Database, tmp_path: Path
+) -> None:
+    """`plait export --remote sc://...` (Parquet twice with rows written between, and
+    Delta, whose batches the server's Python writes) and a filtered batch read from a
+    Connect client: every row once."""
+    await create_table(db)
+    written = await write(db, 600)
+    plait = str(Path(sys.executable).parent / "plait")
+    with contextlib.ExitStack() as stack:
+        server = await asyncio.to_thread(stack.enter_context, connect_server(tmp_path / "server"))
+
+        def export(to: str) -> list[str]:
+            return [
+                plait, "export", "--remote", server.url, "--dsn", db.dsn, "--stream", "events",
+                "--to", to, "--checkpoint", str(tmp_path / f"ck-{to}"),
+                "--path", str(tmp_path / to), "--max-rows-per-trigger", "500", "--once",
+            ]  # fmt: skip
+
+        await asyncio.to_thread(run, export("parquet"), tmp_path)
+        written += await write(db, 200)
+        await asyncio.to_thread(run, export("parquet"), tmp_path)
+        await asyncio.to_thread(run, export("delta"), tmp_path)
+        read = [sys.executable, "-c", CONNECT_READ, server.url, db.dsn]
+        count, distinct, total = map(int, (await asyncio.to_thread(run, read, tmp_path)).split())
+        served = server.log.read_text(errors="replace")
+    import pyarrow.parquet as pq
+    from deltalake import DeltaTable
+
+    ids = pq.read_table(tmp_path / "parquet", columns=["stream_id"])["stream_id"].to_pylist()
+    assert sorted(ids) == sorted(written)  # every row once across the restart
+    delta = DeltaTable(str(tmp_path / "delta")).to_pyarrow_table(columns=["stream_id"])
+    assert sorted(delta["stream_id"].to_pylist()) == sorted(written)
+    # w2's rows: the second half of each write (write() inserts w1's, then w2's)
+    w2 = [i for i in written if i in set(await _ids_of(db, "w2"))]
+    assert (count, distinct, total) == (len(w2), len(w2), sum(w2))
+    # The server ran the three exports (not a local Spark of the client's).
+    assert served.count("terminating this Trigger.AvailableNow query") == 3
+
+
+async def _ids_of(db: Database, writer: str) -> list[int]:
+    async with db.connection() as conn:
+        cur = await conn.execute("SELECT stream_id FROM events WHERE instance_name = %s", (writer,))
+        return [row[0] for row in await cur.fetchall()]

@@ -98,7 +98,17 @@ def _source_options(command: Any) -> Any:
                 help="Read what is there now, then stop (Trigger.AvailableNow); "
                 "default: follow the stream until Ctrl-C.",
             ),
-            click.option("--master", default="local[*]", show_default=True, help="Spark master."),
+            click.option(
+                "--master",
+                help="Spark master: local[N], spark://host:port, yarn, k8s://... "
+                "[default: local[*]].",
+            ),
+            click.option(
+                "--remote",
+                envvar="SPARK_REMOTE",
+                help="A Spark Connect server to run on instead (sc://host:port, or "
+                "$SPARK_REMOTE); its Python must have plait installed.",
+            ),
             click.option(
                 "--conf",
                 multiple=True,
@@ -141,7 +151,7 @@ def export(**options: Any) -> None:
             "--partition-by-date": options["partition_by_date"],
         },
     )
-    spark = _spark(options["master"], options["conf"])
+    spark, stop = _spark(options)
     query = pipelines.export(
         spark,
         _source(options),
@@ -152,7 +162,7 @@ def export(**options: Any) -> None:
         partition_by_date=options["partition_by_date"],
         once=options["once"],
     )
-    pipelines.run(query, on_stop=spark.stop)
+    pipelines.run(query, on_stop=stop)
 
 
 @main.command()
@@ -179,7 +189,7 @@ def derive(**options: Any) -> None:
         options,
         {"--key": options["key"], "--time-column": options["time_column"] if counts else None},
     )
-    spark = _spark(options["master"], options["conf"])
+    spark, stop = _spark(options)
     target = pipelines.Derived(
         dsn=options["target_dsn"] or options["dsn"],
         table=options["target_table"],
@@ -190,7 +200,7 @@ def derive(**options: Any) -> None:
     query = pipelines.derive(
         spark, _source(options), target, checkpoint=options["checkpoint"], once=options["once"]
     )
-    pipelines.run(query, on_stop=spark.stop)
+    pipelines.run(query, on_stop=stop)
 
 
 @main.command()
@@ -718,6 +728,19 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
     folders. Checked first, in under a second, and refused in the flag's name."""
     from plait.spark import catalog
 
+    if options["master"] and options["remote"]:
+        raise click.BadParameter(
+            f"give --master or --remote, not both (--remote {options['remote']!r} "
+            "may come from $SPARK_REMOTE)",
+            param_hint="'--master'",
+        )
+    if options["remote"]:
+        from plait.spark.session import connect_address
+
+        try:
+            connect_address(options["remote"])
+        except ConfigError as err:
+            raise click.BadParameter(str(err), param_hint="'--remote'") from None
     most, least = options["max_rows_per_trigger"], options["min_rows_per_trigger"]
     if most is not None and least is not None and least > most:
         raise click.BadParameter(
@@ -726,6 +749,12 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
         )
     for flag in ("--path", "--checkpoint"):
         folder = options.get(flag.removeprefix("--"))
+        if folder and options["remote"] and "://" not in folder and not Path(folder).is_absolute():
+            raise click.BadParameter(
+                f"{folder!r} is relative: over --remote the server writes it, from its own "
+                "working folder; give an absolute path or a URI",
+                param_hint=f"'{flag}'",
+            )
         if folder:
             _check_folder(folder, flag)
     with catalog.connect(options["dsn"]) as conn:
@@ -782,13 +811,24 @@ def _source(options: dict[str, Any]) -> Any:
     )
 
 
-def _spark(master: str, conf: dict[str, str]) -> Any:
+def _spark(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+    """The session --master or --remote names, with --conf's settings, printing each
+    batch's progress; and what stops it."""
     from plait.spark.pipelines import progress_printer
     from plait.spark.session import quiet_session
 
-    spark = quiet_session("plait", master=master, conf=conf)
-    progress_printer(spark)
-    return spark
+    master, remote = options["master"], options["remote"]
+    spark = quiet_session("plait", master=master or "local[*]", conf=options["conf"], remote=remote)
+    printer = progress_printer(spark)
+
+    def stop() -> None:
+        if remote:
+            # A Connect listener lives in this client: removing it waits for its last
+            # events; after stop() it could not be removed (a warning at exit).
+            spark.streams.removeListener(printer)
+        spark.stop()  # a classic session's listener hears its last events first
+
+    return spark, stop
 
 
 def run() -> None:

@@ -55,8 +55,8 @@ class Source:
         return plait.spark.stream(spark, self.dsn, self.stream, **options)
 
 
-def progress_printer(spark: Any, out: TextIO = sys.stderr) -> None:
-    """One line per micro-batch of every query of this session."""
+def progress_printer(spark: Any, out: TextIO = sys.stderr) -> Any:
+    """One line per micro-batch of every query of this session; returns the listener."""
     from pyspark.sql.streaming.listener import StreamingQueryListener
 
     class Printer(StreamingQueryListener):
@@ -82,7 +82,9 @@ def progress_printer(spark: Any, out: TextIO = sys.stderr) -> None:
             if event.exception:
                 print(f"query failed: {event.exception.splitlines()[0]}", file=out, flush=True)
 
-    spark.streams.addListener(Printer())
+    printer = Printer()
+    spark.streams.addListener(printer)
+    return printer
 
 
 def _trigger(writer: Any, once: bool) -> Any:
@@ -350,12 +352,15 @@ def derive(
 def run(query: Any, on_stop: Callable[[], None] | None = None) -> None:
     """Wait for a query to end (Ctrl-C stops it cleanly), then `on_stop` (stopping the
     session there lets the last progress lines reach the listener first)."""
+    failure = None
     try:
         query.awaitTermination()
     except KeyboardInterrupt:
         query.stop()
+    else:
+        failure = query.exception()  # asked before `on_stop`: a Connect session is gone after
     finally:
         if on_stop is not None:
             on_stop()
-    if query.exception() is not None:
-        raise RuntimeError(str(query.exception()).splitlines()[0])
+    if failure is not None:
+        raise RuntimeError(str(failure).splitlines()[0])

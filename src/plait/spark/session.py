@@ -143,15 +143,22 @@ def with_task_retries(master: str) -> str:
 
 
 def quiet_session(
-    app_name: str = "plait", master: str = "local[*]", conf: dict[str, str] | None = None
+    app_name: str = "plait",
+    master: str = "local[*]",
+    conf: dict[str, str] | None = None,
+    *,
+    remote: str | None = None,
 ) -> Any:
     """A SparkSession (the one already running, if any) that logs errors only, with
     the `plait` data source registered; in local mode failed tasks are tried again
-    (`with_task_retries`)."""
+    (`with_task_retries`). With `remote` (sc://host:port), a Spark Connect session to
+    that server instead: its Python workers must be able to import plait."""
     from pyspark.sql import SparkSession
 
     import plait.spark
 
+    if remote is not None:
+        return connect_session(remote, conf)
     ensure_java()
     python_for_workers(conf)
     java_options = f"-Dlog4j2.configurationFile=file:{log_config()}"
@@ -168,5 +175,53 @@ def quiet_session(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    plait.spark.register(spark)
+    return spark
+
+
+CONNECT_PORT = 15002  # Spark Connect's default
+_CONNECT_URL = re.compile(r"sc://(\[[^\]]+\]|[^:/;]+)(?::([0-9]{1,5}))?/?(;.*)?")
+
+
+def connect_address(url: str) -> tuple[str, int]:
+    """The host and port of a Spark Connect URL (sc://host[:port][/;params]);
+    `ConfigError` for anything else."""
+    match = _CONNECT_URL.fullmatch(url.strip())
+    if match is None:
+        raise ConfigError(
+            f"{url!r} is no Spark Connect URL: write sc://host:port (port {CONNECT_PORT} "
+            "when left out), e.g. sc://localhost:15002"
+        )
+    host, port = match.group(1).strip("[]"), int(match.group(2) or CONNECT_PORT)
+    return host, port
+
+
+def connect_session(url: str, conf: dict[str, str] | None = None, within: float = 10.0) -> Any:
+    """A Spark Connect session to `url` with the plait source registered. The server
+    is reached first (a TCP connect, at most `within` seconds): PySpark's client
+    would otherwise retry an unreachable server for minutes before it said so."""
+    import socket
+
+    host, port = connect_address(url)
+    try:
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+    except ImportError as err:  # pyspark[connect]'s grpcio, pandas, ...
+        raise ConfigError(
+            f"Spark Connect needs packages this Python lacks ({err}): pip install 'plait[connect]'"
+        ) from None
+    try:
+        socket.create_connection((host, port), timeout=within).close()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot reach the Spark Connect server at {host}:{port} ({err.strerror or err}): "
+            "start it (sbin/start-connect-server.sh of the Spark installation), or check "
+            "the host and port"
+        ) from None
+    import plait.spark
+
+    builder = ConnectSession.builder.remote(url)
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     plait.spark.register(spark)
     return spark
