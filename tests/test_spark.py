@@ -232,6 +232,8 @@ async def test_exactly_once_across_a_restart_of_the_query(
             "minRowsPerTrigger (50) is above maxRowsPerTrigger (10)",
         ),
         ({"minOffsetsPerTrigger": "5"}, "(did you mean 'minRowsPerTrigger'?)"),
+        ({"metadataColumns": "stream,offset"}, "metadataColumns names 'offset'; it takes"),
+        ({"includeHeaders": "true"}, "(did you mean 'metadataColumns'?)"),
     ],
 )
 async def test_bad_options_fail_with_one_clear_message(
@@ -628,3 +630,48 @@ async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_dela
             assert asyncio.get_running_loop().time() - started >= 2.0
         finally:
             await asyncio.to_thread(query.stop)
+
+
+async def test_metadata_columns_name_the_stream_and_when_each_row_committed(
+    restartable_pg: Any, spark: Any
+) -> None:
+    """metadataColumns=stream,commitTimestamp: `_stream` and `_commit_timestamp` (from
+    PostgreSQL's record of commits, on a server of this test's own with
+    track_commit_timestamp turned on); without that setting, one clear error."""
+    pg = restartable_pg
+    db = await Database.connect(pg.dsn, max_size=4)
+    try:
+        await db.migrate()
+        await create_events(db)
+        async with writers(db, "w1", all_writers=["w1"]) as gens:
+            await write(gens["w1"], "a", 3)
+        options = {"metadataColumns": "stream, commitTimestamp"}
+        with pytest.raises(ConfigError, match="set track_commit_timestamp = on"):
+            await asyncio.to_thread(plait.spark.batch, spark, pg.dsn, "events", **options)
+        async with await psycopg.AsyncConnection.connect(pg.dsn, autocommit=True) as conn:
+            await conn.execute("ALTER SYSTEM SET track_commit_timestamp = on")
+        await db.close()
+        await asyncio.to_thread(pg.restart)
+        db = await Database.connect(pg.dsn, max_size=4)
+
+        async def clock() -> float:
+            async with db.connection() as conn:
+                row = await (await conn.execute("SELECT clock_timestamp()")).fetchone()
+            assert row is not None
+            return float(row[0].timestamp())
+
+        before = await clock()
+        async with writers(db, "w1", all_writers=["w1"]) as gens:
+            await write(gens["w1"], "b", 4)
+        after = await clock()
+        frame = reader(spark, pg.dsn, **options).load()
+        rows = await asyncio.to_thread(frame.collect)
+    finally:
+        await db.close()
+    fields = {f.name: f.dataType.simpleString() for f in frame.schema.fields}
+    assert (fields["_stream"], fields["_commit_timestamp"]) == ("string", "timestamp")
+    assert {row._stream for row in rows} == {"events"}
+    stamped = sorted(row._commit_timestamp.timestamp() for row in rows if row._commit_timestamp)
+    assert len(rows) == 7
+    assert len(stamped) == 4  # committed before the setting: none recorded
+    assert before <= stamped[0] <= stamped[-1] <= after

@@ -60,6 +60,15 @@ def run(args: list[str], cwd: Path) -> str:
     return done.stdout
 
 
+def run_failing(args: list[str], cwd: Path) -> str:
+    """A command that must fail with plait's one-line error (exit 2): its stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
+    env["PATH"] = "/usr/bin:/bin"
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, cwd=cwd)
+    assert done.returncode == 2, f"{args[:2]} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done.stderr
+
+
 async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_restart(
     db: Database, tmp_path: Path
 ) -> None:
@@ -70,6 +79,21 @@ async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_r
         cluster = await asyncio.to_thread(
             stack.enter_context, standalone_cluster(tmp_path / "cluster")
         )
+        # Executors whose Python lacks plait (a bare venv): one line saying what to do,
+        # before any query starts (it was a long traceback from the first read).
+        bare = tmp_path / "bare"
+        await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True
+        )
+        unready = [
+            plait, "export", "--master", cluster.master, "--dsn", db.dsn,
+            "--stream", "events", "--checkpoint", "ck-bare", "--path", "bare-out", "--once",
+            "--conf", f"spark.pyspark.python={bare / 'bin' / 'python'}",
+        ]  # fmt: skip
+        refused = await asyncio.to_thread(run_failing, unready, tmp_path)
+        assert "the executors' Python" in refused
+        assert "No module named 'plait'" in refused
+        assert "Traceback" not in refused
         export = [
             plait, "export", "--master", cluster.master, "--dsn", db.dsn, "--stream", "events",
             "--checkpoint", str(tmp_path / "ck"), "--path", str(tmp_path / "out"),
@@ -79,6 +103,13 @@ async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_r
         await asyncio.to_thread(run, export, tmp_path)
         written += await write(db, 300)  # while no query runs: the restart picks them up
         await asyncio.to_thread(run, export, tmp_path)
+        # Delta: the executor (another process, another working folder) writes the
+        # files under a path given relative to the command's folder.
+        delta = [
+            plait, "export", "--master", cluster.master, "--dsn", db.dsn, "--stream", "events",
+            "--to", "delta", "--checkpoint", "ck-delta", "--path", "delta", "--once",
+        ]  # fmt: skip
+        await asyncio.to_thread(run, delta, tmp_path)
         batch = [sys.executable, "-c", BATCH_READ, cluster.master, db.dsn]
         count, distinct, total = map(int, (await asyncio.to_thread(run, batch, tmp_path)).split())
         apps = list((tmp_path / "cluster" / "worker").glob("app-*"))
@@ -88,7 +119,11 @@ async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_r
 
     ids = pq.read_table(tmp_path / "out", columns=["stream_id"])["stream_id"].to_pylist()
     assert sorted(ids) == sorted(written)  # every row once across the restart
-    assert len(apps) == 3, "each command ran its tasks on the cluster's executor"
+    from deltalake import DeltaTable
+
+    delta_ids = DeltaTable(str(tmp_path / "delta")).to_pyarrow_table(columns=["stream_id"])
+    assert sorted(delta_ids["stream_id"].to_pylist()) == sorted(written)
+    assert len(apps) == 5, "each command ran its tasks on the cluster's executor"
     assert master_log.count("Registering app plait-cluster-export") == 2
 
 

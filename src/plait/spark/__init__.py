@@ -17,12 +17,63 @@ def register(spark: Any) -> None:
     """Make `spark.read.format("plait")` and `spark.readStream.format("plait")` work in
     this SparkSession, and turn on filter pushdown for Python sources unless the
     session turned it off (batch reads push filters into their SQL:
-    `plait.spark.pushdown`)."""
+    `plait.spark.pushdown`). On a cluster, first checks that the executors can import
+    plait (`check_executors`)."""
     from plait.spark.source import PlaitSource
 
     if spark.conf.get(PUSHDOWN, None) is None:  # None: not set, Spark's default (off)
         spark.conf.set(PUSHDOWN, "true")
     spark.dataSource.register(PlaitSource)
+    check_executors(spark)
+
+
+# What the executors' Python must import to read rows.
+_NEEDED = ("plait.spark.source", "pyarrow", "adbc_driver_postgresql")
+
+
+def check_executors(spark: Any) -> None:
+    """On a cluster (not local mode, not Spark Connect, whose server is its own), ask an
+    executor, with one small task, whether its Python can import what a read needs;
+    `ConfigError` saying what to do when it cannot. Spark ships no installed packages,
+    and without this the first read fails with a long traceback ending in "No module
+    named 'plait'". plait cannot ship itself: pyarrow and the ADBC driver are compiled."""
+    from plait.errors import ConfigError
+
+    try:
+        context = spark.sparkContext
+    except Exception:  # Spark Connect: no SparkContext in the client
+        return
+    if str(context.master).startswith("local"):
+        return  # the workers run this machine's Python (plait.spark.session sees to it)
+
+    def probe(_: Any) -> list[str]:  # nested: pickled by value, plait not needed there
+        import importlib
+        import sys
+
+        for name in _NEEDED:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # ImportError, or a broken installation
+                return [f"{type(err).__name__}: {err}", sys.executable]
+        return []
+
+    try:
+        found = context.parallelize([0], 1).mapPartitions(probe).collect()
+    except Exception as err:  # no Python there at all, or a worker that would not start
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"plait source: the executors could not run Python ({first[:300]}); set "
+            "spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has plait[spark] "
+            "installed on every node (README: Running on a cluster)"
+        ) from None
+    if found:
+        reason, python = found
+        raise ConfigError(
+            f"plait source: the executors' Python ({python}) cannot import what a read "
+            f"needs ({reason}); install plait[spark] in it on every node, or set "
+            "spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has it (README: "
+            "Running on a cluster)"
+        )
 
 
 def batch(spark: Any, dsn: str, stream: str, **options: Any) -> Any:

@@ -95,6 +95,12 @@ def stream_uid(conn: psycopg.Connection[Any], stream: str) -> str | None:
     return None if row is None else row[0]
 
 
+def tracks_commit_timestamps(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the server records when transactions commit (track_commit_timestamp)."""
+    row = conn.execute("SELECT current_setting('track_commit_timestamp')").fetchone()
+    return row is not None and row[0] == "on"
+
+
 def pick_table(spec: StreamSpec, table: str | None) -> TableSpec:
     names = [t.name for t in spec.tables]
     if table is None:

@@ -2,9 +2,10 @@
 Spark checkpoint (SPEC §8):
 
 - `export`: a stream to a Parquet dataset (Spark's file sink, whose log in the output
-  folder lists only committed batches) or to a Delta Lake table (the `deltalake`
-  package inside `foreachBatch`, every commit carrying the batch id as an application
-  transaction: a replayed batch finds its id recorded and writes nothing).
+  folder lists only committed batches) or to a Delta Lake table (`plait.spark.delta`:
+  executors write the files, the driver commits them with the `deltalake` package, the
+  batch id recorded as an application transaction: a replayed batch finds its id
+  recorded and writes nothing).
 - `derive`: a PostgreSQL table kept from a stream, the latest row per key or counts per
   key and hour, each batch applied in one transaction together with a marker row
   `(job, batch_id)`: a replayed batch finds its marker and changes nothing.
@@ -14,20 +15,16 @@ Each prints one line per batch (rows, offsets, seconds) through a query listener
 
 from __future__ import annotations
 
-import json
-import re
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, TextIO
-from urllib.parse import unquote, urlsplit
 
 from psycopg import sql
 
 import plait.spark
 from plait.errors import ConfigError
+from plait.spark.delta import DeltaBatches
 from plait.storage.stream_store import ident
 from plait.storage.timeouts import connect_sync
 
@@ -132,99 +129,6 @@ def export(
         raise ConfigError(f"unknown export target {to!r}: parquet or delta")
     writer = writer.option("checkpointLocation", checkpoint).queryName(f"export-{source.stream}")
     return _trigger(writer, once).start()
-
-
-class DeltaBatches:
-    """`foreachBatch` into a Delta table with `deltalake`; the batch id is recorded in
-    the same commit (an application transaction of the query), so a batch Spark
-    replays after a crash is skipped.
-
-    The transaction is keyed by the query's id, which Spark keeps in the checkpoint for
-    every run from it, not by how the checkpoint's path was spelt: the same checkpoint
-    given once relative and once absolute wrote a replayed batch twice, and a checkpoint
-    deleted and made again at the same path would skip the new query's first batches.
-    The id comes from the running query (a classic session), else from the checkpoint's
-    `metadata` file (a local checkpoint), else the checkpoint's text is the key."""
-
-    def __init__(self, path: str, checkpoint: str, partitions: list[str]) -> None:
-        self.path = path
-        self.checkpoint = checkpoint
-        self.partitions = partitions
-        self._app_id: str | None = None
-
-    def app_id(self, frame: Any = None) -> str:
-        if self._app_id is None:
-            query_id = running_query_id(frame) or checkpoint_query_id(self.checkpoint)
-            self._app_id = f"plait-export:{query_id or self.checkpoint}"
-        return self._app_id
-
-    def done_upto(self, frame: Any = None) -> int:
-        from deltalake import DeltaTable
-        from deltalake.exceptions import TableNotFoundError
-
-        try:
-            version = DeltaTable(self.path).transaction_version(self.app_id(frame))
-        except TableNotFoundError:
-            return -1
-        return -1 if version is None else int(version)
-
-    def __call__(self, frame: Any, batch_id: int) -> None:
-        from deltalake import CommitProperties, Transaction, write_deltalake
-
-        if batch_id <= self.done_upto(frame):
-            return  # committed before a crash: Spark replays it, Delta has it
-        table = frame.toArrow()
-        write_deltalake(
-            self.path,
-            table,
-            mode="append",
-            partition_by=self.partitions or None,
-            commit_properties=CommitProperties(
-                app_transactions=[
-                    Transaction(self.app_id(frame), batch_id, int(time.time() * 1000))
-                ]
-            ),
-        )
-
-
-def running_query_id(frame: Any) -> str | None:
-    """The id of the streaming query whose batch `frame` is, as Spark tells the thread
-    that runs the batch (None outside one, or where the session cannot be asked)."""
-    if frame is None:
-        return None
-    try:
-        value = frame.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
-    except Exception:  # Spark Connect has no SparkContext; nothing else to ask then
-        return None
-    return value if isinstance(value, str) and value else None
-
-
-def _local_path(checkpoint: str) -> Path | None:
-    """The local path a checkpoint location names (None: another file system's URI)."""
-    if _SCHEME.match(checkpoint) is None:
-        return Path(checkpoint).absolute()
-    parts = urlsplit(checkpoint)
-    if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
-        return None
-    return Path(unquote(parts.path)).absolute()
-
-
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")  # two letters at least: not C:
-
-
-def checkpoint_query_id(checkpoint: str) -> str | None:
-    """The id of the streaming query whose checkpoint this is (Spark writes it to the
-    checkpoint's `metadata` when the query first starts and keeps it for every run);
-    None where it cannot be read here."""
-    local = _local_path(checkpoint)
-    if local is None:
-        return None
-    try:
-        value = json.loads((local / "metadata").read_text().splitlines()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    query_id = value.get("id") if isinstance(value, dict) else None
-    return query_id if isinstance(query_id, str) and query_id else None
 
 
 # -- derived tables --------------------------------------------------------------------------

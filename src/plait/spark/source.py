@@ -14,7 +14,10 @@ Kafka source);
 of at most that many, one task each, but never more than 10 000 slices: past that they
 are wider); `partitioning` (`slices`, the default: a task reads one slice of the ID
 space for every writer at once; `writers`: a task per writer range, cut into pieces of
-at most `maxIdsPerPartition` IDs, with the same cap).
+at most `maxIdsPerPartition` IDs, with the same cap); `metadataColumns` (a
+comma-separated list: `stream` adds `_stream`, the stream's name; `commitTimestamp` adds
+`_commit_timestamp`, when the row's transaction committed, where PostgreSQL records it:
+track_commit_timestamp = on).
 
 Tokens and the offsets Spark hands back from a checkpoint are checked against the
 stream before anything is planned by them: a position above the stream's sequence head
@@ -53,7 +56,7 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import StructType
+from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError, TokenParseError
@@ -79,7 +82,10 @@ OPTIONS = (
     "maxTriggerDelay",
     "maxIdsPerPartition",
     "partitioning",
+    "metadataColumns",
 )
+# metadataColumns: what a user may ask for, and the column each one adds to the rows.
+METADATA = {"stream": "_stream", "commitTimestamp": "_commit_timestamp"}
 DEFAULT_MAX_TRIGGER_DELAY = 15 * 60.0  # seconds: the Kafka source's default
 
 
@@ -96,6 +102,7 @@ class Options:
     max_delay: float  # seconds a trigger waits for min_rows before it reads fewer
     max_ids: int
     by_writer: bool
+    metadata: tuple[str, ...] = ()  # keys of METADATA, in the order given
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> Options:
@@ -132,6 +139,7 @@ class Options:
             max_delay=_duration(options, "maxtriggerdelay", DEFAULT_MAX_TRIGGER_DELAY),
             max_ids=_positive(options, "maxidsperpartition") or DEFAULT_MAX_IDS,
             by_writer=_partitioning(options) == "writers",
+            metadata=_metadata(options.get("metadatacolumns", "")),
         )
 
 
@@ -147,6 +155,7 @@ _OTHER_NAMES = {
     "url": "dsn",
     "dbtable": "table",
     "numpartitions": "maxIdsPerPartition",
+    "includeheaders": "metadataColumns",
 }
 
 
@@ -162,6 +171,18 @@ def suggestion(key: str) -> str | None:
         return by_folded[started[0]]
     close = difflib.get_close_matches(folded, list(by_folded), n=1, cutoff=0.75)
     return by_folded[close[0]] if close else None
+
+
+def _metadata(value: str) -> tuple[str, ...]:
+    by_folded = {name.lower(): name for name in METADATA}
+    asked = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = [part for part in asked if part.lower() not in by_folded]
+    if unknown:
+        raise ConfigError(
+            f"plait source: option metadataColumns names {unknown[0][:100]!r}; it takes a "
+            f"comma-separated list of {', '.join(METADATA)}"
+        )
+    return tuple(dict.fromkeys(by_folded[part.lower()] for part in asked))
 
 
 def _partitioning(options: Mapping[str, str]) -> str:
@@ -228,7 +249,9 @@ class Plan:
             spec = catalog.load_spec(conn, options.stream)
             table = catalog.pick_table(spec, options.table)
             identity = offsets.Identity(spec.name, catalog.stream_uid(conn, spec.name))
-            return cls(options, spec, table, tuple(catalog.columns(conn, table)), identity)
+            columns = tuple(catalog.columns(conn, table))
+            _check_metadata(conn, options.metadata, table, columns)
+            return cls(options, spec, table, columns, identity)
 
         return (run or Kept(options.dsn))(find)
 
@@ -281,20 +304,32 @@ class Plan:
     ) -> list[RangePartition]:
         """A task per piece of the rows between `start` and `end`; `where` (SQL, from
         pushed filters) narrows each."""
-        as_text = set(text_columns(list(self.columns), schema))
+        as_text = set(text_columns(list(self.columns), self.table_part(schema)))
         cut = offsets.by_writer if self.options.by_writer else offsets.slices
         pieces = cut(offsets.ranges(start, end), self.options.max_ids)
         return [RangePartition(self.query(schema, as_text, piece, where)) for piece in pieces]
 
+    def table_part(self, schema: StructType) -> StructType:
+        """`schema` without the metadata columns this source adds."""
+        added = {METADATA[name] for name in self.options.metadata}
+        return StructType([f for f in schema.fields if f.name not in added])
+
     def query(
         self, schema: StructType, as_text: set[str], piece: offsets.Slice, where: str | None
     ) -> str:
-        select = sql.SQL(", ").join(
-            sql.SQL("{c}::text AS {c}" if f.name in as_text else "{c}").format(
-                c=sql.Identifier(f.name)
-            )
-            for f in schema.fields
-        )
+        added = {METADATA[name]: name for name in self.options.metadata}
+
+        def column(name: str) -> sql.Composable:
+            if added.get(name) == "stream":
+                return sql.SQL("{}::text AS {}").format(
+                    sql.Literal(self.spec.name), sql.Identifier(name)
+                )
+            if added.get(name) == "commitTimestamp":
+                return sql.SQL("pg_xact_commit_timestamp(xmin) AS {}").format(sql.Identifier(name))
+            template = "{c}::text AS {c}" if name in as_text else "{c}"
+            return sql.SQL(template).format(c=sql.Identifier(name))
+
+        select = sql.SQL(", ").join(column(f.name) for f in schema.fields)
         condition = catalog.slice_condition(self.table, self.spec.backwards, piece)
         if where is not None:
             condition = sql.SQL("{} AND {}").format(condition, sql.SQL(where))
@@ -303,6 +338,28 @@ class Plan:
             .format(select, ident(self.table.name), condition)
             .as_string(None)
         )
+
+
+def _check_metadata(
+    conn: Any, asked: tuple[str, ...], table: TableSpec, columns: tuple[catalog.Column, ...]
+) -> None:
+    taken = {column.name for column in columns} & {METADATA[name] for name in asked}
+    if taken:
+        raise ConfigError(
+            f"plait source: table {table.name!r} has a column {sorted(taken)[0]!r}, the name "
+            "of a metadata column it asks for: leave that one out of metadataColumns"
+        )
+    if "commitTimestamp" in asked and not catalog.tracks_commit_timestamps(conn):
+        raise ConfigError(
+            "plait source: metadataColumns asks for commitTimestamp, and this PostgreSQL does "
+            "not record when transactions commit: set track_commit_timestamp = on in its "
+            "configuration and restart it (rows committed before that have none)"
+        )
+
+
+def metadata_fields(asked: tuple[str, ...]) -> list[StructField]:
+    kinds = {"stream": StringType(), "commitTimestamp": TimestampType()}
+    return [StructField(METADATA[name], kinds[name], True) for name in asked]
 
 
 def _shown(value: object, limit: int = 200) -> str:
@@ -418,16 +475,18 @@ class PlaitSource(DataSource):
         return self._plan
 
     def schema(self) -> StructType:
-        return infer(list(self._loaded().columns))
+        plan = self._loaded()
+        fields = infer(list(plan.columns)).fields + metadata_fields(plan.options.metadata)
+        return StructType(fields)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         plan = self._loaded()
-        text_columns(list(plan.columns), schema)  # a bad user schema fails here
+        text_columns(list(plan.columns), plan.table_part(schema))  # a bad user schema fails here
         return BatchReader(plan, schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         plan = self._loaded()
-        text_columns(list(plan.columns), schema)
+        text_columns(list(plan.columns), plan.table_part(schema))
         return StreamReader(plan, schema)
 
 
