@@ -91,7 +91,7 @@ async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_r
             "--conf", f"spark.pyspark.python={bare / 'bin' / 'python'}",
         ]  # fmt: skip
         refused = await asyncio.to_thread(run_failing, unready, tmp_path)
-        assert "the executors' Python" in refused
+        assert "cannot import what a plait read needs" in refused
         assert "No module named 'plait'" in refused
         assert "Traceback" not in refused
         export = [

@@ -27,17 +27,15 @@ def register(spark: Any) -> None:
     check_executors(spark)
 
 
-# What the executors' Python must import to read rows.
-_NEEDED = ("plait.spark.source", "pyarrow", "adbc_driver_postgresql")
-
-
 def check_executors(spark: Any) -> None:
-    """On a cluster (not local mode, not Spark Connect, whose server is its own), ask an
-    executor, with one small task, whether its Python can import what a read needs;
-    `ConfigError` saying what to do when it cannot. Spark ships no installed packages,
-    and without this the first read fails with a long traceback ending in "No module
-    named 'plait'". plait cannot ship itself: pyarrow and the ADBC driver are compiled."""
+    """On a cluster (not local mode, not Spark Connect, whose server is its own), read
+    one row through a probe source (`plait.spark.probe`) planned and read by the same
+    Python workers as plait's reads; `ConfigError` saying what to do when they cannot
+    import plait. Spark ships no installed packages, and without this the first read
+    fails with a long traceback ending in "No module named 'plait'". plait cannot ship
+    itself: pyarrow and the ADBC driver are compiled."""
     from plait.errors import ConfigError
+    from plait.spark.probe import Probe, missing
 
     try:
         context = spark.sparkContext
@@ -45,33 +43,24 @@ def check_executors(spark: Any) -> None:
         return
     if str(context.master).startswith("local"):
         return  # the workers run this machine's Python (plait.spark.session sees to it)
-
-    def probe(_: Any) -> list[str]:  # nested: pickled by value, plait not needed there
-        import importlib
-        import sys
-
-        for name in _NEEDED:
-            try:
-                importlib.import_module(name)
-            except Exception as err:  # ImportError, or a broken installation
-                return [f"{type(err).__name__}: {err}", sys.executable]
-        return []
-
+    spark.dataSource.register(Probe)
     try:
-        found = context.parallelize([0], 1).mapPartitions(probe).collect()
-    except Exception as err:  # no Python there at all, or a worker that would not start
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        rows = spark.read.format(Probe.name()).load().collect()
+    except Exception as err:
+        reason = missing(str(err))
+        if reason is None:
+            raise
         raise ConfigError(
-            f"plait source: the executors could not run Python ({first[:300]}); set "
-            "spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has plait[spark] "
-            "installed on every node (README: Running on a cluster)"
-        ) from None
-    if found:
-        reason, python = found
-        raise ConfigError(
-            f"plait source: the executors' Python ({python}) cannot import what a read "
-            f"needs ({reason}); install plait[spark] in it on every node, or set "
+            f"Spark's Python workers cannot import what a plait read needs "
+            f"({reason}): install plait[spark] in the Python they run on every node, or set "
             "spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has it (README: "
+            "Running on a cluster)"
+        ) from None
+    if rows and rows[0].problem:
+        raise ConfigError(
+            f"the executors' Python ({rows[0].python}) cannot import what a plait "
+            f"read needs ({rows[0].problem}); install plait[spark] in it on every node, or "
+            "set spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has it (README: "
             "Running on a cluster)"
         )
 

@@ -114,16 +114,19 @@ def java_wrapper(real_home: Path) -> Path:
 
 
 def python_for_workers(conf: dict[str, str] | None) -> None:
-    """Run Spark's Python workers in this Python, unless the user chose one.
+    """Run Spark's Python workers in this Python, unless the user chose one (with
+    PYSPARK_PYTHON, or spark.pyspark.python in `conf`, which then goes for all of them).
 
     Spark starts them as `python3` from PATH. Run as `venv/bin/plait` without the venv
     activated, that is another Python, without plait or PySpark, and every query fails
-    with "No module named 'plait'". The data source's planning workers read only the
-    environment variable, not `spark.pyspark.python`, so it is set here.
+    with "No module named 'plait'". And in a session started from Python (not by
+    spark-submit, which turns spark.pyspark.python into PYSPARK_PYTHON) Spark's workers
+    disagree: some take spark.pyspark.python, the RDD and batch-read ones only
+    PYSPARK_PYTHON (else "python3"), so the setting goes into the variable too.
     """
-    if "PYSPARK_PYTHON" in os.environ or "spark.pyspark.python" in (conf or {}):
+    if "PYSPARK_PYTHON" in os.environ:
         return
-    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_PYTHON"] = (conf or {}).get("spark.pyspark.python") or sys.executable
 
 
 # Spark's own default on a cluster (spark.task.maxFailures); local mode takes it from the
