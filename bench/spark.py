@@ -9,15 +9,22 @@
   micro-batch, against Spark's own `rate-micro-batch` source making as many rows per
   batch (same session, sink and trigger), and one batch read of as many rows.
 
+With `--cluster`, both read on a standalone cluster this script starts from the
+installed PySpark (a master and one worker, `--cores` cores, 2 GiB; the tests' helper
+`tests/spark_cluster.py`): the executor and its Python workers are processes of their
+own, as on a cluster, and the micro-batch figure is skipped.
+
     apt-get install -y libpostgresql-jdbc-java    # once: the JDBC driver
     python bench/spark.py [--rows N] [--reps N] [--warmup N] [--partitions N]
-                          [--partitioning slices|writers]
+                          [--partitioning slices|writers] [--cluster]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +36,7 @@ import common
 from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
 
 JDBC_JAR = Path("/usr/share/java/postgresql.jar")
+TESTS = str(Path(__file__).resolve().parent.parent / "tests")  # spark_cluster.py
 INSERT = (
     "INSERT INTO events (stream_id, instance_name, room, payload, amount)"
     " SELECT {id}, %s, 'room' || (g %% 100), repeat('x', 60) || g, g * 0.01"
@@ -154,6 +162,7 @@ def read_figure(spark: Any, dsn: str, args: argparse.Namespace, meter: CpuMeter)
             "rows": rows,
             "writers": writers,
             "partitioning": args.partitioning,
+            "master": spark.sparkContext.master,
             "partitions": {"plait": plait_parts, "jdbc": jdbc_parts},
             "plait_s": common.rnd(p, 3),
             "jdbc_s": common.rnd(j, 3),
@@ -265,18 +274,25 @@ async def main(args: argparse.Namespace) -> None:
         await prepare(dsn, args.rows)
         from plait.spark.session import quiet_session
 
-        spark = quiet_session(
-            "plait-bench", master=f"local[{args.cores}]", conf={"spark.jars": str(JDBC_JAR)}
-        )
-        try:
-            common.log("read: plait vs JDBC")
+        with contextlib.ExitStack() as stack:
+            master = f"local[{args.cores}]"
+            if args.cluster:
+                sys.path.insert(0, TESTS)
+                from spark_cluster import standalone_cluster
+
+                work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                common.log("starting a standalone cluster")
+                cluster = stack.enter_context(standalone_cluster(work, cores=args.cores))
+                master = cluster.master
+            spark = quiet_session("plait-bench", master=master, conf={"spark.jars": str(JDBC_JAR)})
+            stack.callback(spark.stop)
+            common.log(f"read: plait vs JDBC on {master}")
             async with await AsyncConnection.connect(dsn) as conn:
                 meter = CpuMeter(await common.find_postmaster(conn))
             await asyncio.to_thread(read_figure, spark, dsn, args, meter)
-            common.log("micro-batches")
-            await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
-        finally:
-            spark.stop()
+            if not args.cluster:
+                common.log("micro-batches")
+                await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
 
 
 if __name__ == "__main__":
@@ -288,4 +304,5 @@ if __name__ == "__main__":
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--partitioning", choices=["slices", "writers"], default="slices")
+    parser.add_argument("--cluster", action="store_true", help="on a standalone cluster")
     common.run(main, parser.parse_args())

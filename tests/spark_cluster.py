@@ -60,8 +60,9 @@ def _wait(log: Path, word: str, process: subprocess.Popen[bytes], what: str) -> 
 
 
 @contextlib.contextmanager
-def standalone_cluster(work: Path) -> Iterator[Cluster]:
-    """A master and a worker of the installed PySpark; both stopped at the end."""
+def standalone_cluster(work: Path, cores: int = 1, memory: str = "1g") -> Iterator[Cluster]:
+    """A master and a worker (`cores`, `memory`) of the installed PySpark; both stopped
+    at the end."""
     work.mkdir(parents=True, exist_ok=True)
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
@@ -89,11 +90,8 @@ def standalone_cluster(work: Path) -> Iterator[Cluster]:
             "I have been elected leader",
         )
         url = f"spark://127.0.0.1:{port}"
-        start(
-            "worker",
-            ["org.apache.spark.deploy.worker.Worker", url, "--cores", "1", "--memory", "1g"],
-            "Successfully registered with master",
-        )
+        worker = ["org.apache.spark.deploy.worker.Worker", url, "--cores", str(cores)]
+        start("worker", [*worker, "--memory", memory], "Successfully registered with master")
         yield Cluster(url, logs)
     finally:
         _stop(processes)
