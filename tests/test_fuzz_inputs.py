@@ -45,7 +45,8 @@ from plait.ops.status import pending_ages, scrape
 from plait.replication.http_api import PREFIX, InternalApi
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark import offsets
-from plait.spark.source import Options, Plan
+from plait.spark.options import Options
+from plait.spark.source import Plan
 from token_strategies import tokens
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from plait import Database
 from plait.cli import main
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError, TokenParseError
-from plait.spark import offsets, source
+from plait.spark import offsets, options, source
 from plait.spark.offsets import WriterRange
 from plait.spark.schema import infer
 from stream_helpers import create_generator, create_table
@@ -396,7 +396,7 @@ def load_plan() -> Iterator[Callable[[str], source.Plan]]:
 
     def load(dsn: str) -> source.Plan:
         loaded.append(dsn)
-        return source.Plan.load(source.Options.parse({"dsn": dsn, "stream": "events"}))
+        return source.Plan.load(options.Options.parse({"dsn": dsn, "stream": "events"}))
 
     yield load
     for dsn in loaded:
@@ -569,7 +569,7 @@ def test_unknown_source_options_are_refused_by_name(key: str, meant: str | None)
     be ignored, and the read start from the default: SPEC R-SP-4 makes it an error,
     which names the option most likely meant."""
     with pytest.raises(ConfigError) as caught:
-        source.Options.parse({"dsn": "postgresql:///x", "stream": "events", key: "latest"})
+        options.Options.parse({"dsn": "postgresql:///x", "stream": "events", key: "latest"})
     message = str(caught.value)
     hint = f" (did you mean {meant!r}?)" if meant else ""
     assert message.startswith(f"plait source: unknown option {key!r}{hint}; the options are ")

@@ -50,7 +50,7 @@ def _spark_conf(_ctx: Any, _param: Any, values: tuple[str, ...]) -> dict[str, st
 
 
 def _duration_flag(_ctx: Any, param: Any, value: str | None) -> str | None:
-    from plait.spark.source import duration
+    from plait.spark.options import duration
 
     if value is not None:
         try:
