@@ -22,6 +22,7 @@ from plait import (
     TokenParseError,
 )
 from plait.cli import main
+from plait.ports import free_port
 from stream_helpers import create_generator, create_table, insert_rows, stored_positions
 
 
@@ -220,6 +221,32 @@ async def test_spark_commands_check_their_flags_before_spark_starts(
             "'--time-column'",
             "has no column 'when'",
         ),
+        (
+            ["export", *base, *out, "--min-rows-per-trigger", "10", "--max-rows-per-trigger", "5"],
+            "'--min-rows-per-trigger'",
+            "10 is above --max-rows-per-trigger 5",
+        ),
+        (
+            ["export", *base, *out, "--max-trigger-delay", "30s"],
+            "'--max-trigger-delay'",
+            "does nothing without that flag",
+        ),
+        (
+            ["export", *base, *out, "--min-rows-per-trigger", "9", "--max-trigger-delay", "9x"],
+            "'--max-trigger-delay'",
+            "must be a duration such as 500ms, 30s, 15m or 1h, not '9x'",
+        ),
+        (["export", *base, *out, "--remote", "http://x"], "'--remote'", "is no Spark Connect URL"),
+        (
+            ["export", *base, *out, "--remote", "sc://h:1", "--master", "local[2]"],
+            "'--master'",
+            "give --master or --remote, not both",
+        ),
+        (
+            ["export", *base, "--remote", "sc://h:1", "--path", "rel", "--checkpoint", "/tmp/c"],
+            "'--path'",
+            "'rel' is relative: over --remote the server writes it",
+        ),
     ]
     for args, flag, reason in cases:
         result = await asyncio.to_thread(CliRunner().invoke, main, args)
@@ -231,3 +258,22 @@ async def test_spark_commands_check_their_flags_before_spark_starts(
         assert await cur.fetchone() == (None,)  # derive created nothing
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "ck").exists()
+
+
+async def test_an_unreachable_spark_connect_server_is_one_line_within_seconds(
+    db: Database, tmp_path: Path
+) -> None:
+    """`--remote` to a port nobody listens on: one line naming host and port, at once
+    (PySpark's client would retry for minutes)."""
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    await gen.close()
+    port = free_port()
+    args = [
+        "export", "--dsn", db.dsn, "--stream", "events", "--once",
+        "--remote", f"sc://127.0.0.1:{port}",
+        "--path", str(tmp_path / "o"), "--checkpoint", str(tmp_path / "c"),
+    ]  # fmt: skip
+    result = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert isinstance(result.exception, ConfigError), result.output
+    assert f"cannot reach the Spark Connect server at 127.0.0.1:{port}" in str(result.exception)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from plait import Database
+from plait import ConfigError, Database
 from plait.spark import delta as delta_export
 from plait.spark import pipelines
 from stream_helpers import create_generator
@@ -131,7 +131,11 @@ async def test_a_replayed_batch_changes_no_derived_table_and_no_delta_table(
         assert dict(await cur.fetchall()) == totals
 
     # The Delta export: a batch id already committed writes nothing the second time.
-    delta = delta_export.DeltaBatches(str(tmp_path / "delta"), "ckpt", [])
+    # Keyed by the query id in the checkpoint's metadata (outside a running query).
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "metadata").write_text('{"id":"query-1"}\n')
+    delta = delta_export.DeltaBatches(str(tmp_path / "delta"), str(checkpoint), [])
     batch = await asyncio.to_thread(lambda: frame.limit(10))
     await asyncio.to_thread(delta, batch, 0)
     await asyncio.to_thread(delta, batch, 0)  # replayed
@@ -140,7 +144,7 @@ async def test_a_replayed_batch_changes_no_derived_table_and_no_delta_table(
 
     table = DeltaTable(str(tmp_path / "delta"))
     assert table.to_pyarrow_table().num_rows == 20
-    assert table.transaction_version("plait-export:ckpt") == 1
+    assert table.transaction_version("plait-export:query-1") == 1
     ids = collections.Counter(
         table.to_pyarrow_table(columns=["stream_id"])["stream_id"].to_pylist()
     )
@@ -290,11 +294,14 @@ async def test_delta_files_are_written_by_the_tasks_and_partition_values_survive
     from deltalake import DeltaTable
 
     parts = ["a/b c", "x%y=z", "é", None, "plain"]
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    (checkpoint / "metadata").write_text('{"id":"query-2"}\n')
     rows = [(i, parts[i % len(parts)], datetime.date(2026, 1, 1 + i % 3)) for i in range(200)]
 
     def export() -> None:
         frame = spark.createDataFrame(rows, "id long, part string, day date").repartition(4)
-        batches = delta_export.DeltaBatches(str(tmp_path / "t"), "ck-text", ["part", "day"])
+        batches = delta_export.DeltaBatches(str(tmp_path / "t"), str(checkpoint), ["part", "day"])
         batches(frame, 0)
         batches(frame, 0)  # replayed: skipped
 
@@ -305,3 +312,27 @@ async def test_delta_files_are_written_by_the_tasks_and_partition_values_survive
     files = table.file_uris()
     assert len(files) <= 4 * len(parts) * 3  # per task and value, not per row
     assert table.version() == 0  # one commit: the replay wrote nothing
+
+
+def test_a_delta_export_without_a_readable_query_id_stops_rather_than_guess(
+    tmp_path: Path,
+) -> None:
+    """Its batches are keyed by the query id in the checkpoint; one it cannot read (a
+    checkpoint on a file system this machine does not see) is an error: keyed by the
+    path's text, a new checkpoint at the same path skipped the new query's batches."""
+    batches = delta_export.DeltaBatches(str(tmp_path / "t"), str(tmp_path / "nowhere"), [])
+    with pytest.raises(ConfigError, match="cannot read its query's id from the checkpoint"):
+        batches.app_id()
+
+
+def test_delta_partition_values_are_written_as_delta_reads_them() -> None:
+    import datetime
+
+    zone = datetime.timezone(datetime.timedelta(hours=2))
+    moment = datetime.datetime(2026, 1, 2, 3, 4, 5, 600, tzinfo=zone)
+    assert delta_export.partition_text(moment) == "2026-01-02 01:04:05.000600"  # UTC
+    naive = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    assert delta_export.partition_text(naive) == "2026-01-02 03:04:05.000000"
+    assert delta_export.partition_text(datetime.date(2026, 1, 2)) == "2026-01-02"
+    assert delta_export.partition_text(True) == "true"
+    assert delta_export.partition_text(None) is None

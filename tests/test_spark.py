@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -224,9 +225,13 @@ async def test_exactly_once_across_a_restart_of_the_query(
         ({"endToken": '{"min": 1'}, "bad endToken '{\"min\": 1': offset is not valid JSON"),
         ({"startToken": "m1~999.5"}, "instance id 999, which this database's instance_map"),
         ({"table": "other"}, "has no table 'other'; its tables: ['events']"),
-        ({"maxIdsPerPartition": "-5"}, "maxidsperpartition must be a positive integer"),
+        ({"maxIdsPerPartition": "-5"}, "maxIdsPerPartition must be a positive integer"),
         ({"partitioning": "rows"}, "partitioning must be one of ['slices', 'writers'], not 'rows'"),
-        ({"maxTriggerDelay": "5"}, "maxtriggerdelay must be a duration such as 500ms, 30s"),
+        (
+            {"minRowsPerTrigger": "5", "maxTriggerDelay": "5"},
+            "maxTriggerDelay must be a duration such as 500ms, 30s",
+        ),
+        ({"maxTriggerDelay": "5s"}, "it does nothing without minRowsPerTrigger"),
         (
             {"minRowsPerTrigger": "50", "maxRowsPerTrigger": "10"},
             "minRowsPerTrigger (50) is above maxRowsPerTrigger (10)",
@@ -592,9 +597,10 @@ async def test_filters_of_a_batch_read_are_applied_in_the_database_exactly_as_sp
 async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_delay(
     db: Database, spark: Any
 ) -> None:
-    """minRowsPerTrigger (as the Kafka source's minOffsetsPerTrigger): no batch while
-    fewer rows are pending, one batch of all of them once there are enough; and with
-    fewer, a batch once maxTriggerDelay has passed since the query started."""
+    """minRowsPerTrigger, by the Kafka source's rules for minOffsetsPerTrigger: the
+    query's first trigger reads what there is; later ones read nothing while fewer rows
+    are pending, then all of them at once when there are enough, or once
+    maxTriggerDelay has passed since the last batch."""
     await create_events(db)
 
     def start(name: str, **options: Any) -> Any:
@@ -604,30 +610,40 @@ async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_dela
     def count(name: str) -> int:
         return int(spark.table(name).count())
 
+    def batches(query: Any) -> list[tuple[int, str]]:
+        progress = query.recentProgress
+        return [(p["numInputRows"], p["timestamp"]) for p in progress if p["numInputRows"]]
+
     async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
         await write(gens["w1"], "a", 30)
         query = await asyncio.to_thread(start, "waits", minRowsPerTrigger=50, maxTriggerDelay="1h")
         try:
             await asyncio.to_thread(query.processAllAvailable)
-            assert await asyncio.to_thread(count, "waits") == 0  # 30 < 50: no batch yet
-            await write(gens["w2"], "b", 25)
+            assert await asyncio.to_thread(count, "waits") == 30  # the first trigger reads
+            await write(gens["w2"], "b", 10)
             await asyncio.to_thread(query.processAllAvailable)
-            assert await asyncio.to_thread(count, "waits") == 55
-            batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
-            assert batches == [55]  # all of them at once
+            assert await asyncio.to_thread(count, "waits") == 30  # 10 < 50: no batch yet
+            await write(gens["w1"], "c", 45)
+            await asyncio.to_thread(query.processAllAvailable)
+            assert await asyncio.to_thread(count, "waits") == 85
+            assert [rows for rows, _ in batches(query)] == [30, 55]  # the 55 at once
         finally:
             await asyncio.to_thread(query.stop)
 
-        started = asyncio.get_running_loop().time()
         query = await asyncio.to_thread(
             start, "delayed", minRowsPerTrigger=1000, maxTriggerDelay="2s"
         )
         try:
+            await until(lambda: count("delayed") == 85, within=120, what="the first batch")
+            await write(gens["w2"], "d", 5)
             await until(
-                lambda: count("delayed") == 55, within=120, what="the delayed batch of 55 rows"
+                lambda: count("delayed") == 90, within=120, what="the delayed batch of 5 rows"
             )
+            (first, at), (late, later) = batches(query)
+            assert (first, late) == (85, 5)
             # Not before the delay (a lower bound: a busy machine only makes it later).
-            assert asyncio.get_running_loop().time() - started >= 2.0
+            gap = datetime.datetime.fromisoformat(later) - datetime.datetime.fromisoformat(at)
+            assert gap.total_seconds() >= 2.0
         finally:
             await asyncio.to_thread(query.stop)
 

@@ -574,3 +574,29 @@ def test_unknown_source_options_are_refused_by_name(key: str, meant: str | None)
     hint = f" (did you mean {meant!r}?)" if meant else ""
     assert message.startswith(f"plait source: unknown option {key!r}{hint}; the options are ")
     assert "startingToken" in message
+
+
+@given(
+    now=st.floats(0, 1e6),
+    last=st.none() | st.floats(0, 1e6),
+    delay=st.floats(0.001, 1e4),
+    enough=st.booleans(),
+)
+def test_a_trigger_holds_back_only_as_the_kafka_source_would(
+    now: float, last: float | None, delay: float, enough: bool
+) -> None:
+    """minRowsPerTrigger's rule (`holds_back`): never on the first trigger, never once
+    maxTriggerDelay has passed since the last batch, else while rows are too few; the
+    database is asked only when it decides."""
+    from plait.spark.source import holds_back
+
+    asked: list[bool] = []
+
+    def rows_enough() -> bool:
+        asked.append(True)
+        return enough
+
+    waits = holds_back(now, last, delay, rows_enough)
+    decides = last is not None and now - last < delay
+    assert waits == (decides and not enough)
+    assert asked == ([True] if decides else [])

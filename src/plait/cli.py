@@ -741,11 +741,19 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
             connect_address(options["remote"])
         except ConfigError as err:
             raise click.BadParameter(str(err), param_hint="'--remote'") from None
+    from plait.spark.options import trigger_rows_conflict
+
     most, least = options["max_rows_per_trigger"], options["min_rows_per_trigger"]
-    if most is not None and least is not None and least > most:
+    if why := trigger_rows_conflict(least, most):
         raise click.BadParameter(
-            f"{least} is above --max-rows-per-trigger {most}: no batch could satisfy both",
+            f"{least} is above --max-rows-per-trigger {most}: {why}",
             param_hint="'--min-rows-per-trigger'",
+        )
+    if options["max_trigger_delay"] is not None and least is None:
+        raise click.BadParameter(
+            "it bounds how long a batch waits for --min-rows-per-trigger rows, and does "
+            "nothing without that flag",
+            param_hint="'--max-trigger-delay'",
         )
     for flag in ("--path", "--checkpoint"):
         folder = options.get(flag.removeprefix("--"))

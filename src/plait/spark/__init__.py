@@ -28,41 +28,10 @@ def register(spark: Any) -> None:
 
 
 def check_executors(spark: Any) -> None:
-    """On a cluster (not local mode, not Spark Connect, whose server is its own), read
-    one row through a probe source (`plait.spark.probe`) planned and read by the same
-    Python workers as plait's reads; `ConfigError` saying what to do when they cannot
-    import plait. Spark ships no installed packages, and without this the first read
-    fails with a long traceback ending in "No module named 'plait'". plait cannot ship
-    itself: pyarrow and the ADBC driver are compiled."""
-    from plait.errors import ConfigError
-    from plait.spark.probe import Probe, missing
+    """On a cluster, whether Spark's Python workers can import plait (`probe.check`)."""
+    from plait.spark import probe
 
-    try:
-        context = spark.sparkContext
-    except Exception:  # Spark Connect: no SparkContext in the client
-        return
-    if str(context.master).startswith("local"):
-        return  # the workers run this machine's Python (plait.spark.session sees to it)
-    spark.dataSource.register(Probe)
-    try:
-        rows = spark.read.format(Probe.name()).load().collect()
-    except Exception as err:
-        reason = missing(str(err))
-        if reason is None:
-            raise
-        raise ConfigError(
-            f"Spark's Python workers cannot import what a plait read needs "
-            f"({reason}): install plait[spark] in the Python they run on every node, or set "
-            "spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has it (README: "
-            "Running on a cluster)"
-        ) from None
-    if rows and rows[0].problem:
-        raise ConfigError(
-            f"the executors' Python ({rows[0].python}) cannot import what a plait "
-            f"read needs ({rows[0].problem}); install plait[spark] in it on every node, or "
-            "set spark.pyspark.python (or PYSPARK_PYTHON) to a Python that has it (README: "
-            "Running on a cluster)"
-        )
+    probe.check(spark)
 
 
 def batch(spark: Any, dsn: str, stream: str, **options: Any) -> Any:

@@ -7,7 +7,8 @@ rows it read (one file per partition value it holds) and hands back one small ro
 file (its path, size, partition values and row count), and the driver commits those
 as Delta "add" actions with the `deltalake` package (delta-rs). A crash after the
 files are written and before the commit leaves files no commit names: readers never
-see them, and `DeltaTable.vacuum()` removes them. The executors need the table's
+see them, and `DeltaTable.vacuum(dry_run=False, full=True)` removes them once they are
+older than the table's retention (a week by default). The executors need the table's
 location reachable as the driver has it: a local path on one machine or a shared
 file system, or a URI pyarrow's file systems open (s3://, gs://, hdfs://).
 """
@@ -27,8 +28,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-# What each task hands the driver per file it wrote.
-ADDED = "path string, size long, partition_values string, rows long"
+from plait.errors import ConfigError
+
+# What each task hands the driver per file it wrote: (name, Spark type, Arrow type).
+ADDED_FIELDS = (
+    ("path", "string", "string"),
+    ("size", "long", "int64"),
+    ("partition_values", "string", "string"),
+    ("rows", "long", "int64"),
+)
+ADDED = ", ".join(f"{name} {spark}" for name, spark, _ in ADDED_FIELDS)
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # Hive's and Spark's folder name for NULL
 
 
@@ -41,7 +50,8 @@ class DeltaBatches:
     given once relative and once absolute wrote a replayed batch twice, and a checkpoint
     deleted and made again at the same path would skip the new query's first batches.
     The id comes from the running query (a classic session), else from the checkpoint's
-    `metadata` file (a local checkpoint), else the checkpoint's text is the key."""
+    `metadata` file (Spark Connect, where the batch runs in the server's Python); when
+    neither can be read, the export stops rather than guess a key."""
 
     def __init__(self, path: str, checkpoint: str, partitions: list[str]) -> None:
         self.path = path
@@ -52,7 +62,14 @@ class DeltaBatches:
     def app_id(self, frame: Any = None) -> str:
         if self._app_id is None:
             query_id = running_query_id(frame) or checkpoint_query_id(self.checkpoint)
-            self._app_id = f"plait-export:{query_id or self.checkpoint}"
+            if query_id is None:
+                raise ConfigError(
+                    f"the Delta export cannot read its query's id from the checkpoint "
+                    f"{self.checkpoint!r} (its 'metadata' file), which keys the batches it "
+                    "wrote: give the checkpoint as a full URI (hdfs://..., s3://...) when it "
+                    "is not on this machine's file system"
+                )
+            self._app_id = f"plait-export:{query_id}"
         return self._app_id
 
     def done_upto(self, frame: Any = None) -> int:
@@ -158,17 +175,8 @@ class FileWriter:
             out["size"].append(fs.get_file_info(f"{root}/{relative}").size)
             out["partition_values"].append(json.dumps(dict(zip(self.partitions, key, strict=True))))
             out["rows"].append(rows[0])
-        yield pa.RecordBatch.from_pydict(
-            out,
-            schema=pa.schema(
-                [
-                    ("path", pa.string()),
-                    ("size", pa.int64()),
-                    ("partition_values", pa.string()),
-                    ("rows", pa.int64()),
-                ]
-            ),
-        )
+        schema = pa.schema([(name, getattr(pa, arrow)()) for name, _, arrow in ADDED_FIELDS])
+        yield pa.RecordBatch.from_pydict(out, schema=schema)
 
     def _split(self, batch: Any) -> Iterator[tuple[tuple[str | None, ...], Any]]:
         """`batch`'s rows by partition value (as Delta writes them: text)."""
@@ -205,7 +213,10 @@ def partition_text(value: Any) -> str | None:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, datetime.datetime):
-        return value.isoformat(sep=" ")
+        moment: datetime.datetime = value
+        if moment.tzinfo is not None:  # a timestamp: Delta keeps it in UTC
+            moment = moment.astimezone(datetime.UTC).replace(tzinfo=None)
+        return moment.strftime("%Y-%m-%d %H:%M:%S.%f")
     if isinstance(value, datetime.date | Decimal | int | float):
         return str(value)
     if isinstance(value, bytes):
@@ -248,29 +259,28 @@ def running_query_id(frame: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _local_path(checkpoint: str) -> Path | None:
-    """The local path a checkpoint location names (None: another file system's URI)."""
-    if _SCHEME.match(checkpoint) is None:
-        return Path(checkpoint).absolute()
-    parts = urlsplit(checkpoint)
-    if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
-        return None
-    return Path(unquote(parts.path)).absolute()
-
-
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")  # two letters at least: not C:
+
+
+def _metadata_text(checkpoint: str) -> str:
+    """The checkpoint's `metadata` file: local, file://, or any file system pyarrow opens."""
+    if _SCHEME.match(checkpoint) is None:
+        return (Path(checkpoint).absolute() / "metadata").read_text()
+    parts = urlsplit(checkpoint)
+    if parts.scheme.lower() == "file" and parts.netloc in ("", "localhost"):
+        return (Path(unquote(parts.path)).absolute() / "metadata").read_text()
+    fs, root = _filesystem(checkpoint)
+    with fs.open_input_stream(f"{root}/metadata") as stream:
+        return str(bytes(stream.read()).decode())
 
 
 def checkpoint_query_id(checkpoint: str) -> str | None:
     """The id of the streaming query whose checkpoint this is (Spark writes it to the
     checkpoint's `metadata` when the query first starts and keeps it for every run);
-    None where it cannot be read here."""
-    local = _local_path(checkpoint)
-    if local is None:
-        return None
+    None where it cannot be read."""
     try:
-        value = json.loads((local / "metadata").read_text().splitlines()[0])
-    except (OSError, ValueError, IndexError):
+        value = json.loads(_metadata_text(checkpoint).splitlines()[0])
+    except (OSError, ValueError, IndexError):  # pyarrow's errors are OSErrors too
         return None
     query_id = value.get("id") if isinstance(value, dict) else None
     return query_id if isinstance(query_id, str) and query_id else None

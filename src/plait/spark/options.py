@@ -65,10 +65,15 @@ class Options:
                 raise ConfigError(f'plait source: .option("{required}", ...) is required')
         max_rows = _positive(options, "maxrowspertrigger")
         min_rows = _positive(options, "minrowspertrigger")
-        if max_rows is not None and min_rows is not None and min_rows > max_rows:
+        if why := trigger_rows_conflict(min_rows, max_rows):
             raise ConfigError(
                 f"plait source: minRowsPerTrigger ({min_rows}) is above maxRowsPerTrigger "
-                f"({max_rows}): no batch could satisfy both"
+                f"({max_rows}): {why}"
+            )
+        if "maxtriggerdelay" in options and min_rows is None:
+            raise ConfigError(
+                "plait source: maxTriggerDelay bounds how long a trigger waits for "
+                "minRowsPerTrigger rows; it does nothing without minRowsPerTrigger"
             )
         return cls(
             dsn=options["dsn"],
@@ -116,6 +121,18 @@ def suggestion(key: str) -> str | None:
     return by_folded[close[0]] if close else None
 
 
+def trigger_rows_conflict(min_rows: int | None, max_rows: int | None) -> str | None:
+    """Why a minimum and a maximum of rows per trigger cannot both hold, if they cannot."""
+    if min_rows is not None and max_rows is not None and min_rows > max_rows:
+        return "no batch could satisfy both"
+    return None
+
+
+def _named(key: str) -> str:
+    """An option's documented spelling, from its folded one."""
+    return next((name for name in OPTIONS if name.lower() == key), key)
+
+
 def _metadata(value: str) -> tuple[str, ...]:
     by_folded = {name.lower(): name for name in METADATA}
     asked = [part.strip() for part in value.split(",") if part.strip()]
@@ -147,7 +164,9 @@ def _positive(options: Mapping[str, str], key: str) -> int | None:
         return None
     number = int(value) if _DIGITS.fullmatch(value.strip()) else 0
     if number < 1:
-        raise ConfigError(f"plait source: option {key} must be a positive integer, not {value!r}")
+        raise ConfigError(
+            f"plait source: option {_named(key)} must be a positive integer, not {value!r}"
+        )
     return number
 
 
@@ -171,4 +190,4 @@ def _duration(options: Mapping[str, str], key: str, default: float) -> float:
     try:
         return duration(value)
     except ValueError as err:
-        raise ConfigError(f"plait source: option {key} must be {err}") from None
+        raise ConfigError(f"plait source: option {_named(key)} must be {err}") from None

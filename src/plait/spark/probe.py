@@ -8,12 +8,73 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import threading
+import uuid
+import warnings
 from collections.abc import Iterator
+from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from plait.errors import ConfigError
+
 # What the workers' Python must import to read rows.
 NEEDED = ("plait.spark.source", "pyarrow", "adbc_driver_postgresql")
+# How long the check waits for an executor (one may still be starting, or queued).
+WITHIN = 120.0
+_FIX = (
+    "install plait[spark] in it on every node, or set spark.pyspark.python (or "
+    "PYSPARK_PYTHON) to a Python that has it (README: Running on a cluster)"
+)
+
+
+def check(spark: Any, within: float = WITHIN) -> None:
+    """On a cluster (not local mode, not Spark Connect, whose server is its own), read
+    one row through `Probe`, planned and read by the same Python workers as plait's
+    reads; `ConfigError` saying what to do when they cannot import plait. Spark ships
+    no installed packages, and without this the first read fails with a long traceback
+    ending in "No module named 'plait'"; plait cannot ship itself (pyarrow and the ADBC
+    driver are compiled). When no executor answers within `within` seconds, the check
+    is given up with a warning: the reads will wait for executors as any job does."""
+    try:
+        context = spark.sparkContext
+    except Exception:  # Spark Connect: no SparkContext in the client
+        return
+    if str(context.master).startswith("local"):
+        return  # the workers run this machine's Python (plait.spark.session sees to it)
+    spark.dataSource.register(Probe)
+    group = f"plait-probe-{uuid.uuid4().hex[:8]}"
+    keys = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
+    previous = {key: context.getLocalProperty(key) for key in keys}
+    context.setJobGroup(group, "plait: can Spark's Python workers import plait?", True)
+    timer = threading.Timer(within, context.cancelJobGroup, (group,))
+    timer.start()
+    try:
+        rows = spark.read.format(Probe.name()).load().collect()
+    except Exception as err:
+        reason = missing(str(err))
+        if reason is not None:
+            raise ConfigError(
+                f"Spark's Python workers cannot import what a plait read needs ({reason}): "
+                + _FIX.replace("in it", "in the Python they run")
+            ) from None
+        if not timer.is_alive():  # cancelled: no executor within the time
+            warnings.warn(
+                f"plait: no executor ran the check that plait imports there within "
+                f"{within:.0f} s; going on without it",
+                stacklevel=3,
+            )
+            return
+        raise
+    finally:
+        timer.cancel()
+        for key, value in previous.items():  # the caller's jobs are not ours
+            context.setLocalProperty(key, value)
+    if rows and rows[0].problem:
+        raise ConfigError(
+            f"the executors' Python ({rows[0].python}) cannot import what a plait read "
+            f"needs ({rows[0].problem}); {_FIX}"
+        )
 
 
 class Probe(DataSource):

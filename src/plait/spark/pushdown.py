@@ -6,12 +6,16 @@ included (both use three-valued logic, and a row whose filter is NULL is dropped
 both), so a pushed filter is not evaluated again. What is pushed, by the column's type
 as Spark reads it:
 
-- integers, decimals (numeric) and doubles: =, <=>, <, <=, >, >=, IN, IS [NOT] NULL
-  (PostgreSQL orders NaN above every number and equal to itself, as Spark does);
-- booleans: =, <=>, IN, IS [NOT] NULL;
-- text, varchar, and columns Spark reads as their text form (json, uuid, ...): =, <=>,
-  IN, IS [NOT] NULL, startsWith, endsWith, contains. Not <, >: PostgreSQL orders text by
-  the column's collation, Spark by code point. char(n) is not pushed (its padding);
+- integers, decimals of a declared precision and scale (numeric(p,s)) and doubles: =,
+  <=>, <, <=, >, >=, IN (PostgreSQL orders NaN above every number and equal to itself,
+  as Spark does). Not an unconstrained numeric: Spark reads it as decimal(38,18), cut
+  to 18 places, so its values are not the column's;
+- booleans: =, <=>, IN;
+- text, varchar, name, and columns Spark reads as their text form (json, uuid, ...):
+  =, <=>, IN, startsWith, endsWith, contains, compared as text in the "C" collation
+  (bytes, as Spark compares strings; a column's own collation may be case-insensitive).
+  Not <, >: in a database whose encoding is not UTF-8, byte order is not Spark's.
+  char(n) is not pushed (its padding);
 - NOT of any of these.
 
 IS [NOT] NULL is pushed on any column. Anything else (dates, timestamps, floats, char(n),
@@ -93,18 +97,17 @@ def _target(column: Column, spark_type: DataType) -> Target:
     native = spark_type == mapped.field.dataType
     if native and isinstance(spark_type, LongType | IntegerType | ShortType | ByteType):
         return Target(name, NUMBER, _integer)
-    if native and isinstance(spark_type, DecimalType):
+    if native and isinstance(spark_type, DecimalType) and "(" in column.pg_type:
         return Target(name, NUMBER, _decimal)
     if native and isinstance(spark_type, DoubleType):
         return Target(name, NUMBER, _double)
     if native and isinstance(spark_type, BooleanType):
         return Target(name, BOOLEAN, _boolean)
-    if isinstance(spark_type, StringType):
-        if native and not mapped.as_text:
-            if _plain_text(column.pg_type):
-                return Target(name, TEXT, _text)
+    if spark_type == StringType():  # not a collated string type: those compare otherwise
+        if native and not mapped.as_text and not _plain_text(column.pg_type):
             return Target(name, OTHER, _none)  # char(n): Spark sees the padding, ::text not
-        return Target(sql.SQL("({}::text)").format(name), TEXT, _text)  # as the reader selects it
+        # As the reader selects it (a no-op for text), in byte order.
+        return Target(sql.SQL('({}::text COLLATE "C")').format(name), TEXT, _text)
     return Target(name, OTHER, _none)
 
 
@@ -143,7 +146,7 @@ def _boolean(value: Any) -> sql.Composable | None:
 def _text(value: Any) -> sql.Composable | None:
     if not isinstance(value, str) or "\x00" in value:
         return None
-    return sql.Literal(value)
+    return sql.SQL("{}::text").format(sql.Literal(value))  # not cut to a name's 63 bytes
 
 
 def condition(where: Filter, columns: Mapping[str, Target]) -> sql.Composable | None:

@@ -52,6 +52,7 @@ from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
     ReadMaxRows,
+    ReadMinRows,
     SupportsTriggerAvailableNow,
 )
 from pyspark.sql.types import StringType, StructField, StructType, TimestampType
@@ -372,8 +373,7 @@ class BatchReader(DataSourceReader):
         """Filters PostgreSQL applies exactly as Spark would (`pushdown`) go into each
         task's SQL, so only matching rows are read; the others stay with Spark."""
         pushed, kept = pushdown.push(filters, pushdown.targets(self._plan.columns, self._schema))
-        if pushed:
-            self._where = sql.SQL(" AND ").join(pushed).as_string(None)
+        self._where = sql.SQL(" AND ").join(pushed).as_string(None) if pushed else None
         return kept
 
     def partitions(self) -> list[InputPartition]:
@@ -382,6 +382,19 @@ class BatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, RangePartition)
         return read_arrow(self._plan.options.dsn, partition.query, self._schema)
+
+
+def holds_back(
+    now: float, last_batch: float | None, max_delay: float, enough: Callable[[], bool]
+) -> bool:
+    """Whether a trigger waits for more rows: the Kafka source's rule for
+    minOffsetsPerTrigger. The query's first trigger never waits (a restarted query
+    reads its backlog at once); later ones wait while fewer than the minimum are
+    pending (`enough()`, asked only then) and the last batch is less than `max_delay`
+    seconds ago."""
+    if last_batch is None or now - last_batch >= max_delay:
+        return False
+    return not enough()
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -401,8 +414,15 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._plan.offset(self._plan.token(self._plan.options.starting, "startingToken"))
 
     def getDefaultReadLimit(self) -> ReadLimit:
-        max_rows = self._plan.options.max_rows
-        return ReadAllAvailable() if max_rows is None else ReadMaxRows(max_rows)
+        """ReadMaxRows, else ReadMinRows, else ReadAllAvailable. Spark hands a trigger
+        ReadAllAvailable instead when it must read everything (Trigger.Once): no wait
+        for minRowsPerTrigger then. A minimum given with a maximum is kept here."""
+        options = self._plan.options
+        if options.max_rows is not None:
+            return ReadMaxRows(options.max_rows)
+        if options.min_rows is not None:
+            return ReadMinRows(options.min_rows)
+        return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._now()
@@ -417,7 +437,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         latest = self._target if self._target is not None else self._now()
         end = begin.copy_and_advance(latest)  # never behind the start for any writer
         spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
-        if self._waits(pending):
+        if pending and self._waits(pending, limit):
             return self._plan.offset(begin)  # no new batch yet
         if isinstance(limit, ReadMaxRows):
             cut = self._plan.ask(
@@ -429,23 +449,23 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._last_batch = time.monotonic()
         return self._plan.offset(end)
 
-    def _waits(self, pending: list[offsets.WriterRange]) -> bool:
-        """Whether this trigger reads nothing yet: fewer than minRowsPerTrigger rows are
-        pending and the last batch is less than maxTriggerDelay ago (as the Kafka
-        source does; never under Trigger.AvailableNow, which must reach its end)."""
+    def _waits(self, pending: list[offsets.WriterRange], limit: ReadLimit) -> bool:
+        """Whether this trigger reads nothing yet (`holds_back`); never when Spark asks
+        for everything (Trigger.Once, Trigger.AvailableNow: they must reach the end)."""
         options = self._plan.options
-        if options.min_rows is None or self._target is not None or not pending:
+        if options.min_rows is None or self._target is not None:
             return False
-        now = time.monotonic()
-        if self._last_batch is None:
-            self._last_batch = now  # the query's first trigger starts the clock
-        if now - self._last_batch >= options.max_delay:
+        if isinstance(limit, ReadAllAvailable):
             return False
         spec, table, at_least = self._plan.spec, self._plan.table, options.min_rows
-        enough = self._plan.ask(
-            lambda conn: catalog.cutoff(conn, spec, table, pending, at_least) is not None
+        return holds_back(
+            time.monotonic(),
+            self._last_batch,
+            options.max_delay,
+            lambda: self._plan.ask(
+                lambda conn: catalog.cutoff(conn, spec, table, pending, at_least) is not None
+            ),
         )
-        return not enough
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         """What the last trigger found (for the query's status; no query of its own)."""
