@@ -165,6 +165,7 @@ async def writer(plan: Plan, name: str) -> None:
 
     async def one() -> None:
         nonlocal slow_taken
+        began_as = instance.db.incarnation
         index = rng.randrange(plan.streams)
         s = plan.stream_names[index]
         slow = control.orders("slow", name) > slow_taken
@@ -203,6 +204,13 @@ async def writer(plan: Plan, name: str) -> None:
             journal.ids("R", s, ids)
             return
         except FencedError:
+            now = instance.db.incarnation
+            if now is not None and now != began_as:
+                # Begun by the fenced run, which has gone on as a new incarnation since:
+                # this transaction failed, the writer did not (it is not fenced twice).
+                if ids:
+                    journal.ids("E", s, ids)
+                return
             fenced.set()
             return
         except Exception as err:  # a cut connection: the database says what committed
