@@ -7,6 +7,7 @@ service), behind a fault proxy per writer (a partition black-holes one)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -146,8 +147,14 @@ async def test_a_stopped_check_leaves_no_server_or_process_behind(how: str) -> N
         async with asyncio.timeout(90):
             rest, _ = await process.communicate()
     except TimeoutError:
-        process.kill()
-        raise AssertionError(f"plait check still ran 90 s after {how}") from None
+        left = _session(process.pid)
+        for pid in left:  # all of it: its roles would run on into the next tests
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(
+            f"plait check still ran 90 s after {how} ({len(left)} processes, killed); "
+            f"its output before: {''.join(output)[-2000:]}"
+        ) from None
     text = "".join(output) + rest.decode()
     assert process.returncode == 130, text
     assert "stopped: every process and server of the check was stopped" in text
