@@ -233,7 +233,14 @@ def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) ->
 def _stop_on_sigterm_as_on_ctrl_c() -> None:
     """SIGTERM (`kill`, `timeout`, a service manager) stops the command as Ctrl-C does,
     through its clean-up: by default it ended Python at once, and the servers and
-    processes the command had started ran on without it."""
+    processes the command had started ran on without it.
+
+    A command started in the background by a script (`plait check &`, no job control)
+    inherits SIGINT ignored, as shells do for background jobs; Python then leaves it
+    ignored and asyncio installs no Ctrl-C handler, so SIGTERM, passed on as SIGINT,
+    did nothing and the command ran on. SIGINT is handled again here."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
 
 
