@@ -230,14 +230,18 @@ async def test_a_replicated_idle_writer_follows_stored_positions_while_it_hears_
         reads += 1
         return await load(*args, **kwargs)
 
+    async with busy.get_next_mult(50) as written:
+        pass
     idle.store.load_positions = counted  # type: ignore[method-assign]
-    for _ in range(10):  # ten flush intervals, busy writing and replication delivering
-        async with busy.get_next() as later:
-            pass
+    # About ten flush intervals, replication delivering busy's positions five times an
+    # interval: no database round trip between two deliveries, so however slow the
+    # machine, no refresh tick passes without news since the one before (on a loaded
+    # machine a write between deliveries spanned two ticks, and the second one read).
+    for later in written:
         idle.advance("busy", later)  # what a POSITION from busy does
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.02)
     assert reads <= 1
-    assert idle.get_current_token_for_writer("idle") == later
+    assert idle.get_current_token_for_writer("idle") == written[-1]
 
 
 async def test_any_writer_mode_keeps_no_position_rows(db: Database) -> None:
