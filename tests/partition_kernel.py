@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +128,25 @@ async def scenario(inside: list[str], pg: EmbeddedPostgres, args: dict[str, Any]
         await db.close()
 
 
-def main(args: dict[str, Any]) -> None:
+def in_namespaces(
+    prefix: str, run: Callable[[list[str], EmbeddedPostgres], Coroutine[Any, Any, None]]
+) -> None:
+    """`run(inside, pg)` with the second namespace wired up and a server of its own,
+    all removed again afterwards."""
     keeper, inside = network()
-    base = Path(tempfile.mkdtemp(prefix="plait-partition-"))
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     base.chmod(0o755)  # the server's user (when run as root) must reach its data dir
     pg = server(base)
     try:
-        asyncio.run(scenario(inside, pg, args))
+        asyncio.run(run(inside, pg))
     finally:
         pg.release()
         keeper.kill()
         subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def main(args: dict[str, Any]) -> None:
+    in_namespaces("plait-partition-", lambda inside, pg: scenario(inside, pg, args))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from partition_kernel import SERVER_ADDRESS, network, server, sh
+from partition_kernel import SERVER_ADDRESS, in_namespaces, sh
 from plait import Database
 from stream_helpers import create_generator, create_table
 
@@ -106,16 +103,7 @@ async def scenario(inside: list[str], local: str, args: dict[str, Any]) -> None:
 
 
 def main(args: dict[str, Any]) -> None:
-    keeper, inside = network()
-    base = Path(tempfile.mkdtemp(prefix="plait-silent-"))
-    base.chmod(0o755)  # the server's user (when run as root) must reach its data dir
-    pg = server(base)
-    try:
-        asyncio.run(scenario(inside, pg.dsn, args))
-    finally:
-        pg.release()
-        keeper.kill()
-        subprocess.run(["rm", "-rf", str(base)], check=False)
+    in_namespaces("plait-silent-", lambda inside, pg: scenario(inside, pg.dsn, args))
 
 
 if __name__ == "__main__":

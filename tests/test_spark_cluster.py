@@ -50,23 +50,26 @@ async def write(db: Database, count: int) -> list[int]:
     return ids
 
 
-def run(args: list[str], cwd: Path) -> str:
-    """A command as a user runs it: the venv's script, PATH without the venv."""
+def as_user(args: list[str], cwd: Path, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
+    """A command as a user runs it: the venv's script, PATH without the venv; it must
+    exit with `exit_code`. 3 commands and the cluster's start (2 x 120 s) stay within
+    the test's timeout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
     env["PATH"] = "/usr/bin:/bin"
-    # 3 commands and the cluster's start (2 x 120 s) stay within the test's timeout.
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, cwd=cwd)
-    assert done.returncode == 0, f"{args[:2]} failed:\n{done.stderr[-4000:]}"
-    return done.stdout
+    why = f"{args[:2]} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    assert done.returncode == exit_code, why
+    return done
+
+
+def run(args: list[str], cwd: Path) -> str:
+    """A command that must succeed: its standard output."""
+    return as_user(args, cwd).stdout
 
 
 def run_failing(args: list[str], cwd: Path) -> str:
     """A command that must fail with plait's one-line error (exit 2): its stderr."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
-    env["PATH"] = "/usr/bin:/bin"
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, cwd=cwd)
-    assert done.returncode == 2, f"{args[:2]} exited {done.returncode}:\n{done.stderr[-4000:]}"
-    return done.stderr
+    return as_user(args, cwd, exit_code=2).stderr
 
 
 async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_restart(
