@@ -130,6 +130,69 @@ async def test_a_standalone_cluster_reads_every_row_once_in_batch_and_across_a_r
     assert master_log.count("Registering app plait-cluster-export") == 2
 
 
+async def test_a_packed_environment_in_spark_archives_reads_every_row_once(
+    db: Database, tmp_path: Path
+) -> None:
+    """Spark's route for Python dependencies: a venv with plait, packed (venv-pack) and
+    shipped with spark.archives; the executors run its Python. The driver plans with
+    that same relative path, so run from a folder without it, `plait export` says in one
+    line to unpack the archive there too; with it unpacked there, two exports with rows
+    written between read every row once, and the executors ran the shipped Python."""
+    await create_table(db)
+    written = await write(db, 400)
+    packed = await asyncio.to_thread(_packed_environment, tmp_path / "pack")
+    plait = str(Path(sys.executable).parent / "plait")
+    here = tmp_path / "run"
+    here.mkdir()
+    with contextlib.ExitStack() as stack:
+        cluster = await asyncio.to_thread(
+            stack.enter_context, standalone_cluster(tmp_path / "cluster")
+        )
+        export = [
+            plait, "export", "--master", cluster.master, "--dsn", db.dsn, "--stream", "events",
+            "--checkpoint", str(tmp_path / "ck"), "--path", str(tmp_path / "out"), "--once",
+            "--conf", f"spark.archives={packed}#environment",
+            "--conf", "spark.pyspark.python=./environment/bin/python",
+        ]  # fmt: skip
+        refused = await asyncio.to_thread(run_failing, export, here)
+        assert "does not exist in this folder" in refused
+        assert "tar -xzf env.tar.gz -C environment" in refused
+        assert len(refused.strip().splitlines()) == 1, refused
+        (here / "environment").mkdir()
+        await asyncio.to_thread(
+            subprocess.run, ["tar", "-xzf", str(packed), "-C", "environment"], cwd=here, check=True
+        )
+        await asyncio.to_thread(run, export, here)
+        written += await write(db, 200)
+        await asyncio.to_thread(run, export, here)
+        shipped = list((tmp_path / "cluster" / "worker").glob("app-*/*/environment/bin/python"))
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(tmp_path / "out", columns=["stream_id"])["stream_id"].to_pylist()
+    assert sorted(ids) == sorted(written)  # every row once across the restart
+    assert len(shipped) == 2, "each export's executor unpacked the archive"
+
+
+def _packed_environment(work: Path) -> Path:
+    """A venv with plait (a wheel of this checkout), pyarrow and the ADBC driver, and
+    no PySpark (the executors take it from Spark), packed with venv-pack."""
+    from importlib.metadata import version
+
+    work.mkdir()
+    root = Path(__file__).resolve().parent.parent
+
+    def run(*args: str) -> None:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=work)
+        assert done.returncode == 0, f"{args[:4]}:\n{done.stderr[-3000:]}"
+
+    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work), str(root))
+    run(sys.executable, "-m", "venv", "env")
+    needs = [f"{name}=={version(name)}" for name in ("pyarrow", "adbc-driver-postgresql")]
+    run("env/bin/python", "-m", "pip", "install", "-q", *map(str, work.glob("*.whl")), *needs)
+    run(sys.executable, "-m", "venv_pack", "-p", "env", "-o", "env.tar.gz", "--compress-level", "1")
+    return work / "env.tar.gz"
+
+
 CONNECT_READ = """
 import sys
 import plait.spark

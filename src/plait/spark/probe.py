@@ -52,6 +52,14 @@ def check(spark: Any, within: float = WITHIN) -> None:
     try:
         rows = spark.read.format(Probe.name()).load().collect()
     except Exception as err:
+        program = cannot_run(str(err))
+        if program is not None:
+            from plait.spark.session import driver_python_problem
+
+            raise ConfigError(
+                driver_python_problem(program)
+                or f"Spark's executors cannot start the workers' Python {program}: {_FIX}"
+            ) from None
         reason = missing(str(err))
         if reason is not None:
             raise ConfigError(
@@ -104,6 +112,15 @@ class ProbeReader(DataSourceReader):
 
 
 _MISSING = re.compile(r"((?:ModuleNotFoundError|ImportError): [^\n]{1,300})")
+
+
+_CANNOT_RUN = re.compile(r'Cannot run program "([^"\n]{1,500})"')
+
+
+def cannot_run(error: str) -> str | None:
+    """The program Spark could not start (the workers' Python), from a Spark error."""
+    found = _CANNOT_RUN.search(error)
+    return found.group(1) if found else None
 
 
 def missing(error: str) -> str | None:

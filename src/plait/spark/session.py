@@ -124,9 +124,49 @@ def python_for_workers(conf: dict[str, str] | None) -> None:
     disagree: some take spark.pyspark.python, the RDD and batch-read ones only
     PYSPARK_PYTHON (else "python3"), so the setting goes into the variable too.
     """
+    chosen = os.environ.get("PYSPARK_PYTHON") or (conf or {}).get("spark.pyspark.python")
+    if chosen:
+        problem = driver_python_problem(chosen)
+        if problem is not None:
+            raise ConfigError(problem)
     if "PYSPARK_PYTHON" in os.environ:
         return
-    os.environ["PYSPARK_PYTHON"] = (conf or {}).get("spark.pyspark.python") or sys.executable
+    os.environ["PYSPARK_PYTHON"] = chosen or sys.executable
+
+
+def driver_python_problem(python: str, folder: Path | None = None) -> str | None:
+    """Why the driver cannot start `python` (the workers' Python, chosen with
+    PYSPARK_PYTHON or spark.pyspark.python), or None.
+
+    Spark plans a Python data source's reads on the driver, in workers it starts with
+    that same Python, from the driver's working folder (`folder`, default the current
+    one). A path inside a packed environment (`spark.archives=env.tar.gz#environment`,
+    `./environment/bin/python`) exists on the executors only, and every plait query
+    would fail with Spark's "Cannot run program"."""
+    where = folder if folder is not None else Path.cwd()
+    if "/" not in python:  # a command: Spark finds it on PATH, as the shell would
+        if shutil.which(python) is not None:
+            return None
+        return f"the workers' Python {python!r} is not on PATH: {_FIX_DRIVER_PYTHON}"
+    path = where / python  # an absolute path stays as it is
+    if os.access(path, os.X_OK) and path.is_file():
+        return None
+    if Path(python).is_absolute():
+        return f"the workers' Python {python} does not exist on this machine: {_FIX_DRIVER_PYTHON}"
+    return (
+        f"the workers' Python {python} does not exist in this folder ({where}): Spark "
+        "starts the driver's planning workers with it too, from here. For a packed "
+        "environment in spark.archives, unpack the same archive here as well (e.g. mkdir "
+        "environment && tar -xzf env.tar.gz -C environment), or run from a folder that has "
+        "it (README: Running on a cluster)"
+    )
+
+
+_FIX_DRIVER_PYTHON = (
+    "Spark starts the driver's planning workers with it too; give spark.pyspark.python "
+    "(or PYSPARK_PYTHON) a Python with plait that exists here and on every executor "
+    "(README: Running on a cluster)"
+)
 
 
 # Spark's own default on a cluster (spark.task.maxFailures); local mode takes it from the

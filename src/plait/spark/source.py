@@ -61,6 +61,7 @@ from plait.core.tokens import StreamToken
 from plait.errors import ConfigError, TokenParseError
 from plait.spark import catalog, offsets, pushdown, workers
 from plait.spark.options import METADATA, Options
+from plait.spark.read_connections import ReadConnections
 from plait.spark.schema import infer, text_columns
 from plait.storage.stream_store import ident
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
@@ -218,7 +219,8 @@ class RangePartition(InputPartition):
 # Catalog connections (psycopg) kept per process and DSN where Spark plans a read or
 # asks for offsets: its planning workers are reused, and each read would otherwise
 # connect two or three times. A kept one the server closed raises, and `Kept` tries
-# once more on a new one. Row reads connect afresh each time (`read_arrow`).
+# once more on a new one. Row reads keep theirs only while their socket shows it whole
+# (`read_connections`).
 _KEPT: dict[str, Any] = {}
 
 
@@ -259,6 +261,9 @@ def _adbc(dsn: str) -> Any:
     return adbc.connect(DEFAULT_TIMEOUTS.client_dsn(dsn), autocommit=True)
 
 
+_READS = ReadConnections(_adbc)
+
+
 @contextlib.contextmanager
 def _closing(thing: T) -> Iterator[T]:
     """`contextlib.closing`, except that after a failure a failing `close()` (of a
@@ -273,20 +278,14 @@ def _closing(thing: T) -> Iterator[T]:
 
 
 def read_arrow(dsn: str, query: str, schema: StructType) -> Iterator[Any]:
-    """The rows of `query` as Arrow record batches of `schema`'s types, on a connection
-    of their own.
-
-    Not one kept from an earlier read: the ADBC driver held at 1.8 (pyproject.toml)
-    aborts the whole process (`std::logic_error`, exit 134) when a query is sent on a
-    connection the server has closed meanwhile (a restart, a failover, an idle timeout,
-    pg_terminate_backend), which no retry can catch. A connection that fails while
-    rows arrive raises, and Spark tries the task again. Connecting costs 15-18 ms on one
-    host (ADBC loads the server's type catalogue; BENCHMARKS.md has what it costs a read,
-    against JDBC, which connects per task too)."""
+    """The rows of `query` as Arrow record batches of `schema`'s types, on this worker's
+    kept connection when its socket shows it whole, else a new one (`read_connections`:
+    the ADBC driver held at 1.8 aborts the process on a query sent over a broken one).
+    A connection that fails while rows arrive raises, and Spark tries the task again."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
     target = to_arrow_schema(schema, timezone="UTC")  # as Spark reads them back
-    with _closing(_adbc(dsn)) as conn, _closing(conn.cursor()) as cursor:
+    with _READS.connection(dsn) as conn, _closing(conn.cursor()) as cursor:
         cursor.execute(query)
         workers.settle()  # everything this worker needs is loaded by now
         for batch in cursor.fetch_record_batch():
