@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -617,13 +618,22 @@ async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_dela
 
     async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
         await write(gens["w1"], "a", 30)
+        spark.conf.set(EVERY_TRIGGER_REPORTS, "0")  # else one trigger without rows in 10 s
         query = await asyncio.to_thread(start, "waits", minRowsPerTrigger=50, maxTriggerDelay="1h")
+        spark.conf.unset(EVERY_TRIGGER_REPORTS)  # read as the query started
         try:
             await asyncio.to_thread(query.processAllAvailable)
             assert await asyncio.to_thread(count, "waits") == 30  # the first trigger reads
             await write(gens["w2"], "b", 10)
             await asyncio.to_thread(query.processAllAvailable)
             assert await asyncio.to_thread(count, "waits") == 30  # 10 < 50: no batch yet
+            # The progress of a trigger that read nothing says what waits: w2's 10 rows.
+            await until(
+                lambda: _rows_behind(query.lastProgress)[0].get("w2") == 10,
+                within=60,
+                what="a progress showing w2's 10 rows waiting",
+            )
+            assert _rows_behind(query.lastProgress) == ({"w1": 0, "w2": 10}, False)
             await write(gens["w1"], "c", 45)
             await asyncio.to_thread(query.processAllAvailable)
             assert await asyncio.to_thread(count, "waits") == 85
@@ -647,6 +657,45 @@ async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_dela
             assert gap.total_seconds() >= 2.0
         finally:
             await asyncio.to_thread(query.stop)
+
+
+EVERY_TRIGGER_REPORTS = "spark.sql.streaming.noDataProgressEventInterval"
+
+
+def _rows_behind(progress: Any) -> tuple[dict[str, int], bool]:
+    """A trigger's `rowsBehind` per writer, and whether it was counted only up to its cap,
+    from the plait source's `latestOffset` in the query's progress."""
+    latest = json.loads(progress["sources"][0]["latestOffset"])
+    return latest["rowsBehind"], latest.get("rowsBehindAtLeast", False)
+
+
+async def test_the_progress_of_a_query_says_how_many_rows_each_writer_has_behind(
+    db: Database, spark: Any
+) -> None:
+    """maxRowsPerTrigger cuts each batch short: each trigger's progress shows the rows it
+    left per writer (as the Kafka source shows offsets behind), down to none; past ten
+    batches' worth, it says "at least"."""
+    await create_events(db)
+    async with writers(db, "w1", "w2", all_writers=["w1", "w2"]) as gens:
+        await write(gens["w1"], "a", 150)
+        await write(gens["w2"], "b", 100)
+
+    def run(name: str, max_rows: int) -> list[Any]:
+        frame = plait.spark.stream(spark, db.dsn, "events", maxRowsPerTrigger=max_rows)
+        writer = frame.writeStream.format("memory").queryName(name)
+        query = writer.trigger(availableNow=True).start()
+        query.awaitTermination()
+        return [p for p in query.recentProgress if p["numInputRows"]]
+
+    progress = await asyncio.to_thread(run, "behind", 100)
+    assert [p["numInputRows"] for p in progress] == [100, 100, 50]
+    behind = [_rows_behind(p) for p in progress]
+    assert [sum(counts.values()) for counts, _ in behind] == [150, 50, 0]
+    assert behind[-1] == ({"w1": 0, "w2": 0}, False)
+    assert not any(capped for _, capped in behind)
+    # 10 batches of 5 rows: 50 index entries shared by the two writers, 25 each.
+    progress = await asyncio.to_thread(run, "far_behind", 5)
+    assert _rows_behind(progress[0]) == ({"w1": 25, "w2": 25}, True)
 
 
 async def test_metadata_columns_name_the_stream_and_when_each_row_committed(

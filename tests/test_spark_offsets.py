@@ -67,6 +67,27 @@ def test_ranges_read_each_writers_ids_between_the_offsets_once(
                 assert other.writer != r.writer
 
 
+@given(pairs(), st.lists(st.sampled_from([*WRITERS, "late"]), unique=True))
+def test_rows_behind_are_counted_per_writer_over_exactly_its_ids(
+    pair: tuple[StreamToken, StreamToken], known: list[str]
+) -> None:
+    """`per_writer` gives each writer of the stream's list a range of its own with
+    exactly the IDs the offsets' ranges read for it, once; writers outside the list are
+    counted only where a range excludes no one (else the count walks the whole range)."""
+    end, latest = pair
+    rs = offsets.per_writer(offsets.ranges(end, latest), known)
+    for writer in known:
+        assert covered(rs, writer) == set(range(end.get(writer) + 1, latest.get(writer) + 1))
+        assert len([r for r in rs if r.writer == writer]) <= 1
+    assert all(r.writer is not None or not r.others_than for r in rs)
+    counts = [r.high - r.low for r in rs]  # as if every ID were a row
+    behind = offsets.rows_behind(known, rs, counts)
+    assert set(known) <= set(behind)
+    assert sum(behind.values()) == sum(counts)
+    for writer in known:
+        assert behind[writer] == len(covered(rs, writer))
+
+
 @given(pairs(), st.integers(1, 7))
 def test_slices_read_each_writers_ids_once_and_stay_within_their_span(
     pair: tuple[StreamToken, StreamToken], max_ids: int

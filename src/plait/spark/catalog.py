@@ -425,3 +425,26 @@ def cutoff(
     )
     row = conn.execute(query).fetchone()
     return None if row is None else spec.sign * int(row[0])
+
+
+def pending_counts(
+    conn: psycopg.Connection[Any],
+    table: TableSpec,
+    backwards: bool,
+    ranges_: list[WriterRange],
+    cap: int,
+) -> list[int]:
+    """The rows of `table` in each range, in order, each counted up to `cap` (a count
+    of `cap` means at least that many): PostgreSQL walks at most `cap` entries of the
+    (writer, ID) index per range, however far behind a query is."""
+    if not ranges_:
+        return []
+    parts = [
+        sql.SQL("(SELECT count(*) FROM (SELECT 1 FROM {t} WHERE {c} LIMIT {n}) AS r)").format(
+            t=ident(table.name), c=range_condition(table, backwards, r), n=sql.Literal(cap)
+        )
+        for r in ranges_
+    ]
+    row = conn.execute(sql.SQL("SELECT ARRAY[{}]").format(sql.SQL(", ").join(parts))).fetchone()
+    assert row is not None
+    return [int(n) for n in row[0]]

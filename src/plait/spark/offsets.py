@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from plait.core import strict_json
@@ -171,6 +171,41 @@ def ranges(start: StreamToken, end: StreamToken) -> list[WriterRange]:
     if end.min > start.min:
         out.append(WriterRange(None, start.min, end.min, tuple(listed)))
     return out
+
+
+OTHERS = "others"  # the writers an offset does not list, in `rows_behind`
+
+
+def per_writer(ranges_: list[WriterRange], writers: Sequence[str]) -> list[WriterRange]:
+    """The ranges of `ranges_` to count rows in, one per writer: each range of unlisted
+    writers split into one per writer of `writers` it covers. What is left of such a
+    range (writers outside `writers`) is kept only when it excludes no one: counting
+    rows of "anyone but these" walks the whole ID range when there are none, where a
+    writer's own range stops at the count's cap (its (writer, ID) index)."""
+    out: list[WriterRange] = []
+    for r in ranges_:
+        if r.writer is not None:
+            out.append(r)
+            continue
+        named = [w for w in writers if w not in r.others_than]
+        out += [WriterRange(w, r.low, r.high) for w in named]
+        if not named and not r.others_than:
+            out.append(r)  # a stream any writer may write to, no writer listed yet
+    return out
+
+
+def rows_behind(
+    writers: Sequence[str], ranges_: list[WriterRange], counts: list[int]
+) -> dict[str, int]:
+    """Rows each writer has past a batch's end (`counts` of `ranges_`, the ranges from
+    that end to the latest offset, `per_writer`): every writer of `writers`, 0 where none
+    are pending; any others together as OTHERS, where they have some."""
+    behind = dict.fromkeys(writers, 0)
+    for r, n in zip(ranges_, counts, strict=True):
+        key = r.writer if r.writer is not None else OTHERS
+        if n or key != OTHERS:
+            behind[key] = behind.get(key, 0) + n
+    return behind
 
 
 @dataclass(frozen=True, slots=True)

@@ -396,6 +396,11 @@ def holds_back(
     return not enough()
 
 
+# How far a trigger cut short by maxRowsPerTrigger counts the rows it leaves behind,
+# in batches of that size (the count walks an index, as the batch's own cut does).
+ROWS_BEHIND_BATCHES = 10
+
+
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of per-writer ranges between offsets read from stream_positions.
 
@@ -408,6 +413,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: StreamToken | None = None  # Trigger.AvailableNow: stop here
         self._latest: StreamToken | None = None
         self._last_batch: float | None = None  # monotonic: when a trigger last read rows
+        self._behind: dict[str, int] | None = None  # rows per writer past the last end
+        self._behind_capped = False
 
     def initialOffset(self) -> dict[str, Any]:
         return self._plan.offset(self._plan.token(self._plan.options.starting, "startingToken"))
@@ -437,16 +444,39 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end = begin.copy_and_advance(latest)  # never behind the start for any writer
         spec, table, pending = self._plan.spec, self._plan.table, offsets.ranges(begin, end)
         if pending and self._waits(pending, limit):
+            min_rows = self._plan.options.min_rows
+            assert min_rows is not None
+            self._count_behind(begin, latest, min_rows)  # fewer than min_rows: exact
             return self._plan.offset(begin)  # no new batch yet
+        cap = 0  # nothing is behind unless a limit cut the batch short
         if isinstance(limit, ReadMaxRows):
             cut = self._plan.ask(
                 lambda conn: catalog.cutoff(conn, spec, table, pending, limit.max_rows)
             )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
+                left = max(1, len(offsets.per_writer(offsets.ranges(end, latest), spec.writers)))
+                cap = -(-ROWS_BEHIND_BATCHES * limit.max_rows // left)  # shared out
+        self._count_behind(end, latest, cap)
         if pending:
             self._last_batch = time.monotonic()
         return self._plan.offset(end)
+
+    def _count_behind(self, end: StreamToken, latest: StreamToken, cap: int) -> None:
+        """The rows per writer between `end` and `latest`, for the query's progress
+        (`reportLatestOffset`), each range counted up to `cap` (0: none is counted)."""
+        known = self._plan.spec.writers
+        behind = offsets.per_writer(offsets.ranges(end, latest), known)
+        counts: list[int] = []
+        if behind and cap > 0:
+            spec, table = self._plan.spec, self._plan.table
+            counts = self._plan.ask(
+                lambda conn: catalog.pending_counts(conn, table, spec.backwards, behind, cap)
+            )
+        else:
+            behind = []
+        self._behind = offsets.rows_behind(known, behind, counts)
+        self._behind_capped = cap > 0 and any(n >= cap for n in counts)
 
     def _waits(self, pending: list[offsets.WriterRange], limit: ReadLimit) -> bool:
         """Whether this trigger reads nothing yet (`holds_back`); never when Spark asks
@@ -467,8 +497,17 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         )
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
-        """What the last trigger found (for the query's status; no query of its own)."""
-        return None if self._latest is None else self._plan.offset(self._latest)
+        """What the last trigger found, for the query's progress (`latestOffset`), with
+        `rowsBehind`: the rows per writer the batch left for later triggers (counted up
+        to ROWS_BEHIND_BATCHES batches' worth; `rowsBehindAtLeast` when cut there)."""
+        if self._latest is None:
+            return None
+        report = self._plan.offset(self._latest)
+        if self._behind is not None:
+            report["rowsBehind"] = self._behind
+            if self._behind_capped:
+                report["rowsBehindAtLeast"] = True
+        return report
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
         begin, until = self._plan.checked(start, end)
