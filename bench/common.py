@@ -164,11 +164,13 @@ def server_cpu_seconds(postmaster: int | None) -> float | None:
     return None if postmaster is None else sum(tree_cpu_seconds(postmaster))
 
 
-def child_named(name: str) -> int | None:
-    """A child process of this one running `name` (Spark's JVM: `java`)."""
+def child_named(name: str, parent: int | None = None) -> int | None:
+    """A child process of `parent` (default: this one) running `name` (Spark's JVM:
+    `java`)."""
+    parent = os.getpid() if parent is None else parent
     for entry in os.listdir("/proc"):
         fields = _stat_fields(int(entry)) if entry.isdigit() else None
-        if fields is not None and int(fields[1]) == os.getpid():
+        if fields is not None and int(fields[1]) == parent:
             with contextlib.suppress(OSError), open(f"/proc/{entry}/comm") as f:
                 if f.read().strip() == name:
                     return int(entry)

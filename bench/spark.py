@@ -89,15 +89,25 @@ def timed_read(frame: Any) -> float:
 
 class CpuMeter:
     """CPU seconds a read costs each process group: Spark's JVM, its Python workers
-    (the JVM's descendants), and PostgreSQL (when it runs on this machine)."""
+    (the JVM's descendants), and PostgreSQL (when it runs on this machine). On a
+    standalone cluster, also the driver's JVM alone, and as "jvm" and "python_workers"
+    the executor's JVM and its Python workers (the cluster worker's child)."""
 
-    def __init__(self, postmaster: int | None) -> None:
+    def __init__(self, postmaster: int | None, cluster_worker: int | None = None) -> None:
         self.jvm = common.child_named("java")
+        self.cluster_worker = cluster_worker
         self.postmaster = postmaster
 
     def now(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        if self.jvm is not None:
+        executor = None
+        if self.cluster_worker is not None:
+            executor = common.child_named("java", self.cluster_worker)
+        if executor is not None:
+            out["jvm"], out["python_workers"] = common.tree_cpu_seconds(executor)
+            if self.jvm is not None:
+                out["driver_jvm"] = common.tree_cpu_seconds(self.jvm)[0]
+        elif self.jvm is not None:
             out["jvm"], out["python_workers"] = common.tree_cpu_seconds(self.jvm)
         server = common.server_cpu_seconds(self.postmaster)
         if server is not None:
@@ -276,6 +286,7 @@ async def main(args: argparse.Namespace) -> None:
 
         with contextlib.ExitStack() as stack:
             master = f"local[{args.cores}]"
+            worker = None
             if args.cluster:
                 sys.path.insert(0, TESTS)
                 from spark_cluster import standalone_cluster
@@ -283,12 +294,12 @@ async def main(args: argparse.Namespace) -> None:
                 work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
                 common.log("starting a standalone cluster")
                 cluster = stack.enter_context(standalone_cluster(work, cores=args.cores))
-                master = cluster.master
+                master, worker = cluster.master, cluster.worker_pid
             spark = quiet_session("plait-bench", master=master, conf={"spark.jars": str(JDBC_JAR)})
             stack.callback(spark.stop)
             common.log(f"read: plait vs JDBC on {master}")
             async with await AsyncConnection.connect(dsn) as conn:
-                meter = CpuMeter(await common.find_postmaster(conn))
+                meter = CpuMeter(await common.find_postmaster(conn), worker)
             await asyncio.to_thread(read_figure, spark, dsn, args, meter)
             if not args.cluster:
                 common.log("micro-batches")

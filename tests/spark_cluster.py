@@ -27,6 +27,7 @@ START_WITHIN = 120.0
 class Cluster:
     master: str  # spark://127.0.0.1:port
     logs: Path
+    worker_pid: int  # the worker's JVM: executors are its children
 
     def log_text(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.logs.glob("*")))
@@ -92,7 +93,7 @@ def standalone_cluster(work: Path, cores: int = 1, memory: str = "1g") -> Iterat
         url = f"spark://127.0.0.1:{port}"
         worker = ["org.apache.spark.deploy.worker.Worker", url, "--cores", str(cores)]
         start("worker", [*worker, "--memory", memory], "Successfully registered with master")
-        yield Cluster(url, logs)
+        yield Cluster(url, logs, processes[-1].pid)
     finally:
         _stop(processes)
 
