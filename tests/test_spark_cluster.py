@@ -209,8 +209,8 @@ async def test_over_spark_connect_exports_and_reads_every_row_once(
     db: Database, tmp_path: Path
 ) -> None:
     """`plait export --remote sc://...` (Parquet twice with rows written between, and
-    Delta, whose batches the server's Python writes) and a filtered batch read from a
-    Connect client: every row once."""
+    Delta, whose batches the server's Python writes), `plait derive --remote` and a
+    filtered batch read from a Connect client: every row once."""
     await create_table(db)
     written = await write(db, 600)
     plait = str(Path(sys.executable).parent / "plait")
@@ -228,6 +228,12 @@ async def test_over_spark_connect_exports_and_reads_every_row_once(
         written += await write(db, 200)
         await asyncio.to_thread(run, export("parquet"), tmp_path)
         await asyncio.to_thread(run, export("delta"), tmp_path)
+        derive = [
+            plait, "derive", "--remote", server.url, "--dsn", db.dsn, "--stream", "events",
+            "--checkpoint", str(tmp_path / "ck-derive"), "--target-table", "latest_by_writer",
+            "--key", "instance_name", "--max-rows-per-trigger", "500", "--once",
+        ]  # fmt: skip
+        await asyncio.to_thread(run, derive, tmp_path)
         read = [sys.executable, "-c", CONNECT_READ, server.url, db.dsn]
         count, distinct, total = map(int, (await asyncio.to_thread(run, read, tmp_path)).split())
         served = server.log.read_text(errors="replace")
@@ -241,8 +247,13 @@ async def test_over_spark_connect_exports_and_reads_every_row_once(
     # w2's rows: the second half of each write (write() inserts w1's, then w2's)
     w2 = [i for i in written if i in set(await _ids_of(db, "w2"))]
     assert (count, distinct, total) == (len(w2), len(w2), sum(w2))
-    # The server ran the three exports (not a local Spark of the client's).
-    assert served.count("terminating this Trigger.AvailableNow query") == 3
+    # derive kept each writer's latest row, through the server's Python.
+    async with db.connection() as conn:
+        cur = await conn.execute("SELECT key, stream_id FROM latest_by_writer ORDER BY key")
+        kept = await cur.fetchall()
+    assert kept == [("w1", max(await _ids_of(db, "w1"))), ("w2", max(await _ids_of(db, "w2")))]
+    # The server ran the three exports and the derive (not a local Spark of the client's).
+    assert served.count("terminating this Trigger.AvailableNow query") == 4
 
 
 async def _ids_of(db: Database, writer: str) -> list[int]:
