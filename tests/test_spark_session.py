@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +62,42 @@ def test_the_program_spark_could_not_start_is_read_from_its_error() -> None:
     )
     assert cannot_run(error) == "./environment/bin/python"
     assert cannot_run("ModuleNotFoundError: No module named 'plait'") is None
+
+
+RETRIED = """
+import subprocess
+import sys
+from pathlib import Path
+from plait.spark.session import quiet_session
+
+marker = Path(sys.argv[1])
+spark = quiet_session("retried", master="local[1]")
+
+
+def once(x: int) -> int:
+    if not marker.exists():  # the first try fails, the second reads on
+        marker.touch()
+        raise RuntimeError("the first try fails")
+    return x
+
+
+print(spark.sparkContext.parallelize([1, 2, 3], 1).map(once).sum())
+spark.stop()
+"""
+
+
+def test_a_task_spark_tries_again_is_one_line_on_the_console(tmp_path: Path) -> None:
+    """A failed task Spark runs again (a read whose connection dropped) was Spark's
+    ERROR and a 50-line Java and Python trace on the console of `plait export`."""
+    done = subprocess.run(
+        [sys.executable, "-c", RETRIED, str(tmp_path / "failed-once")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["6"]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Exception in task 0.0" in lines[0]
+    assert "spark.task.maxFailures" in lines[0]

@@ -32,6 +32,18 @@ logger.sparkproject.name = org.sparkproject
 logger.sparkproject.level = error
 logger.netty.name = io.netty
 logger.netty.level = error
+# A failed task is one line: Spark runs it again (spark.task.maxFailures), and when the
+# last try fails too the query's error says why.
+appender.tasks.type = Console
+appender.tasks.name = tasks
+appender.tasks.target = SYSTEM_ERR
+appender.tasks.layout.type = PatternLayout
+appender.tasks.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m \\
+  (Spark tries a task again, spark.task.maxFailures times in all)%n%ex{none}
+logger.tasks.name = org.apache.spark.executor.Executor
+logger.tasks.level = error
+logger.tasks.additivity = false
+logger.tasks.appenderRef.tasks.ref = tasks
 """
 
 
