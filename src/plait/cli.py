@@ -123,9 +123,13 @@ def _source_options(command: Any) -> Any:
     return command
 
 
-@click.group()
-def main() -> None:
+@click.group(invoke_without_command=True)
+@click.version_option(package_name="plait", message="plait %(version)s")
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """plait: multi-writer ordered streams on PostgreSQL."""
+    if ctx.invoked_subcommand is None:  # bare `plait`: what there is, not an error
+        click.echo(ctx.get_help())
 
 
 @main.command()
@@ -382,7 +386,7 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     "config_path",
     required=True,
     type=click.Path(dir_okay=False),
-    help="The instance's YAML configuration (README: Configuration).",
+    help="The instance's YAML configuration (docs: Configuration).",
 )
 @click.option("--instance-name", help="Overrides the file's instance_name.")
 @click.option("--dsn", envvar="PLAIT_DSN", help="Overrides the file's database (or $PLAIT_DSN).")
@@ -849,9 +853,15 @@ def _spark(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
 def run() -> None:
     """Entry point: plait's own errors as one line, exit status 2."""
     try:
-        main(standalone_mode=False)
+        main(standalone_mode=False, prog_name="plait")
     except click.exceptions.Abort:
         sys.exit(130)
+    except SystemExit as err:
+        # Click ends a command whose output was closed (EPIPE) with status 1, once it has
+        # quieted the streams: `plait tail ... | head` got what it wanted, not an error.
+        if err.code == 1 and isinstance(sys.stdout, click.utils.PacifyFlushWrapper):
+            sys.exit(0)
+        raise
     except click.ClickException as err:
         err.show()
         sys.exit(err.exit_code)

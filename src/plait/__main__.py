@@ -1,0 +1,5 @@
+"""`python -m plait`: the `plait` command."""
+
+from plait.cli import run
+
+run()

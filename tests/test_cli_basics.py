@@ -1,0 +1,57 @@
+"""What any command-line tool does: `--version`, `python -m plait`, a bare `plait` that
+shows its help (exit 0), and output into a pipe that closes early (`| head`) ending
+quietly with status 0. Run as a user runs them: the installed script, in a process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+from plait import Database
+from stream_helpers import create_generator, create_table
+
+PLAIT = str(Path(sys.executable).parent / "plait")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def test_version_module_and_bare_command() -> None:
+    shown = _run(PLAIT, "--version")
+    assert (shown.returncode, shown.stdout.strip()) == (0, f"plait {version('plait')}")
+    module = _run(sys.executable, "-m", "plait", "--help")
+    assert module.returncode == 0, module.stderr
+    assert module.stdout.startswith("Usage: plait ")
+    bare = _run(PLAIT)
+    assert bare.returncode == 0, bare.stderr
+    assert "Commands:" in bare.stdout
+    assert bare.stderr == ""
+
+
+async def test_tail_into_a_pipe_that_closes_early_ends_with_status_0(db: Database) -> None:
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    try:
+        await gen.insert(
+            "INSERT INTO events SELECT {id}, 'w', repeat('x', 100) FROM generate_series(1, %s)"
+            " RETURNING stream_id",
+            (3000,),  # some 500 kB of JSON lines: far more than a pipe holds
+        )
+        await gen.flush_position()
+    finally:
+        await gen.close()
+    process = subprocess.Popen(
+        [PLAIT, "tail", "events", "--dsn", db.dsn, "-n", "3000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    process.stdout.close()  # what `head -1` does
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 0, errors
+    assert b'"token"' in first
+    assert errors == ""
