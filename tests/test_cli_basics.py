@@ -4,6 +4,7 @@ quietly with status 0. Run as a user runs them: the installed script, in a proce
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from importlib.metadata import version
@@ -43,15 +44,22 @@ async def test_tail_into_a_pipe_that_closes_early_ends_with_status_0(db: Databas
         await gen.flush_position()
     finally:
         await gen.close()
+    first, status, errors = await asyncio.to_thread(_head_of_tail, db.dsn)
+    assert status == 0, errors
+    assert b'"token"' in first
+    assert errors == ""
+
+
+def _head_of_tail(dsn: str) -> tuple[bytes, int, str]:
+    """`plait tail events | head -1`: the first line, tail's status and its stderr."""
     process = subprocess.Popen(
-        [PLAIT, "tail", "events", "--dsn", db.dsn, "-n", "3000"],
+        [PLAIT, "tail", "events", "--dsn", dsn, "-n", "3000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout is not None
+    assert process.stderr is not None
     first = process.stdout.readline()
     process.stdout.close()  # what `head -1` does
     errors = process.stderr.read().decode()
-    assert process.wait(timeout=60) == 0, errors
-    assert b'"token"' in first
-    assert errors == ""
+    return first, process.wait(timeout=60), errors
