@@ -13,7 +13,8 @@ CONFIG = {
     "streams": [{"name": "notes", "tables": [{"name": "notes"}], "writers": ["w1", "w2"]}],
     "replication": {"transport": "tcp", "tcp": {"hub": "w1", "port": os.environ.get("HUB", 9190)}},
 }
-TABLE = "CREATE TABLE IF NOT EXISTS notes (stream_id BIGINT, instance_name TEXT, body TEXT)"
+TABLE = """CREATE TABLE IF NOT EXISTS notes (stream_id BIGINT, instance_name TEXT, body TEXT);
+CREATE INDEX IF NOT EXISTS notes_by_writer ON notes (instance_name, stream_id)"""
 INSERT = "INSERT INTO notes VALUES ({id}, %s, %s) RETURNING *"  # {id}: a new stream ID
 
 

@@ -84,3 +84,9 @@ def test_bad_files_say_what_is_wrong(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping at the top"):
         InstanceConfig.from_yaml(tmp_path / "list.yaml")
+    # A value of the wrong kind: the message names the file, as YAML errors do.
+    (tmp_path / "port.yaml").write_text("instance_name: a\nhttp:\n  port: notaport\n")
+    with pytest.raises(ConfigError) as err:
+        InstanceConfig.from_yaml(tmp_path / "port.yaml")
+    assert str(err.value).startswith(f"invalid configuration file {tmp_path / 'port.yaml'}: ")
+    assert "http.port" in str(err.value)
