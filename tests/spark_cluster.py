@@ -121,8 +121,8 @@ class ConnectServer:
 @contextlib.contextmanager
 def connect_server(work: Path) -> Iterator[ConnectServer]:
     """A Spark Connect server (local[2], task retries on) whose Python workers run this
-    Python, where plait is installed: the Connect route of README's "Running on a
-    cluster". Stopped at the end."""
+    Python, where plait is installed: the Connect route of
+    docs/guides/spark-clusters.md. Stopped at the end."""
     work.mkdir(parents=True, exist_ok=True)
     env = _spark_env(work)
     env["PYSPARK_PYTHON"] = sys.executable

@@ -1,7 +1,7 @@
 """The plait source on a Spark standalone cluster (a master and a worker started from the
 installed PySpark, `spark_cluster`): the driver, the executor and its Python workers are
 separate processes, as on a real cluster, with plait installed in the Python they run
-(the cluster route README's "Running on a cluster" describes); and over a Spark Connect
+(the cluster route the docs' "Spark on a cluster" describes); and over a Spark Connect
 server. Run the way a user runs it: the installed `plait` script, its venv not
 activated."""
 

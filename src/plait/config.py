@@ -39,13 +39,22 @@ _TLS_SETTINGS = (
 
 class _Model(BaseModel):
     # No .inf or .nan (YAML floats): every interval and bound is a real number of seconds.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # The docstring under each field is its description (the configuration reference in
+    # docs/ is generated from them).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
 
 class TableConfig(_Model):
+    """One table a stream's rows live in."""
+
     name: str
+    """The table's name (schema-qualified if need be)."""
     id_column: str = "stream_id"
+    """The column holding each row's stream ID."""
     instance_column: str = "instance_name"
+    """The column holding the name of the writer that wrote the row."""
 
 
 class StreamConfig(_Model):
@@ -53,11 +62,17 @@ class StreamConfig(_Model):
     (`memory`: typing notices and the like, replicated but never stored)."""
 
     name: str
+    """The stream's name."""
     kind: Literal["database", "memory"] = "database"
+    """`database` (rows in tables) or `memory` (replicated, never stored)."""
     tables: list[TableConfig] = Field(default_factory=list)
+    """The tables its rows live in (a database stream)."""
     sequence: str = ""
+    """The PostgreSQL sequence its IDs come from; empty: `<name>_seq`."""
     writers: list[str] = Field(default_factory=list)
+    """The instances that write it; empty: any instance may."""
     backwards: bool = False
+    """IDs count down (-1, -2, ...), for history imported behind the stream's start."""
 
     @model_validator(mode="after")
     def _check(self) -> StreamConfig:
@@ -85,26 +100,29 @@ class RedisConfig(_Model):
     to keep it out of a URL, in `password`; it is never logged."""
 
     url: str = "redis://127.0.0.1:6379/0"
+    """`redis://`, `rediss://` (TLS) or `unix://`."""
     password: SecretStr | None = None
-    # One channel per deployment: "<channel_prefix>.<deployment>".
+    """The password, kept out of the URL; never logged."""
     channel_prefix: str = "plait"
+    """One pub/sub channel per deployment: `<channel_prefix>.<deployment>`."""
     ping_interval: float = Field(30.0, gt=0)
-    # With replication.secret: how far (seconds) a message's stamp may be from this
-    # machine's clock, checked for the first message of each sender's connection (a
-    # replay of an older one is refused). Clocks must agree within this (NTP).
+    """Seconds between pings that find a dead connection."""
     max_clock_skew: float = Field(60.0, gt=0)
-    # PEM file of the CA(s) that signed the server's certificate; unset: the system's CAs.
+    """With `replication.secret`: how far (seconds) the first message of each sender's
+    connection may be stamped from this machine's clock (a replay of an older one is
+    refused). Clocks must agree within this (NTP)."""
     ssl_ca_certs: str | None = None
-    # A client certificate (PEM), for a server that asks for one (tls-auth-clients), and
-    # its unencrypted private key unless the certificate file holds it too.
+    """PEM file of the CA(s) that signed the server's certificate; unset: the system's."""
     ssl_certfile: str | None = None
+    """A client certificate (PEM), for a server that asks for one (tls-auth-clients)."""
     ssl_keyfile: str | None = None
-    # Verify the server's certificate: required (unset) or none (optional: as required,
-    # for a client; accepted as redis-py accepts it).
+    """The client certificate's unencrypted private key, unless the certificate file
+    holds it too."""
     ssl_cert_reqs: CertReqs | None = None
-    # Verify the server's host name against its certificate; unset: unless ssl_cert_reqs
-    # is none.
+    """Verify the server's certificate: `required` (unset) or `none`."""
     ssl_check_hostname: bool | None = None
+    """Verify the server's host name against its certificate; unset: unless
+    `ssl_cert_reqs` is `none`."""
 
     def check(self) -> None:
         """ConfigError (a ValueError, so reported like any other bad value): a missing
@@ -131,33 +149,52 @@ class RedisConfig(_Model):
 
 
 class TcpConfig(_Model):
-    hub: str = Field(pattern=_NAME_PATTERN)  # the instance that runs the hub
+    """Replication over TCP on one host: one instance runs the hub, the others connect."""
+
+    hub: str = Field(pattern=_NAME_PATTERN)
+    """The instance that runs the hub (required)."""
     host: str = "127.0.0.1"
+    """The hub's address."""
     port: int = Field(9093, ge=0, le=65535)
+    """The hub's port."""
     ping_interval: float = Field(5.0, gt=0)
+    """Seconds between pings on an idle connection."""
     dead_after: float = Field(25.0, gt=0)
+    """Seconds of silence after which a connection is taken for dead and closed."""
     send_queue: int = Field(10_000, ge=1)
-    # The hub closes a connection that has not finished the handshake (NAME, and with
-    # replication.secret the proof) within this many seconds.
+    """Lines the hub holds for a peer that does not read; past it the peer is cut off."""
     handshake_timeout: float = Field(3.0, gt=0)
+    """The hub closes a connection that has not finished the handshake (NAME, and with
+    `replication.secret` the proof) within this many seconds."""
 
 
 class ReplicationConfig(_Model):
+    """How instances hear of each other's rows."""
+
     transport: Literal["none", "redis", "tcp"] = "none"
+    """`none`, `redis` or `tcp`."""
     redis: RedisConfig = Field(default_factory=RedisConfig)
+    """The Redis of the deployment (transport `redis`)."""
     tcp: TcpConfig | None = None
+    """The TCP hub (transport `tcp`)."""
     announce_interval: float = Field(1.0, gt=0)
-    # Rows per catch-up query: the first page, doubling after each full one up to the max.
+    """Seconds between a writer's announcements of where it stands."""
     catch_up_page: int = Field(100, ge=1, le=10_000)
+    """Rows in the first page of a catch-up query; each full page doubles it."""
     catch_up_page_max: int = Field(10_000, ge=1, le=10_000)
-    # Commands a stream may have waiting per connection; past it they are dropped and
-    # the stream catches up from the database instead (R-RP-9).
+    """The largest catch-up page."""
     inbound_queue: int = Field(DEFAULT_INBOUND_QUEUE, ge=1, le=10_000_000)
+    """Replication commands one stream may have waiting on one connection: past it the
+    stream drops what waits and reads those rows from the database (an in-memory stream:
+    from its writer over HTTP), still exactly once and in order (R-RP-9)."""
     backoff_initial: float = Field(0.1, gt=0)
+    """The first wait (seconds) before a failed connection or catch-up is tried again."""
     backoff_cap: float = Field(30.0, gt=0)
-    # The deployment's replication secret: peers prove they hold it before anything but
-    # the handshake is accepted (TCP), and every published line is signed with it (Redis).
+    """The longest such wait."""
     secret: SecretStr | None = None
+    """The deployment's replication secret: TCP peers prove they hold it before anything
+    but the handshake is accepted, and every Redis message is signed with it. Required
+    for a hub off loopback and a Redis off this machine."""
 
     @model_validator(mode="after")
     def _check(self) -> ReplicationConfig:
@@ -180,47 +217,67 @@ class HttpConfig(_Model):
     """The internal HTTP API: catch-up of in-memory streams, request endpoints, metrics."""
 
     enabled: bool = True
+    """Serve it."""
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)  # 0: any free port
+    """The address to listen on; anything but loopback needs `secret`."""
+    port: int = Field(0, ge=0, le=65535)
+    """The port; 0: any free port."""
     secret: SecretStr | None = None
+    """The bearer secret callers must send (compared in constant time; 401 without it)."""
 
 
 class CachesConfig(_Model):
     """The `caches` stream and its cleanup (SPEC §7)."""
 
     enabled: bool = True
-    # Invalidation rows older than this are deleted (seconds; default 7 days).
+    """Keep the cache invalidation stream."""
     retention: float = Field(7 * 24 * 3600.0, gt=0)
-    cleanup: bool = True  # run the cleanup job on this instance
+    """Invalidation rows older than this many seconds are deleted (default 7 days)."""
+    cleanup: bool = True
+    """Run the cleanup job on this instance."""
     cleanup_batch: int = Field(1000, ge=1, le=100_000)
-    cleanup_interval: float = Field(3600.0, gt=0)  # between runs when there is no backlog
-    cleanup_pause: float = Field(0.1, ge=0)  # between batches while there is one
+    """Rows deleted per cleanup statement."""
+    cleanup_interval: float = Field(3600.0, gt=0)
+    """Seconds between cleanup runs when there is no backlog."""
+    cleanup_pause: float = Field(0.1, ge=0)
+    """Seconds between batches while there is a backlog."""
 
 
 class InstanceConfig(_Model):
+    """One process's configuration: the same file for every instance of a deployment,
+    but for `instance_name`."""
+
     instance_name: str = Field(pattern=_NAME_PATTERN)
+    """This process's name; writer names in streams refer to it (required)."""
     deployment: str = Field("plait", pattern=_NAME_PATTERN)
-    # PostgreSQL DSN; None starts (or reuses) the embedded server.
+    """Redis channel suffix: deployments sharing a Redis stay apart."""
     database: str | None = None
-    # How long a silent peer keeps a database connection, on both ends (TCP keepalives,
-    # tcp_user_timeout, idle_in_transaction_session_timeout): a partitioned writer is
-    # fenced only once its server processes end. What the DSN sets itself wins.
+    """PostgreSQL DSN; none starts (or reuses) the embedded server."""
     database_timeouts: DatabaseTimeouts = Field(default_factory=DatabaseTimeouts)
-    # Seconds plait waits for a PostgreSQL it cannot reach (not up yet, restarting,
-    # crashed) before it fails with DatabaseUnavailableError: at start-up, and in its
-    # own reads. What it waits for is logged meanwhile.
+    """How long a silent peer keeps a database connection, on both ends (TCP keepalives,
+    tcp_user_timeout, idle_in_transaction_session_timeout): a partitioned writer is
+    fenced only once its server processes end. What the DSN sets itself wins."""
     database_patience: float = Field(DEFAULT_RETRY_READS_FOR, ge=0)
+    """Seconds plait waits for a PostgreSQL it cannot reach (not up yet, restarting,
+    crashed) before it fails with DatabaseUnavailableError: at start-up, and in its own
+    reads. What it waits for is logged meanwhile."""
     streams: list[StreamConfig] = Field(default_factory=list)
-    # Base URL of each instance's internal HTTP API, e.g. {"worker1": "http://127.0.0.1:8081"}.
+    """The streams this deployment has."""
     instance_map: dict[str, str] = Field(default_factory=dict)
+    """Base URL of each instance's internal HTTP API, e.g.
+    `{"worker1": "http://127.0.0.1:8081"}`."""
     replication: ReplicationConfig = Field(default_factory=ReplicationConfig)
+    """How instances hear of each other's rows."""
     http: HttpConfig = Field(default_factory=HttpConfig)
+    """The internal HTTP API."""
     caches: CachesConfig = Field(default_factory=CachesConfig)
+    """Caches that stay correct across instances."""
     position_flush_interval: float = Field(1.0, gt=0)
-    # Seconds a writer may hold a stream's linear position without moving before this
-    # instance tries to fence it (which only succeeds when none of its connections is
-    # alive); null: never fence.
+    """Seconds between refreshes of a writer's position row while it is idle."""
     fence_after: float | None = Field(1.0, gt=0)
+    """Seconds a writer may hold a stream's linear position without moving before this
+    instance tries to fence it (which only succeeds when none of its connections is
+    alive); null: never fence."""
 
     @model_validator(mode="after")
     def _check(self) -> InstanceConfig:
@@ -239,11 +296,12 @@ class InstanceConfig(_Model):
         return f"{self.replication.redis.channel_prefix}.{self.deployment}"
 
     @classmethod
-    def load(cls, value: Any) -> InstanceConfig:
-        """From a mapping (as parsed from YAML or JSON); `ConfigError` when invalid."""
+    def load(cls, value: Any, source: str = "plait configuration") -> InstanceConfig:
+        """From a mapping (as parsed from YAML or JSON); `ConfigError` when invalid,
+        naming `source` (the file it came from)."""
         if isinstance(value, InstanceConfig):
             return value
-        _check_size(value)
+        _check_size(value, source)
         try:
             return cls.model_validate(value)
         except ValidationError as err:
@@ -254,7 +312,7 @@ class InstanceConfig(_Model):
             )
             if len(errors) > _MAX_PROBLEMS:
                 problems += f"; and {len(errors) - _MAX_PROBLEMS} more problems"
-            raise ConfigError(f"invalid plait configuration: {problems}") from None
+            raise ConfigError(f"invalid {source}: {problems}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> InstanceConfig:
@@ -279,7 +337,7 @@ class InstanceConfig(_Model):
             ) from None
         if not isinstance(value, dict):
             raise ConfigError(f"configuration file {path} must hold a mapping at the top")
-        return cls.load({**value, **overrides})
+        return cls.load({**value, **overrides}, f"configuration file {path}")
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -313,7 +371,7 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
-def _check_size(value: Any) -> None:
+def _check_size(value: Any, source: str) -> None:
     """`ConfigError` for a value nested deeper than `_MAX_DEPTH` or holding more than
     `_MAX_VALUES` values, counting shared ones once per place they appear.
 
@@ -332,7 +390,7 @@ def _check_size(value: Any) -> None:
                 else f"holds more than {_MAX_VALUES} values"
             )
             raise ConfigError(
-                f"invalid plait configuration: it {what}; check for YAML aliases (*name) "
+                f"invalid {source}: it {what}; check for YAML aliases (*name) "
                 "that repeat large parts or refer to themselves"
             )
         if isinstance(item, dict):

@@ -24,7 +24,7 @@ NEEDED = ("plait.spark.source", "pyarrow", "adbc_driver_postgresql")
 WITHIN = 120.0
 _FIX = (
     "install plait[spark] in it on every node, or set spark.pyspark.python (or "
-    "PYSPARK_PYTHON) to a Python that has it (README: Running on a cluster)"
+    "PYSPARK_PYTHON) to a Python that has it (docs: Spark on a cluster)"
 )
 
 

@@ -170,14 +170,14 @@ def driver_python_problem(python: str, folder: Path | None = None) -> str | None
         "starts the driver's planning workers with it too, from here. For a packed "
         "environment in spark.archives, unpack the same archive here as well (e.g. mkdir "
         "environment && tar -xzf env.tar.gz -C environment), or run from a folder that has "
-        "it (README: Running on a cluster)"
+        "it (docs: Spark on a cluster)"
     )
 
 
 _FIX_DRIVER_PYTHON = (
     "Spark starts the driver's planning workers with it too; give spark.pyspark.python "
     "(or PYSPARK_PYTHON) a Python with plait that exists here and on every executor "
-    "(README: Running on a cluster)"
+    "(docs: Spark on a cluster)"
 )
 
 

@@ -53,22 +53,26 @@ class DatabaseTimeouts(BaseModel):
     processes idle in a transaction end, after `idle_in_transaction_session_timeout`.
     None leaves a setting as the server or libpq has it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
-    # TCP keepalives on both ends: off, and the three settings below go unused.
     keepalives: bool = True
-    # Silence before the first probe, between probes, unanswered probes until dead.
+    """TCP keepalives on both ends; off: the three settings below go unused."""
     keepalives_idle: int = Field(3, ge=1, le=_MAX_KEEPALIVE_SECONDS)
+    """Seconds of silence before the first keepalive probe."""
     keepalives_interval: int = Field(1, ge=1, le=_MAX_KEEPALIVE_SECONDS)
+    """Seconds between probes."""
     keepalives_count: int = Field(3, ge=1, le=_MAX_KEEPALIVE_COUNT)
-    # Data sent and not acknowledged for this long ends the connection (both ends).
+    """Unanswered probes until the connection is dead."""
     tcp_user_timeout: float | None = Field(6.0, ge=0.001, le=_MAX_MS / 1000)
-    # The server ends a session idle inside a transaction for this long, and with it the
-    # transaction (the client's next statement fails). A transaction that holds a
-    # stream ID stalls every reader's linear position while it stays open, so keep
-    # plait's transactions short; raise this if yours wait on something slow between
-    # statements.
+    """Data sent and not acknowledged for this long (seconds) ends the connection (both
+    ends)."""
     idle_in_transaction_session_timeout: float | None = Field(60.0, ge=0.001, le=_MAX_MS / 1000)
+    """The server ends a session idle inside a transaction for this long (seconds), and
+    with it the transaction. A transaction that holds a stream ID stalls every reader's
+    linear position while it stays open, so keep transactions short; raise this if
+    yours wait on something slow between statements."""
 
     @property
     def dead_after(self) -> float | None:
