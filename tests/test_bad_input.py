@@ -21,7 +21,7 @@ from plait import (
     TableSpec,
     TokenParseError,
 )
-from plait.cli import main
+from plait.cli import main, unreachable
 from plait.ports import free_port
 from stream_helpers import create_generator, create_table, insert_rows, stored_positions
 
@@ -34,6 +34,33 @@ async def test_wrong_dsn_is_one_clear_error() -> None:
     assert "secret" not in str(info.value)
     with pytest.raises(DatabaseUnavailableError, match="invalid DSN"):
         await Database.connect("host=127.0.0.1 bogus_option=1")
+
+
+def test_every_command_says_the_same_about_a_database_it_cannot_reach() -> None:
+    """One message whatever the command: where (host, port, database), why, what to check,
+    and that without --dsn the embedded server is used; no password, no Python API."""
+    dsn = "postgresql://nobody:secret@127.0.0.1:1/none"
+    out = ["--path", "/tmp/plait-never", "--checkpoint", "/tmp/plait-never-ck", "--once"]
+    derived = ["--checkpoint", "/tmp/plait-never-ck", "--target-table", "t", "--key", "k"]
+    commands = [
+        ["status", "--dsn", dsn],
+        ["tail", "events", "--dsn", dsn],
+        ["migrate", "--dsn", dsn],
+        ["export", "--dsn", dsn, "--stream", "events", *out],
+        ["derive", "--dsn", dsn, "--stream", "events", *derived, "--once"],
+    ]
+    said = set()
+    for args in commands:
+        result = CliRunner().invoke(main, args)
+        assert isinstance(result.exception, DatabaseUnavailableError), (args, result.output)
+        said.add(unreachable(result.exception))
+    (message,) = said
+    assert message.startswith("cannot connect to PostgreSQL at 127.0.0.1:1/none: ")
+    assert "Connection refused" in message
+    assert "without --dsn" in message
+    assert "secret" not in message
+    assert "dsn=None" not in message
+    assert "\t" not in message
 
 
 async def test_missing_database_name(server_dsn: str) -> None:

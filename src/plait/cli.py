@@ -20,7 +20,7 @@ import click
 
 from plait.check.options import Options as _CHECK  # its defaults are the command's
 from plait.check.plan import FAULT_KINDS
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError, DatabaseUnavailableError, PlaitError
 from plait.storage.embedded import dsn_or_embedded
 
 _DSN = click.option(
@@ -493,6 +493,7 @@ def status(
     import psycopg
 
     from plait.ops import status as ops
+    from plait.storage.database import connect_or_say
     from plait.storage.timeouts import connect_sync
 
     instances: dict[str, str] = {}
@@ -511,7 +512,7 @@ def status(
         streams = ops.read(conn)
         return streams, [ops.assess(s, stall_after, pending) for s in streams], failed
 
-    with dsn_or_embedded(dsn) as url, connect_sync(url, autocommit=True) as conn:
+    with dsn_or_embedded(dsn) as url, connect_or_say(url, autocommit=True) as conn:
         ops.check_schema(conn)
         if not watch:
             _, found, failed = look(conn)
@@ -596,9 +597,10 @@ def tail(
     """A stream's rows as JSON lines: {"token", "table", "row"}. Each token resumes
     right after its row (`--from TOKEN`); rows are only ever ones their writer persisted."""
     from plait.ops.tail import Tail
+    from plait.storage.database import connect_or_say
     from plait.storage.timeouts import connect_sync
 
-    with dsn_or_embedded(dsn) as url, connect_sync(url, autocommit=True) as conn:
+    with dsn_or_embedded(dsn) as url, connect_or_say(url, autocommit=True) as conn:
         reader = Tail(conn, stream, writer)
 
         def shown(line: Any) -> str:
@@ -850,6 +852,17 @@ def _spark(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
     return spark, stop
 
 
+def unreachable(err: DatabaseUnavailableError) -> str:
+    """The command line's one message for a PostgreSQL it could not connect to, whatever
+    the command (the library's own speaks of `dsn=None` and `Database.connect`)."""
+    waited = f" (waited {err.waited:.0f} s)" if err.waited else ""
+    return (
+        f"cannot connect to PostgreSQL at {err.server}{waited}: {err.reason}. Check that it "
+        "runs there and the user, password and database name; without --dsn (or "
+        "`database` in the configuration file) plait uses its embedded server"
+    )
+
+
 def run() -> None:
     """Entry point: plait's own errors as one line, exit status 2."""
     try:
@@ -865,6 +878,9 @@ def run() -> None:
     except click.ClickException as err:
         err.show()
         sys.exit(err.exit_code)
+    except DatabaseUnavailableError as err:
+        click.echo(f"plait: {unreachable(err) if err.server else err}", err=True)
+        sys.exit(2)
     except (PlaitError, RuntimeError) as err:
         click.echo(f"plait: {err}", err=True)
         sys.exit(2)

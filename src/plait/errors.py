@@ -19,7 +19,25 @@ class ConfigError(PlaitError, ValueError):
 
 
 class DatabaseUnavailableError(PlaitError):
-    """PostgreSQL could not be reached or is unsuitable (wrong DSN, too old, ...)."""
+    """PostgreSQL could not be reached or is unsuitable (wrong DSN, too old, ...).
+
+    When no server answered (or one refused the connection), `server` says where it was
+    looked for (host:port/database, no secrets), `reason` what failed, and `waited` how
+    many seconds plait waited for it, if it did: the command line words its own advice
+    from them."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        server: str | None = None,
+        reason: str | None = None,
+        waited: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.server = server
+        self.reason = reason
+        self.waited = waited
 
 
 class NoConnectionError(DatabaseUnavailableError, PoolTimeout):

@@ -17,12 +17,11 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 from psycopg import sql
 
-from plait.core.redact import redact
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
 from plait.spark.offsets import Slice, WriterRange, above_head, not_a_writer
+from plait.storage.database import CHECK_DSN, connect_or_say
 from plait.storage.stream_store import head_of, ident
-from plait.storage.timeouts import connect_sync
 from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
@@ -38,14 +37,8 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
     """A connection for the driver's and planners' questions; a partition ends it
     within the default `DatabaseTimeouts` instead of leaving Spark waiting for hours
     (what the DSN sets itself wins)."""
-    try:
-        return connect_sync(dsn, autocommit=True, connect_timeout=10)
-    except psycopg.Error as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        # libpq quotes a DSN it cannot parse back, password and all.
-        raise ConfigError(
-            f"plait source: cannot connect to the database ({redact(reason)})"
-        ) from None
+    fix = f"{CHECK_DSN} of the dsn option"
+    return connect_or_say(dsn, fix, autocommit=True, connect_timeout=10)
 
 
 def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:

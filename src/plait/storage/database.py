@@ -44,7 +44,7 @@ from plait.storage.incarnation import (
     renew_incarnation,
 )
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
-from plait.storage.timeouts import DEFAULT_TIMEOUTS, DatabaseTimeouts
+from plait.storage.timeouts import DEFAULT_TIMEOUTS, DatabaseTimeouts, connect_sync
 
 logger = logging.getLogger(__name__)
 
@@ -940,7 +940,10 @@ class Database:
                 f"could not connect to PostgreSQL at {server_address(dsn)}: it has been "
                 f"unreachable for {seconds:.0f} s ({reason}). Check that the server is up "
                 "and reachable at that address (host, port), or give it longer "
-                "(database_patience in the configuration; wait_for_server of Database.connect)"
+                "(database_patience in the configuration; wait_for_server of Database.connect)",
+                server=server_address(dsn),
+                reason=reason,
+                waited=seconds,
             )
 
         try:
@@ -1364,15 +1367,17 @@ async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
         )
     except psycopg.ProgrammingError as err:
         # libpq's message may quote the DSN back, password and all.
+        reason = f"invalid DSN {redact(dsn)!r}: {redact(str(err).strip())}"
         raise DatabaseUnavailableError(
-            f"invalid DSN {redact(dsn)!r}: {redact(str(err).strip())}. Use a URI such as "
-            "postgresql://user@host:5432/dbname, or dsn=None for the embedded server"
+            f"{reason}. Use a URI such as postgresql://user@host:5432/dbname, or dsn=None "
+            "for the embedded server",
+            server=server_address(dsn),
+            reason=reason,
         ) from None
     except psycopg.OperationalError as err:
         if may_come_up(err):
             raise  # `connect` tries again while it may wait, then says so
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise _cannot_connect(dsn, redact(reason)) from None
+        raise _cannot_connect(dsn, reason_of(err)) from None
     try:
         version = conn.info.server_version
         if version < MIN_SERVER_VERSION:
@@ -1468,13 +1473,38 @@ def may_come_up(err: psycopg.OperationalError) -> bool:
 
 def _cannot_connect(dsn: str, reason: str) -> DatabaseUnavailableError:
     """A first connection attempt failed, and `connect` may not wait: what to check."""
+    return cannot_connect(dsn, reason)
+
+
+CHECK_DSN = "Check host, port, user, password and database name"
+
+
+def cannot_connect(
+    dsn: str, reason: str, fix: str = f"{CHECK_DSN}, or pass dsn=None to use the embedded server"
+) -> DatabaseUnavailableError:
+    """No server answered at `dsn`, or it refused the connection: where, why, and `fix`
+    (in the Python API's terms; the command line words its own from the fields)."""
+    where = server_address(dsn)
     return DatabaseUnavailableError(
-        f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. Check host, port, "
-        "user, password and database name, or pass dsn=None to use the embedded server"
+        f"could not connect to PostgreSQL at {where}: {reason}. {fix}",
+        server=where,
+        reason=reason,
     )
 
 
-def _reason(err: BaseException) -> str:
+
+def connect_or_say(
+    dsn: str, fix: str = f"{CHECK_DSN} of the DSN", **kwargs: Any
+) -> psycopg.Connection[Any]:
+    """A plain (synchronous) connection (`connect_sync`), or `cannot_connect`'s error
+    saying where and why when there is none (not psycopg's, which may quote the DSN)."""
+    try:
+        return connect_sync(dsn, **kwargs)
+    except psycopg.Error as err:
+        raise cannot_connect(dsn, reason_of(err), fix) from None
+
+
+def reason_of(err: BaseException) -> str:
     """The first line of an error, without secrets: libpq's messages go on with hints
     over lines, and quote some DSNs back."""
     text = str(err).strip()
@@ -1544,7 +1574,7 @@ async def _outlast(
                 logger.warning("PostgreSQL at %s is back after %.1f s", server, loop.time() - since)
             return result
         now = loop.time()
-        reason = "no connection" if last is None else _reason(last)
+        reason = "no connection" if last is None else reason_of(last)
         if first_failure is None:
             first_failure = now
         if now - first_failure >= patience:
