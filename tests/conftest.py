@@ -21,13 +21,13 @@ from typing import Any
 import aiohttp
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from http_api_helpers import MakeClient, StartApi, already_seen, no_streams
 from plait import Database
 from plait.check.postgres import RestartablePostgres
 from plait.replication.http_api import InternalApi, InternalClient
 from plait.storage.embedded import EmbeddedPostgres
+from plait.storage.search_path import in_schema
 from redis_server import RedisServer, redis_server_binary
 from replication_helpers import Cluster, cluster_of
 
@@ -52,10 +52,7 @@ def server_dsn() -> Iterator[str]:
 
 
 def with_search_path(dsn: str, schema: str) -> str:
-    params = conninfo_to_dict(dsn)
-    options = str(params.get("options", "") or "")
-    params["options"] = f"{options} -c search_path={schema}".strip()
-    return make_conninfo("", **params)
+    return in_schema(dsn, schema)
 
 
 @pytest.fixture

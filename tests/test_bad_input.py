@@ -304,3 +304,11 @@ async def test_an_unreachable_spark_connect_server_is_one_line_within_seconds(
     result = await asyncio.to_thread(CliRunner().invoke, main, args)
     assert isinstance(result.exception, ConfigError), result.output
     assert f"cannot reach the Spark Connect server at 127.0.0.1:{port}" in str(result.exception)
+
+
+def test_a_schema_that_is_no_plain_name_is_refused_by_its_flag() -> None:
+    result = CliRunner().invoke(
+        main, ["status", "--dsn", "postgresql://x@127.0.0.1:1/y", "--schema", "a b"]
+    )
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith("--schema 'a b' is not a plain schema name")

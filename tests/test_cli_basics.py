@@ -5,10 +5,13 @@ quietly with status 0. Run as a user runs them: the installed script, in a proce
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+
+import pytest
 
 from plait import Database
 from stream_helpers import create_generator, create_table
@@ -63,3 +66,64 @@ def _head_of_tail(dsn: str) -> tuple[bytes, int, str]:
     process.stdout.close()  # what `head -1` does
     errors = process.stderr.read().decode()
     return first, process.wait(timeout=60), errors
+
+
+STREAM_SETUP = """
+import asyncio
+from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
+from plait.storage.search_path import in_schema
+
+
+async def main() -> None:
+    server = await Database.connect(None, min_size=1, max_size=1)  # the embedded one
+    async with server.connection() as conn:
+        await conn.execute("CREATE SCHEMA IF NOT EXISTS mine")
+    # `server` holds the embedded server (its last user stops it), `db` works in "mine".
+    db = await Database.connect(in_schema(server.dsn, "mine"), min_size=1, max_size=2)
+    await db.migrate()
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE TABLE events (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL);"
+            " CREATE INDEX ON events (instance_name, stream_id)"
+        )
+    spec = StreamSpec("events", tables=[TableSpec("events")], writers=["w"])
+    gen = await MultiWriterIdGenerator.create(db, spec, "w")
+    await gen.insert(
+        "INSERT INTO events SELECT {id}, 'w' FROM generate_series(1, 25) RETURNING stream_id"
+    )
+    await gen.close()
+    await db.close()
+    await server.close()
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_export_without_dsn_reads_the_embedded_server_in_the_schema_given(
+    tmp_path: Path,
+) -> None:
+    """As every other command: no --dsn, plait's embedded server (here one of the test's
+    own, $PLAIT_DATA_DIR), in --schema."""
+    env = {**os.environ, "PLAIT_DATA_DIR": str(tmp_path / "data")}
+    env.pop("PLAIT_DSN", None)
+    try:
+        made = subprocess.run(
+            [sys.executable, "-c", STREAM_SETUP], env=env, capture_output=True, text=True
+        )
+        assert made.returncode == 0, made.stderr[-3000:]
+        out = tmp_path / "out"
+        export = [
+            PLAIT, "export", "--schema", "mine", "--stream", "events", "--path", str(out),
+            "--checkpoint", str(tmp_path / "ck"), "--once",
+        ]  # fmt: skip
+        done = subprocess.run(export, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        import pyarrow.parquet as pq
+
+        assert pq.read_table(out).num_rows == 25
+    finally:
+        from plait.storage import embedded
+
+        embedded.stop(tmp_path / "data" / "postgres")

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,14 +20,14 @@ import click
 
 from plait.check.options import Options as _CHECK  # its defaults are the command's
 from plait.check.plan import FAULT_KINDS
+from plait.demo import SCHEMA as DEMO_SCHEMA
 from plait.errors import ConfigError, DatabaseUnavailableError, PlaitError
 from plait.storage.embedded import dsn_or_embedded
 
 _DSN = click.option(
     "--dsn",
     envvar="PLAIT_DSN",
-    required=True,
-    help="PostgreSQL the stream lives in (or $PLAIT_DSN).",
+    help="PostgreSQL the stream lives in (or $PLAIT_DSN) [default: plait's embedded server].",
 )
 _STREAM = click.option("--stream", required=True, help="The plait stream to read.")
 # Durations and intervals: a zero or negative one is a mistyped flag, refused by name.
@@ -37,6 +37,23 @@ _ANY_DSN = click.option(
     envvar="PLAIT_DSN",
     help="PostgreSQL to use (or $PLAIT_DSN); default: plait's embedded server.",
 )
+
+
+_SCHEMA = click.option(
+    "--schema",
+    help="The PostgreSQL schema plait's tables and the streams' are in [default: the "
+    "DSN's search_path].",
+)
+
+
+@contextlib.contextmanager
+def _database(dsn: str | None, schema: str | None) -> Iterator[str]:
+    """The DSN a command works on: `--dsn` or the embedded server's (started if need be,
+    for as long as the command runs), in `--schema` when given."""
+    from plait.storage.search_path import in_schema
+
+    with dsn_or_embedded(dsn) as url:
+        yield url if schema is None else in_schema(url, schema, "--schema")
 
 
 def _spark_conf(_ctx: Any, _param: Any, values: tuple[str, ...]) -> dict[str, str]:
@@ -64,6 +81,7 @@ def _source_options(command: Any) -> Any:
     for option in reversed(
         [
             _DSN,
+            _SCHEMA,
             _STREAM,
             click.option("--table", help="For a stream over several tables: which one."),
             click.option(
@@ -146,6 +164,20 @@ def main(ctx: click.Context) -> None:
 @click.option("--partition-by-date", help="Partition by the date of this timestamp column.")
 def export(**options: Any) -> None:
     """Export a stream to Parquet or Delta Lake, exactly once, one line per batch."""
+    with _source_database(options):
+        _export(options)
+
+
+@contextlib.contextmanager
+def _source_database(options: dict[str, Any]) -> Iterator[None]:
+    """`--dsn`, or the embedded server's DSN (started if need be) for as long as the
+    command runs, as the other commands do without --dsn."""
+    with _database(options["dsn"], options.pop("schema")) as url:
+        options["dsn"] = url
+        yield
+
+
+def _export(options: dict[str, Any]) -> None:
     from plait.spark import pipelines
 
     _check_before_spark(
@@ -186,6 +218,11 @@ def export(**options: Any) -> None:
 @click.option("--target-dsn", envvar="PLAIT_TARGET_DSN", help="Default: --dsn.")
 def derive(**options: Any) -> None:
     """Keep a PostgreSQL table from a stream; a replayed batch changes nothing."""
+    with _source_database(options):
+        _derive(options)
+
+
+def _derive(options: dict[str, Any]) -> None:
     from plait.spark import pipelines
 
     counts = options["kind"] == "counts"
@@ -212,9 +249,18 @@ def derive(**options: Any) -> None:
     "--duration", type=_SECONDS, default=30.0, show_default=True, help="Seconds of simulated users."
 )
 @_ANY_DSN
+@click.option(
+    "--schema",
+    default=DEMO_SCHEMA,
+    show_default=True,
+    help="The schema the demo works in (dropped and made again at every run).",
+)
 @click.option("--redis", help="Replicate over this Redis (redis://...) instead of the TCP hub.")
 @click.option("--no-spark", is_flag=True, help="Skip the Spark export at the end.")
-def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) -> None:
+@click.option("--keep", is_flag=True, help="Keep the run's folder (logs, export) after success.")
+def demo(
+    duration: float, dsn: str | None, schema: str, redis: str | None, no_spark: bool, keep: bool
+) -> None:
     """The reference chat service end to end: its processes, simulated users, a live
     dashboard, then the Spark export of `events` to Parquet. Exits 1 if a check fails."""
     import asyncio
@@ -225,7 +271,15 @@ def demo(duration: float, dsn: str | None, redis: str | None, no_spark: bool) ->
     _stop_on_sigterm_as_on_ctrl_c()
     try:
         ok = asyncio.run(
-            run_demo(duration=duration, dsn=dsn, redis=redis, spark=not no_spark, console=console)
+            run_demo(
+                duration=duration,
+                dsn=dsn,
+                redis=redis,
+                spark=not no_spark,
+                console=console,
+                keep=keep,
+                schema_name=schema,
+            )
         )
     except KeyboardInterrupt:
         console.line()
@@ -327,8 +381,15 @@ def _count(name: str, default: int, help: str) -> Callable[[F], F]:
     show_default=True,
     help="Longest the Spark reader may trail it (seconds; with --spark).",
 )
-@click.option("--run-dir", type=click.Path(path_type=Path), help="Where journals and logs go.")
-@click.option("--keep", is_flag=True, help="Keep the run's schema even when all is well.")
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    help="Where journals and logs go (kept) [default: a temporary folder, removed when all "
+    "is well].",
+)
+@click.option(
+    "--keep", is_flag=True, help="Keep the run's schema and temporary folder when all is well."
+)
 @click.option(
     "--spark",
     is_flag=True,
@@ -349,6 +410,8 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     from plait.check.run import Checker
     from plait.check.table import summary
 
+    if options["run_dir"] is not None:
+        _check_folder(str(options["run_dir"]), "--run-dir")
     console = _console()
     if dsn and options["pg_faults"]:
         raise click.UsageError(
@@ -376,7 +439,8 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
             console.print(table)
         for problem in report.problems:
             console.print(f"[red]{problem}[/red]")
-        console.print(f"journals and logs: {report.run_dir}")
+        if report.run_dir_kept:
+            console.print(f"journals and logs: {report.run_dir}")
     sys.exit(0 if report.ok else 1)
 
 
@@ -436,24 +500,27 @@ def serve(
 
 @main.command()
 @_ANY_DSN
-def migrate(dsn: str | None) -> None:
+@_SCHEMA
+def migrate(dsn: str | None, schema: str | None) -> None:
     """Create or update plait's own tables (instances also do this when they start)."""
     import asyncio
 
     from plait.storage.database import Database
 
-    async def run() -> None:
-        db = await Database.connect(dsn, min_size=1, max_size=1)
+    async def run(url: str) -> None:
+        db = await Database.connect(url, min_size=1, max_size=1)
         try:
             await db.migrate(report=click.echo)
         finally:
             await db.close()
 
-    asyncio.run(run())
+    with _database(dsn, schema) as url:
+        asyncio.run(run(url))
 
 
 @main.command()
 @_ANY_DSN
+@_SCHEMA
 @click.option(
     "--watch",
     is_flag=True,
@@ -481,6 +548,7 @@ def migrate(dsn: str | None) -> None:
 )
 def status(
     dsn: str | None,
+    schema: str | None,
     watch: bool,
     every: float,
     stall_after: float,
@@ -512,7 +580,7 @@ def status(
         streams = ops.read(conn)
         return streams, [ops.assess(s, stall_after, pending) for s in streams], failed
 
-    with dsn_or_embedded(dsn) as url, connect_or_say(url, autocommit=True) as conn:
+    with _database(dsn, schema) as url, connect_or_say(url, autocommit=True) as conn:
         ops.check_schema(conn)
         if not watch:
             _, found, failed = look(conn)
@@ -561,6 +629,7 @@ def status(
 @main.command()
 @click.argument("stream")
 @_ANY_DSN
+@_SCHEMA
 @click.option(
     "--from",
     "from_",
@@ -588,6 +657,7 @@ def status(
 def tail(
     stream: str,
     dsn: str | None,
+    schema: str | None,
     from_: str | None,
     lines: int,
     follow: bool,
@@ -600,7 +670,7 @@ def tail(
     from plait.storage.database import connect_or_say
     from plait.storage.timeouts import connect_sync
 
-    with dsn_or_embedded(dsn) as url, connect_or_say(url, autocommit=True) as conn:
+    with _database(dsn, schema) as url, connect_or_say(url, autocommit=True) as conn:
         reader = Tail(conn, stream, writer)
 
         def shown(line: Any) -> str:

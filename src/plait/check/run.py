@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import make_conninfo
 from redis.asyncio import Redis
 
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
@@ -69,6 +69,7 @@ from plait.errors import PlaitError
 from plait.ports import free_port
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
+from plait.storage.search_path import in_schema
 
 START_TIMEOUT = 60.0
 # A Spark reader starts a JVM and plans a first query per stream: on a machine the
@@ -95,6 +96,7 @@ class Report:
     readers: list[ReaderVerdict]
     own_regressions: list[str]
     problems: list[str] = field(default_factory=list)
+    run_dir_kept: bool = True  # False: all held, and the folder plait made is gone
     # Writers that found themselves fenced when a partition healed and went on as a new
     # incarnation (the others exited with FENCED_EXIT: `faults.fenced_alive`).
     renewed: int = 0
@@ -328,6 +330,9 @@ class Checker:
         report.problems[:0] = problems
         if report.ok and not options.keep:
             await self._drop_schema()
+            if options.run_dir is None:  # a temporary folder of ours, not the user's
+                shutil.rmtree(run_dir, ignore_errors=True)
+                report.run_dir_kept = False
         return report
 
     # -- setting up ---------------------------------------------------------------------------
@@ -337,7 +342,7 @@ class Checker:
         async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
             await c.execute(f'CREATE SCHEMA "{self._schema}"')
             server = (c.info.hostaddr or c.info.host, c.info.port)  # where it really is
-        dsn = make_conninfo(self._server_dsn, options=f"-c search_path={self._schema}")
+        dsn = in_schema(self._server_dsn, self._schema)
         plan = Plan(
             dsn=dsn,
             transport=options.transport,

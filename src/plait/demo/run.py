@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -28,20 +29,19 @@ import psycopg
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from plait.demo import schema
+from plait.demo import SCHEMA, schema
 from plait.demo.roles import SYNC_PORT_ENV
 from plait.ops import status
 from plait.ports import free_port
 from plait.storage.database import Database
 from plait.storage.embedded import dsn_or_embedded
+from plait.storage.search_path import in_schema
 
-SCHEMA = "plait_demo"
 EVENT_WRITERS = ["ev1", "ev2"]
 ROLES = {
     "main": "main",
@@ -352,10 +352,12 @@ async def positions_of(processes: Processes) -> dict[str, dict[str, int]]:
     return out
 
 
-async def _prepare(server_dsn: str) -> str:
+async def _prepare(server_dsn: str, schema_name: str) -> str:
+    dsn = in_schema(server_dsn, schema_name, "--schema")  # a plain name: safe to quote
     with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE; CREATE SCHEMA "{SCHEMA}"')
-    dsn = make_conninfo(server_dsn, options=f"-c search_path={SCHEMA}")
+        conn.execute(
+            f'DROP SCHEMA IF EXISTS "{schema_name}" CASCADE; CREATE SCHEMA "{schema_name}"'
+        )
     db = await Database.connect(dsn, min_size=1, max_size=1)
     try:
         await db.migrate()
@@ -444,13 +446,45 @@ def _export(dsn: str, folder: Path) -> tuple[int, int]:
 
 
 async def demo(
-    *, duration: float, dsn: str | None, redis: str | None, spark: bool, console: Console
+    *,
+    duration: float,
+    dsn: str | None,
+    redis: str | None,
+    spark: bool,
+    console: Console,
+    keep: bool = False,
+    schema_name: str = SCHEMA,
 ) -> bool:
-    """Run the whole demo; True when every check held."""
+    """Run the whole demo; True when every check held. Its folder (process logs, the
+    Parquet export) is removed after a run whose checks all held, unless `keep`."""
     logs = Path(tempfile.mkdtemp(prefix="plait-demo-"))
+    ok = False
+    try:
+        ok = await _demo(duration, dsn, redis, spark, console, logs, schema_name)
+    finally:
+        if ok and not keep:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            console.print(f"process logs{' and the export' if spark else ''} kept in {logs}")
+    where = "" if dsn is None else " --dsn DSN"  # the DSN given to the demo
+    console.print("its data stays until the next run; see it with:", soft_wrap=True)
+    for command in ("status", "tail events"):
+        console.print(f"  plait {command}{where} --schema {schema_name}", soft_wrap=True)
+    return ok
+
+
+async def _demo(
+    duration: float,
+    dsn: str | None,
+    redis: str | None,
+    spark: bool,
+    console: Console,
+    logs: Path,
+    schema_name: str,
+) -> bool:
     with dsn_or_embedded(dsn) as server_dsn:
-        demo_dsn = await _prepare(server_dsn)
-        console.print(f"database ready (schema {SCHEMA}); process logs in {logs}")
+        demo_dsn = await _prepare(server_dsn, schema_name)
+        console.print(f"database ready (schema {schema_name}); process logs in {logs}")
         async with _running(demo_dsn, redis, logs) as processes:
             console.print(
                 f"running {', '.join(ROLES)} over {'Redis' if redis else 'the TCP hub'}; "

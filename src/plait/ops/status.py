@@ -127,7 +127,8 @@ def check_schema(conn: psycopg.Connection[Any]) -> None:
     except psycopg.errors.UndefinedTable:
         raise SchemaError(
             "this database has no plait schema (no plait_schema_version table in its "
-            "search_path): check the DSN's database and schema"
+            "search_path): check the DSN's database, and the schema (--schema; `plait "
+            "demo` works in plait_demo)"
         ) from None
     version = int(row[0]) if row and row[0] is not None else 0
     if version < NEEDS_SCHEMA:

@@ -1492,7 +1492,6 @@ def cannot_connect(
     )
 
 
-
 def connect_or_say(
     dsn: str, fix: str = f"{CHECK_DSN} of the DSN", **kwargs: Any
 ) -> psycopg.Connection[Any]:
