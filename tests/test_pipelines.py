@@ -281,6 +281,15 @@ async def test_export_from_the_installed_script_with_no_python_of_its_own_on_the
 
     ids = pq.read_table(tmp_path / "out", columns=["stream_id"])["stream_id"].to_pylist()
     assert sorted(ids) == sorted(written)
+    assert process.stderr.count("batch 0:") == 1, process.stderr  # one line per batch
+    # Run again with nothing new: it says so (it printed nothing at all).
+    again = await asyncio.to_thread(
+        subprocess.run, args, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.strip() == (
+        "nothing new: the checkpoint's last batch already ended where the stream ends now"
+    )
 
 
 async def test_delta_files_are_written_by_the_tasks_and_partition_values_survive_any_text(

@@ -187,7 +187,7 @@ def _export(options: dict[str, Any]) -> None:
             "--partition-by-date": options["partition_by_date"],
         },
     )
-    spark, stop = _spark(options)
+    spark, stop, printer = _spark(options)
     query = pipelines.export(
         spark,
         _source(options),
@@ -198,7 +198,7 @@ def _export(options: dict[str, Any]) -> None:
         partition_by_date=options["partition_by_date"],
         once=options["once"],
     )
-    pipelines.run(query, on_stop=stop)
+    _ran(pipelines.run(query, on_stop=stop), options, printer)
 
 
 @main.command()
@@ -230,7 +230,7 @@ def _derive(options: dict[str, Any]) -> None:
         options,
         {"--key": options["key"], "--time-column": options["time_column"] if counts else None},
     )
-    spark, stop = _spark(options)
+    spark, stop, printer = _spark(options)
     target = pipelines.Derived(
         dsn=options["target_dsn"] or options["dsn"],
         table=options["target_table"],
@@ -241,7 +241,7 @@ def _derive(options: dict[str, Any]) -> None:
     query = pipelines.derive(
         spark, _source(options), target, checkpoint=options["checkpoint"], once=options["once"]
     )
-    pipelines.run(query, on_stop=stop)
+    _ran(pipelines.run(query, on_stop=stop), options, printer)
 
 
 @main.command()
@@ -902,7 +902,7 @@ def _source(options: dict[str, Any]) -> Any:
     )
 
 
-def _spark(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+def _spark(options: dict[str, Any]) -> tuple[Any, Callable[[], None], Any]:
     """The session --master or --remote names, with --conf's settings, printing each
     batch's progress; and what stops it."""
     from plait.spark.pipelines import progress_printer
@@ -919,7 +919,17 @@ def _spark(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
             spark.streams.removeListener(printer)
         spark.stop()  # a classic session's listener hears its last events first
 
-    return spark, stop
+    return spark, stop, printer
+
+
+def _ran(ended: bool, options: dict[str, Any], printer: Any) -> None:
+    """After a pipeline: a --once run that ended by itself and read no row says so (it
+    printed nothing at all before)."""
+    if ended and options["once"] and printer.rows == 0:
+        click.echo(
+            "nothing new: the checkpoint's last batch already ended where the stream ends now",
+            err=True,
+        )
 
 
 def unreachable(err: DatabaseUnavailableError) -> str:

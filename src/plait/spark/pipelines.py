@@ -53,10 +53,13 @@ class Source:
 
 
 def progress_printer(spark: Any, out: TextIO = sys.stderr) -> Any:
-    """One line per micro-batch of every query of this session; returns the listener."""
+    """One line per micro-batch of every query of this session; returns the listener,
+    whose `rows` counts the rows of the batches it printed."""
     from pyspark.sql.streaming.listener import StreamingQueryListener
 
     class Printer(StreamingQueryListener):
+        rows = 0
+
         def onQueryStarted(self, event: Any) -> None:
             pass
 
@@ -64,6 +67,7 @@ def progress_printer(spark: Any, out: TextIO = sys.stderr) -> Any:
             p = event.progress
             if not p.numInputRows and not p.sources:
                 return
+            self.rows += p.numInputRows or 0
             end = p.sources[0].endOffset if p.sources else None
             seconds = (p.durationMs or {}).get("triggerExecution", 0) / 1000
             print(
@@ -253,14 +257,16 @@ def derive(
     return _trigger(writer, once).start()
 
 
-def run(query: Any, on_stop: Callable[[], None] | None = None) -> None:
+def run(query: Any, on_stop: Callable[[], None] | None = None) -> bool:
     """Wait for a query to end (Ctrl-C stops it cleanly), then `on_stop` (stopping the
-    session there lets the last progress lines reach the listener first)."""
+    session there lets the last progress lines reach the listener first). True when
+    it ended by itself (Trigger.AvailableNow), False when stopped by Ctrl-C."""
     failure = None
     try:
         query.awaitTermination()
     except KeyboardInterrupt:
         query.stop()
+        return False
     else:
         failure = query.exception()  # asked before `on_stop`: a Connect session is gone after
     finally:
@@ -268,3 +274,4 @@ def run(query: Any, on_stop: Callable[[], None] | None = None) -> None:
             on_stop()
     if failure is not None:
         raise RuntimeError(str(failure).splitlines()[0])
+    return True
