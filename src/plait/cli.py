@@ -962,7 +962,8 @@ def run() -> None:
         click.echo(f"plait: {unreachable(err) if err.server else err}", err=True)
         sys.exit(2)
     except (PlaitError, RuntimeError) as err:
-        click.echo(f"plait: {err}", err=True)
+        # The Spark source names itself for users of Spark; here the command says it.
+        click.echo(f"plait: {str(err).removeprefix('plait source: ')}", err=True)
         sys.exit(2)
     except Exception as err:
         import psycopg

@@ -51,13 +51,15 @@ def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:
     except psycopg.errors.UndefinedTable:
         raise ConfigError(
             "plait source: this database has no plait streams (no plait_streams table in "
-            "its search_path): check the DSN's database and schema"
+            "its search_path): check the DSN's database and schema (--schema on the command "
+            "line; `plait demo` works in plait_demo)"
         ) from None
     if row is None:
         known = [r[0] for r in conn.execute("SELECT stream_name FROM plait_streams ORDER BY 1")]
         raise ConfigError(
             f"plait source: unknown stream {stream!r}; streams in this database: {known} "
-            "(a stream is recorded when its first writer starts)"
+            "(a stream is recorded when its first writer starts; an in-memory stream, kind "
+            "memory, is never stored: its rows reach the instances over replication only)"
         )
     name, sequence, backwards, writers, tables = row
     spec = StreamSpec.from_json(
@@ -100,8 +102,8 @@ def pick_table(spec: StreamSpec, table: str | None) -> TableSpec:
         if len(spec.tables) == 1:
             return spec.tables[0]
         raise ConfigError(
-            f"plait source: stream {spec.name!r} spans tables {names}; choose one with "
-            '.option("table", ...)'
+            f"plait source: stream {spec.name!r} spans tables {names}; choose one (--table "
+            'on the command line, .option("table", ...) in Spark)'
         )
     for candidate in spec.tables:
         if candidate.name == table:

@@ -325,7 +325,8 @@ class StreamStore:
             raise SchemaError(
                 f"stream {self.spec.name!r}: table {spec.name!r} does not exist. Create it "
                 f"with a BIGINT {spec.id_column!r} column and a TEXT {spec.instance_column!r} "
-                "column, or fix the table name in the StreamSpec"
+                "column, or fix the stream's table name (its `tables` in the configuration "
+                "file, its TableSpec in Python)"
             )
         for column, allowed, wanted in (
             (spec.id_column, _INTEGER_TYPES, "BIGINT"),
@@ -335,7 +336,8 @@ class StreamStore:
                 raise SchemaError(
                     f"stream {self.spec.name!r}: table {spec.name!r} has no column {column!r} "
                     f"(it has {', '.join(sorted(columns))}). Add a {wanted} column {column!r} "
-                    "or fix the column name in the TableSpec"
+                    "or fix the column name (`id_column`/`instance_column` of the stream's "
+                    "table in the configuration file, of its TableSpec in Python)"
                 )
             if columns[column][1] not in allowed:
                 raise SchemaError(
