@@ -312,3 +312,35 @@ def test_a_schema_that_is_no_plain_name_is_refused_by_its_flag() -> None:
     )
     assert isinstance(result.exception, ConfigError), result.output
     assert str(result.exception).startswith("--schema 'a b' is not a plain schema name")
+
+
+async def test_an_instance_listens_where_instance_map_says_and_names_a_taken_address(
+    dsn: str,
+) -> None:
+    """One file for every instance: each listens on its own instance_map entry's port,
+    not on the file's http.port; an address in use is one line saying which setting
+    named it and which instance it belongs to (it was a 50-line OSError traceback)."""
+    from plait.instance import Instance
+
+    ports = {"a": free_port(), "b": free_port()}
+
+    def config(name: str) -> dict[str, object]:
+        return {
+            "instance_name": name,
+            "database": dsn,
+            "instance_map": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
+            "http": {"port": ports["a"]},  # the file's, right for a only
+        }
+
+    async with Instance(config("a")) as a, Instance(config("b")) as b:
+        assert a.http_url == f"http://127.0.0.1:{ports['a']}"
+        assert b.http_url == f"http://127.0.0.1:{ports['b']}"
+        # c has no entry: the file's http.port, which a holds.
+        with pytest.raises(ConfigError) as err:
+            async with Instance(config("c")):
+                pass
+    assert str(err.value) == (
+        f"instance 'c' cannot listen on 127.0.0.1:{ports['a']} (http.port): the address is "
+        "in use; instance_map gives it to a. Does this instance run already? Else give each "
+        "instance its own address in instance_map (the file's http.port is the same for all)"
+    )

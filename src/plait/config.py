@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -221,7 +222,8 @@ class HttpConfig(_Model):
     host: str = "127.0.0.1"
     """The address to listen on; anything but loopback needs `secret`."""
     port: int = Field(0, ge=0, le=65535)
-    """The port; 0: any free port."""
+    """The port; 0: any free port. An instance with an entry of its own in
+    `instance_map` listens on that entry's port instead (what the others call)."""
     secret: SecretStr | None = None
     """The bearer secret callers must send (compared in constant time; 401 without it)."""
 
@@ -294,6 +296,26 @@ class InstanceConfig(_Model):
     @property
     def channel(self) -> str:
         return f"{self.replication.redis.channel_prefix}.{self.deployment}"
+
+    def http_address(self) -> tuple[str, int, str]:
+        """Where this instance's HTTP API listens, and the setting that says so: the
+        port of its own `instance_map` entry (what the others call; one file serves every
+        instance, and a shared `http.port` would be right for one of them only), else
+        `http.port`; the host is `http.host`."""
+        own = self.instance_map.get(self.instance_name)
+        if own:
+            port = _port_of(own)
+            if port is not None:
+                return self.http.host, port, f"instance_map.{self.instance_name}"
+        return self.http.host, self.http.port, "http.port"
+
+    def holders_of(self, port: int) -> list[str]:
+        """The other instances `instance_map` gives `port` to."""
+        return sorted(
+            name
+            for name, url in self.instance_map.items()
+            if name != self.instance_name and _port_of(url) == port
+        )
 
     @classmethod
     def load(cls, value: Any, source: str = "plait configuration") -> InstanceConfig:
@@ -369,6 +391,13 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+
+def _port_of(url: str) -> int | None:
+    try:
+        return urlsplit(url).port
+    except ValueError:  # a port that is no number, or out of range
+        return None
 
 
 def _check_size(value: Any, source: str) -> None:

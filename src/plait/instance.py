@@ -15,6 +15,7 @@ arrived before it was registered.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import time
@@ -505,7 +506,24 @@ class Instance:
         )
         for name, handler in self._endpoints.items():
             self._api.register(name, handler)
-        await self._api.start(http.host, http.port)
+        host, port, setting = self.config.http_address()
+        try:
+            await self._api.start(host, port)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            holders = self.config.holders_of(port)
+            who = f"; instance_map gives it to {', '.join(holders)}" if holders else ""
+            fix = (
+                "give each instance its own address in instance_map (the file's http.port "
+                "is the same for all)"
+                if setting == "http.port"
+                else "stop the process that holds it, or change the address"
+            )
+            raise ConfigError(
+                f"instance {self.name!r} cannot listen on {host}:{port} ({setting}): the "
+                f"address is in use{who}. Does this instance run already? Else {fix}"
+            ) from None
         self._client = InternalClient(
             instance_name=self.name,
             instance_map=self.config.instance_map,
