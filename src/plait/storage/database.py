@@ -1484,10 +1484,9 @@ def cannot_connect(
 ) -> DatabaseUnavailableError:
     """No server answered at `dsn`, or it refused the connection: where, why, and `fix`
     (in the Python API's terms; the command line words its own from the fields)."""
-    where = server_address(dsn)
     return DatabaseUnavailableError(
-        f"could not connect to PostgreSQL at {where}: {reason}. {fix}",
-        server=where,
+        f"could not connect to PostgreSQL at {redact(dsn)}: {reason}. {fix}",
+        server=server_address(dsn),
         reason=reason,
     )
 
