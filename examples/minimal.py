@@ -1,6 +1,7 @@
 """Two writers and a worker on one stream: python examples/minimal.py w1 | w2 | worker."""
 
 import asyncio
+import logging
 import os
 import sys
 
@@ -19,6 +20,7 @@ INSERT = "INSERT INTO notes VALUES ({id}, %s, %s) RETURNING *"  # {id}: a new st
 
 
 async def main() -> None:
+    logging.basicConfig(level=logging.WARNING)  # plait's warnings (a library logs, apps show)
     instance = Instance(CONFIG)
     instance.add_schema(TABLE)  # run at start, before the stream checks its table
     seen = asyncio.Queue[int]()

@@ -4,6 +4,7 @@ metrics, stopped gracefully by SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -62,3 +63,63 @@ async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_serve_logs_one_json_object_per_line_when_asked(db: Database, tmp_path: Path) -> None:
+    """`--log-format json`: every line of stderr is one JSON object with the instance's
+    name, for a log pipeline."""
+    await create_table(db)
+    config = {
+        "instance_name": "placeholder",
+        "streams": [{"name": "events", "tables": [{"name": "events"}], "writers": ["w1"]}],
+        "http": {"port": 0},
+    }
+    path = tmp_path / "plait.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PLAIT_DSN": db.dsn}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "plait", "serve", "--config", str(path),
+        "--instance-name", "w1", "--log-format", "json",
+        stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    records: list[dict[str, str]] = []
+    try:
+        while not any("serving" in r["message"] for r in records):
+            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            assert line, f"plait serve exited early: {records}"
+            records.append(json.loads(line))
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        records += [json.loads(line) for line in (await proc.stderr.read()).splitlines()]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert all(r["instance"] == "w1" for r in records)
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert any("instance w1 stopped" in r["message"] for r in records)
+
+
+def test_a_json_log_line_names_the_stream_and_carries_the_error() -> None:
+    import logging
+
+    from plait.ops.log_format import JsonLines
+
+    record = logging.LogRecord(
+        "plait.x", logging.ERROR, __file__, 1, "stream %s: %s", ("ev", "down"), None
+    )
+    try:
+        raise RuntimeError("broken\nacross lines")
+    except RuntimeError:
+        record.exc_info = sys.exc_info()
+    line = JsonLines("w1").format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert (parsed["stream"], parsed["message"], parsed["level"]) == (
+        "ev",
+        "stream ev: down",
+        "error",
+    )
+    assert "RuntimeError: broken" in parsed["error"]
+    assert parsed["time"].endswith("Z")

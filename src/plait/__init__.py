@@ -6,7 +6,9 @@ safe positions and vector-clock tokens that readers follow without skipping or
 repeating a row.
 """
 
+import logging
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from plait.core.positions import PositionTracker
 from plait.core.tokens import StreamToken
@@ -33,6 +35,24 @@ from plait.storage.stream_store import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.spec import StreamSpec, TableSpec
 
+if TYPE_CHECKING:
+    from plait.instance import Instance
+
+# A library's logs are its application's to show: without a handler of the application's
+# own, Python's last-resort handler would print plait's warnings to stderr.
+logging.getLogger("plait").addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str) -> Any:
+    """`plait.Instance`, imported when first asked for: it brings the replication,
+    HTTP and cache layers, which a user of the generator alone does not need."""
+    if name == "Instance":
+        from plait.instance import Instance
+
+        return Instance
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")
+
+
 try:
     __version__ = version("plait")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -47,6 +67,7 @@ __all__ = [
     "EmbeddedPostgres",
     "EmbeddedServerError",
     "FencedError",
+    "Instance",
     "InstanceRunningError",
     "MultiWriterIdGenerator",
     "NoConnectionError",

@@ -466,8 +466,20 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     default="info",
     show_default=True,
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line (time, level, logger, message, instance, stream).",
+)
 def serve(
-    config_path: str, instance_name: str | None, dsn: str | None, app: str | None, log_level: str
+    config_path: str,
+    instance_name: str | None,
+    dsn: str | None,
+    app: str | None,
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Run one instance from its configuration until Ctrl-C or SIGTERM, then stop
     gracefully (pending rows sent, departure announced)."""
@@ -487,14 +499,19 @@ def serve(
         overrides["database"] = dsn
     config = InstanceConfig.from_yaml(config_path, **overrides)
     application = load_app(app) if app else None
-    if sys.stderr.isatty():
+    if log_format == "json":
+        from plait.ops.log_format import JsonLines
+
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLines(config.instance_name))
+    elif sys.stderr.isatty():
         console = Console(stderr=True)
-        handler: logging.Handler = RichHandler(console=console, show_path=False)
+        handler = RichHandler(console=console, show_path=False)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:  # a log file or a pipe: one plain line per record
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=log_level.upper(), handlers=[handler])
+    logging.basicConfig(level=log_level.upper(), handlers=[handler], force=True)
     asyncio.run(serve(config, application))
 
 
@@ -943,8 +960,23 @@ def unreachable(err: DatabaseUnavailableError) -> str:
     )
 
 
+def _warnings_to_stderr() -> None:
+    """plait's warnings (a missing index, a server it waits for) on stderr, one line
+    each, as Python's last-resort handler showed them before the library's logger got its
+    NullHandler; `plait serve` sets up its own."""
+    import logging
+
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+
+
 def run() -> None:
     """Entry point: plait's own errors as one line, exit status 2."""
+    _warnings_to_stderr()
     try:
         main(standalone_mode=False, prog_name="plait")
     except click.exceptions.Abort:
