@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import psycopg
 import pytest
+from hypothesis import settings
 
 from http_api_helpers import MakeClient, StartApi, already_seen, no_streams
 from plait import Database
@@ -30,6 +31,12 @@ from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.search_path import in_schema
 from redis_server import RedisServer, redis_server_binary
 from replication_helpers import Cluster, cluster_of
+
+# Hypothesis's per-example deadline (200 ms) is a bound about speed: on a busy machine
+# an example that is descheduled fails as "DeadlineExceeded" or "Flaky". The examples'
+# own assertions are what the tests are for.
+settings.register_profile("plait", deadline=None)
+settings.load_profile("plait")
 
 
 @pytest.fixture(scope="session")

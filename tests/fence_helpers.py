@@ -53,9 +53,15 @@ class LinearReader:
     async def until(self, position: int, within: float) -> float:
         """Seconds until the linear position reached `position`."""
         started = time.monotonic()
-        async with asyncio.timeout(within):
-            while await self.catch_up() < position:  # noqa: ASYNC110 - polls the database
-                await asyncio.sleep(0.02)
+        try:
+            async with asyncio.timeout(within):
+                while await self.catch_up() < position:  # noqa: ASYNC110 - polls the database
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise TimeoutError(
+                f"waited {within:.1f} s for the linear position to reach {position}; it is "
+                f"at {self.linear}"
+            ) from None
         return time.monotonic() - started
 
 

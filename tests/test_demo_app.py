@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 
 from demo_helpers import WRITERS, Chat, chat, deployment, post
+from pace import scaled
 from plait import Database
 from plait.demo import schema, sharding
 from plait.demo.roles import Memberships
@@ -164,7 +165,8 @@ async def online(chat: Chat) -> list[str]:
 async def test_presence_follows_syncs_and_is_cleared_at_once_on_graceful_stop(
     db: Database,
 ) -> None:
-    async with deployment(db, linger=0.3) as running, client() as session:
+    # The linger must outlast a sync and its report to main: longer on a busy machine.
+    async with deployment(db, linger=scaled(0.3)) as running, client() as session:
         url = running.url
         assert await online(running) == []
         # A long-poll in flight: the user is syncing, by this worker's name.

@@ -25,6 +25,7 @@ from http_api_helpers import (
     no_streams,
     raw_request,
 )
+from pace import scaled
 from plait.errors import ConfigError, RemoteCallError
 from plait.ports import free_port
 from plait.replication.http_api import CatchUpPage, InternalApi
@@ -349,7 +350,8 @@ async def test_the_same_txn_id_from_another_caller_is_another_call(
 async def test_cached_answers_expire_and_are_bounded(
     start_api: StartApi, make_client: MakeClient
 ) -> None:
-    api = await start_api(response_ttl=0.2, max_cached_responses=2)
+    ttl = scaled(0.2)  # the calls below must come within it, on a busy machine too
+    api = await start_api(response_ttl=ttl, max_cached_responses=2)
     handler = Counter()
     api.register("count", handler)
     client = make_client({"server": api.url})
@@ -359,7 +361,7 @@ async def test_cached_answers_expire_and_are_bounded(
     assert handler.runs == 3
     assert (await client.call("server", "count", "c", txn_id="c"))["run"] == 3  # cached
     assert (await client.call("server", "count", "a", txn_id="a"))["run"] == 4  # evicted
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(ttl * 1.5)
     assert (await client.call("server", "count", "c", txn_id="c"))["run"] == 5  # expired
 
 

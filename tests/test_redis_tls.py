@@ -21,6 +21,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, SSLConnection
 
+from pace import scaled
 from plait import Database
 from plait.config import InstanceConfig, RedisConfig
 from plait.errors import ConfigError
@@ -136,7 +137,7 @@ async def test_a_refused_tls_connection_fails_clearly_and_keeps_retrying(
         tls = RedisTls(ca_certs=str(pki.ca))
     handler = RecordingHandler("a")
     backoff = RecordingBackoff(initial=0.05, cap=0.2)
-    connect_timeout = 2.0
+    connect_timeout = scaled(2.0)  # three refusals come well within it, unless waited out
     transport = RedisTransport(
         handler,
         url=url,

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from pace import scaled
 from plait.core.commands import MAX_LINE_BYTES
 from plait.ports import free_port
 from plait.replication.metrics import ReplicationMetrics
@@ -145,18 +146,20 @@ async def test_pings_go_out_every_interval_and_never_reach_the_session(
     async with Redis.from_url(redis_url) as observer, observer.pubsub() as pubsub:
         await pubsub.subscribe(name)
         assert (await pubsub.get_message(timeout=2))["type"] == "subscribe"
-        transport = make_transport(handler, redis_url, name, ping_interval=0.1)
+        # 0.1 s on a quiet machine: a busy one holds the loop longer than 3 intervals.
+        interval = scaled(0.1)
+        transport = make_transport(handler, redis_url, name, ping_interval=interval)
         await transport.start()
         assert await transport.wait_open(3)
 
         seen: list[bytes] = []
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 10 * interval
         while (left := deadline - time.monotonic()) > 0:
             message = await pubsub.get_message(timeout=left)
             if message is not None and message["type"] == "message":
                 seen.append(message["data"])
         pings = [data for data in seen if data.startswith(b"PING ")]
-        assert 5 <= len(pings) <= 12, pings  # about one per 0.1 s
+        assert 5 <= len(pings) <= 12, pings  # about one per interval
         assert all(data[5:].isdigit() for data in pings)
 
         # Someone else's PING is not the session's business either; other lines are.
@@ -164,7 +167,7 @@ async def test_pings_go_out_every_interval_and_never_reach_the_session(
         await observer.publish(name, b"RDATA s b 1 {}")
         await eventually(lambda: "RDATA s b 1 {}" in handler.session.lines, "the RDATA line")
     assert not [line for line in handler.session.lines if line.startswith("PING")]
-    # 1 s is over 3 ping intervals: the echoes of its own pings kept the connection alive.
+    # 10 intervals are over 3: the echoes of its own pings kept the connection alive.
     assert len(handler.sessions) == 1
     assert handler.session.closed_calls == 0
 

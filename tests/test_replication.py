@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio import Redis
 
+from pace import scaled
 from plait import Database
 from plait.demo.presence import UserSync
 from plait.instance import Instance
@@ -269,7 +270,7 @@ async def test_an_idle_writer_lets_the_linear_position_advance(cluster: Cluster)
     gen = r.generator("events")
     await until(lambda: gen.get_persisted_upto_position() >= last, within=5, step=0.005)
     elapsed = time.monotonic() - done
-    assert elapsed <= announce + 0.1, elapsed
+    assert elapsed <= scaled(announce + 0.1), elapsed  # one announce, not a refresh
 
 
 async def test_an_idle_writer_whose_listener_lags_still_follows_the_others(
@@ -331,12 +332,12 @@ async def test_wait_for_stream_position_and_read_your_writes(cluster: Cluster) -
     async with events.get_next() as pending, notes.get_next() as pending_note:
         started_at = time.monotonic()
         assert not await r.wait_for_stream_position("w1", "events", pending, timeout=0.2)
-        assert 0.2 <= time.monotonic() - started_at < 1
+        assert 0.2 <= time.monotonic() - started_at < scaled(1)
         assert metric(r, "plait_wait_timeouts_total", stream="events") == 1
         # Positions on several streams are awaited together: one timeout in all.
         started_at = time.monotonic()
         await r.await_positions("w1", {"events": pending, "notes": pending_note}, timeout=0.3)
-        assert 0.3 <= time.monotonic() - started_at < 0.55
+        assert 0.3 <= time.monotonic() - started_at < 0.3 + scaled(0.25)  # one, not two
         assert metric(r, "plait_wait_timeouts_total", stream="notes") == 1
 
     for i in range(5):  # each call sees the write just before it

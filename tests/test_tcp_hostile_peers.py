@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pace import slowness
 from plait import Database
 from plait.core.commands import MAX_LINE_BYTES
 from plait.errors import ConfigError
@@ -42,6 +43,15 @@ LATENCY_BOUND = 1.0  # seconds from commit to the other instance, at worst, unde
 CUT_AT_ONCE = 0.5
 CUT_OFF_BOUND = 3.0
 STALL_BOUND = 0.25  # seconds the event loop (the hub's, w1's and w2's) is held, at worst
+# The bounds above are a quiet machine's: each test runs twice, on them as written
+# (marked `timing`: CI's quiet machine) and on them times this machine's slowness now
+# (the default run: a busy laptop holds an event loop longer without a fault of plait's).
+PACE = 1.0
+
+
+@pytest.fixture(autouse=True, params=["busy", pytest.param("quiet", marks=pytest.mark.timing)])
+def _pace(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(globals(), "PACE", slowness() if request.param == "busy" else 1.0)
 
 
 # -- two instances replicating through the hub ----------------------------------------
@@ -108,7 +118,7 @@ class Pair:
             for arrivals in (self.at_w1, self.at_w2)
             for i in arrivals.ids
         ]
-        assert max(latencies) < LATENCY_BOUND, sorted(latencies)[-5:]
+        assert max(latencies) < LATENCY_BOUND * PACE, sorted(latencies)[-5:]
         reconnects = metric(self.w2, "plait_reconnects_total", link="tcp:hub")
         assert not reconnects, "w2 lost its connection to the hub"
         assert len(self.w2_sessions_at_hub()) == 1
@@ -168,9 +178,9 @@ async def under_attack(
     finally:
         stop.set()
         await asyncio.gather(writing, watching)
-    assert cut_after < cut_within, f"cut off only after {cut_after:.2f}s"
+    assert cut_after < cut_within * PACE, f"cut off only after {cut_after:.2f}s"
     assert peak < memory_bound, f"the hub held {peak} bytes for its peers"
-    assert stall < STALL_BOUND, f"the event loop was held for {stall:.2f}s"
+    assert stall < STALL_BOUND * PACE, f"the event loop was held for {stall:.2f}s"
     await pair.check_replication()
     return cut_after
 
@@ -203,7 +213,7 @@ class Hostile:
         not `read`); seconds until then."""
         reading = asyncio.create_task(self._read()) if read else None
         try:
-            async with asyncio.timeout(CUT_OFF_BOUND + 2):
+            async with asyncio.timeout((CUT_OFF_BOUND + 2) * PACE):
                 while True:
                     if reading is not None and reading.done():
                         break
@@ -371,7 +381,7 @@ async def test_a_flood_of_valid_lines_does_not_starve_the_others(db: Database) -
 
         await under_attack(pair, attack, memory_bound=16 << 20)
         taken = position_lines_at(pair.w1) - w1_before  # the rest was cut off unread
-        assert taken > 10_000, (taken, relayed)
+        assert taken > 10_000 / PACE, (taken, relayed)
         # each one relayed, and nothing else (the instances' own lines count a few)
         assert 0 <= position_lines_at(pair.w2) - w2_before - taken < 100
 
@@ -396,7 +406,7 @@ async def test_a_peer_that_never_reads_is_cut_off_once_its_queue_is_full(
                 started = time.monotonic()
                 # It reads nothing from here on, but pings (a silent peer would be cut
                 # off by dead_after instead), while the rows pile up for it at the hub.
-                async with asyncio.timeout(CUT_OFF_BOUND + 2):
+                async with asyncio.timeout((CUT_OFF_BOUND + 2) * PACE):
                     while True:
                         try:
                             await loop.sock_sendall(sock, b"PING 1\n")
@@ -442,7 +452,7 @@ async def test_many_connections_that_half_close_or_never_say_name_are_all_cut_of
                         if reader.at_eof():
                             break
                 # kind 4: connects and says nothing
-                async with asyncio.timeout(CUT_OFF_BOUND + 2):
+                async with asyncio.timeout((CUT_OFF_BOUND + 2) * PACE):
                     while await reader.read(1 << 16):
                         pass
                 return time.monotonic() - started
@@ -485,7 +495,7 @@ async def test_a_peer_cannot_move_another_writers_position_or_send_its_rows(
                     b"POSITION notes w2 0 1000000000\n"
                 )
                 errors: list[bytes] = []
-                async with asyncio.timeout(CUT_OFF_BOUND):
+                async with asyncio.timeout(CUT_OFF_BOUND * PACE):
                     while len(errors) < 3 and (line := await reader.readline()):
                         if line.startswith(b"ERROR"):
                             errors.append(line)
@@ -531,7 +541,7 @@ async def test_a_reconnecting_peer_sending_garbage_does_not_flood_the_log(
                 peer = await Hostile.connect(port)
                 peer.writer.write(b"POSITION events hostile x y\n" * 20)
                 await peer.writer.drain()
-                async with asyncio.timeout(CUT_OFF_BOUND):
+                async with asyncio.timeout(CUT_OFF_BOUND * PACE):
                     while len(errors_of(peer)) < 20:
                         chunk = await peer.reader.read(1 << 16)
                         assert chunk, "the hub hung up"
