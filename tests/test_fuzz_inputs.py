@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from demo_helpers import chat, post
 from http_api_helpers import SECRET, Counter, MemoryStream, StartApi, raw_request
+from pace import scaled
 from plait import ConfigError, Database, StreamSpec, StreamToken, TableSpec
 from plait.caches.invalidations import InvalidationRows
 from plait.config import MAX_CONFIG_BYTES, InstanceConfig
@@ -475,9 +476,9 @@ YAML_PIECES = [
 
 def check_config_file(path: Path, data: bytes) -> None:
     path.write_bytes(data)
-    started = time.monotonic()
+    started = time.process_time()  # the CPU it took: a busy machine gives it less often
     check_config(lambda: InstanceConfig.from_yaml(path))
-    assert time.monotonic() - started < 5
+    assert time.process_time() - started < 5
 
 
 @settings(max_examples=400, deadline=None)
@@ -567,10 +568,10 @@ def test_configs_that_hold_themselves_or_too_much_are_refused_quickly(
     if isinstance(value, str):
         config_file.write_text(value)
         load, value = InstanceConfig.from_yaml, config_file
-    started = time.monotonic()
+    started = time.process_time()  # the CPU it took: a busy machine gives it less often
     with pytest.raises(ConfigError) as info:
         load(value)
-    assert time.monotonic() - started < 2
+    assert time.process_time() - started < 2
     assert len(str(info.value)) < 5000
 
 
@@ -1102,7 +1103,8 @@ async def test_the_demo_api_answers_or_refuses_clearly(
         status, answer = await _answer(response)
     event(f"{method} {path} {status} {str(answer.get('error'))[:60] if status != 200 else ''}")
     _assert_clear(status, answer, {200, 400})
-    assert time.monotonic() - started < 6  # one position wait at most, never a hang
+    # one position wait (5 s) at most, never a hang
+    assert time.monotonic() - started < 5 + scaled(1)
 
 
 async def test_an_after_token_from_the_future_is_clamped_not_waited_on(
@@ -1123,4 +1125,5 @@ async def test_an_after_token_from_the_future_is_clamped_not_waited_on(
     async with http.get(f"{demo}/sync", params=query, timeout=DEMO_TIMEOUT) as response:
         status, answer = await _answer(response)
     assert status == 200, answer
-    assert time.monotonic() - started < 4
+    # Together, and clamped: under two 5 s waits in turn whatever the machine's pace.
+    assert time.monotonic() - started < min(scaled(4), 9.0)
