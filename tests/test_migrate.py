@@ -34,8 +34,13 @@ async def test_migrate_says_when_it_waits_for_another_migration(dsn: str) -> Non
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as holder:
         await holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
         running = asyncio.create_task(asyncio.to_thread(migrate, dsn))
-        await asyncio.sleep(0.5)
-        assert not running.done()  # waiting for the lock
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        for _ in range(3000):  # until the migration waits for the lock (60 s at most)
+            row = await (await holder.execute(waiting)).fetchone()
+            if running.done() or (row is not None and row[0]):
+                break
+            await asyncio.sleep(0.02)
+        assert not running.done(), await running  # waiting for the lock
         await holder.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
     code, lines = await running
     assert code == 0, lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -154,10 +155,11 @@ async def test_a_failure_during_catch_up_backs_off_and_then_catches_up(
     failing["on"] = True
     redis_server.start()
     before = metric(r, "plait_reconnects_total", link="redis")
-    await asyncio.sleep(1.6)
+    window = scaled(1.6)  # a busy machine makes each attempt slower, so fewer fit
+    await asyncio.sleep(window)
     attempts = metric(r, "plait_reconnects_total", link="redis") - before
     # 0.05 s doubling: a handful of attempts, never a tight loop.
-    assert 2 <= attempts <= 7, attempts
+    assert 2 <= attempts <= math.log2(window / 0.05 + 1) + 2, attempts
     assert seen.rows == []
     failing["on"] = False
     await seen.wait(50, within=20)
