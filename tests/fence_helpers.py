@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pace import within
 from plait import Database, MultiWriterIdGenerator
 from plait.storage.incarnation import name_prefix
 
@@ -28,7 +29,7 @@ async def spawn(dsn: str, name: str, config: Any = None) -> asyncio.subprocess.P
         stderr=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
-    async with asyncio.timeout(30):
+    async with within(30, "the writer process to say it started"):
         line = await process.stdout.readline()
     assert line == b"started\n", (line, await process.stderr.read() if process.stderr else b"")
     return process

@@ -13,7 +13,10 @@ The same guarantees on their strict, quiet-machine bounds live in tests marked `
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 MAX_SLOWNESS = 10.0  # past this the machine is not busy but stuck: let the test say so
 
@@ -29,3 +32,15 @@ def slowness() -> float:
 def scaled(seconds: float) -> float:
     """`seconds`, a bound measured on a quiet machine, for this machine's pace now."""
     return seconds * slowness()
+
+
+@contextlib.asynccontextmanager
+async def within(seconds: float, what: str) -> AsyncIterator[None]:
+    """`asyncio.timeout` for `seconds` at this machine's pace (`scaled`), whose
+    TimeoutError says what was waited for and for how long."""
+    limit = scaled(seconds)
+    try:
+        async with asyncio.timeout(limit):
+            yield
+    except TimeoutError:
+        raise TimeoutError(f"waited {limit:.1f} s for {what}") from None

@@ -11,6 +11,7 @@ from typing import Any
 
 from psycopg import sql
 
+from pace import scaled
 from plait import Database
 from plait.instance import Instance
 from plait.ports import free_port
@@ -57,6 +58,7 @@ class Seen:
         return [row for _, _, rows in self.calls for row in rows]
 
     async def wait(self, count: int, within: float = 15.0) -> None:
+        within = scaled(within)  # for this machine's pace (tests/pace.py)
         try:
             async with asyncio.timeout(within):
                 while len(self.rows) < count:
@@ -64,20 +66,22 @@ class Seen:
                     await self.changed.wait()
         except TimeoutError:
             raise TimeoutError(
-                f"waited {within} s for {count} rows; {len(self.rows)} arrived"
+                f"waited {within:.1f} s for {count} rows; {len(self.rows)} arrived"
             ) from None
 
 
 async def until(
     condition: Callable[[], bool], within: float = 10.0, step: float = 0.01, *, what: str = ""
 ) -> None:
-    """Poll `condition` (state of another instance, which offers no event to wait on)."""
+    """Poll `condition` (state of another instance, which offers no event to wait on) for
+    `within` seconds at this machine's pace (tests/pace.py)."""
+    within = scaled(within)
     try:
         async with asyncio.timeout(within):
             while not condition():  # noqa: ASYNC110 - polling another component's state
                 await asyncio.sleep(step)
     except TimeoutError:
-        raise TimeoutError(f"waited {within} s for {what or 'the condition'}") from None
+        raise TimeoutError(f"waited {within:.1f} s for {what or 'the condition'}") from None
 
 
 def metric(instance: Instance, name: str, **labels: str) -> float:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from pace import scaled
 from plait import Database
 from plait.instance import Instance
 from plait.replication.metrics import ReplicationMetrics
@@ -203,7 +204,7 @@ async def started_pair(
     for handler, metrics, secret in ((a, ma, secrets[0]), (b, mb, secrets[1])):
         transport = make(handler, url, name, secret=secret, metrics=metrics)
         await transport.start()
-        assert await transport.wait_open(3)
+        assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     return a, b, ma, mb, name
 
 
@@ -262,7 +263,7 @@ async def test_replayed_messages_reach_nobody_twice_and_a_replay_out_of_order_re
         c, mc = RecordingHandler("c"), ReplicationMetrics()
         tc = make_transport(c, redis_url, name, secret=SECRET, metrics=mc)
         await tc.start()
-        assert await tc.wait_open(3)
+        assert await tc.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
         await rogue.publish(name, captured[0])
         await eventually(lambda: "RDATA s a 1 {}" in c.session.lines, "the replay at c")
         a.session.link.send("RDATA s a 4 {}")
@@ -294,7 +295,7 @@ async def test_a_replay_older_than_the_clock_skew_is_refused(
         c, mc = RecordingHandler("c"), ReplicationMetrics()
         tc = make_transport(c, redis_url, name, secret=SECRET, metrics=mc, max_clock_skew=0.2)
         await tc.start()
-        assert await tc.wait_open(3)
+        assert await tc.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
         await asyncio.sleep(0.3)  # the copy is now older than c's max_clock_skew
         await rogue.publish(name, message["data"])
         await eventually(lambda: refusals(mc, "stale") == 1, "the stale copy refused at c")
@@ -343,7 +344,7 @@ async def test_a_deployment_s_acl_user_and_password_carry_signed_lines(
     for handler in (a, b):
         transport = make_transport(handler, url, name, password="user-password", secret=SECRET)
         await transport.start()
-        assert await transport.wait_open(3)
+        assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     a.session.link.send("RDATA s a 1 {}")
     await eventually(lambda: "RDATA s a 1 {}" in b.session.lines, "a's line at b")
     other = RecordingHandler("c")

@@ -177,7 +177,7 @@ async def test_with_verification_off_the_host_name_and_ca_go_unchecked(
     transport = RedisTransport(handler, url=url, channel=channel(), tls=tls, password=PASSWORD)
     transports.append(transport)
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
 
 
 # -- plumbing ------------------------------------------------------------------------

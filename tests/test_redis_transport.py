@@ -84,8 +84,8 @@ async def test_lines_arrive_in_order_at_peers_and_as_echoes(
     assert ta.label == "redis"
     await ta.start()
     await tb.start()
-    assert await ta.wait_open(3)
-    assert await tb.wait_open(3)
+    assert await ta.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
+    assert await tb.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
 
     # Each one's own open() lines come back to it: SUBSCRIBE was confirmed before open().
     await eventually(lambda: a.open_line(0) in a.session.lines, "a's own open line")
@@ -114,8 +114,8 @@ async def test_a_burst_travels_in_few_messages_and_arrives_as_its_lines(
     ta, tb = make_transport(a, redis_url, name), make_transport(b, redis_url, name)
     await ta.start()
     await tb.start()
-    assert await ta.wait_open(3)
-    assert await tb.wait_open(3)
+    assert await ta.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
+    assert await tb.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     watcher = Redis.from_url(redis_url)
     pubsub = watcher.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(name)
@@ -150,7 +150,7 @@ async def test_pings_go_out_every_interval_and_never_reach_the_session(
         interval = scaled(0.1)
         transport = make_transport(handler, redis_url, name, ping_interval=interval)
         await transport.start()
-        assert await transport.wait_open(3)
+        assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
 
         seen: list[bytes] = []
         deadline = time.monotonic() + 10 * interval
@@ -180,7 +180,7 @@ async def test_a_silent_path_ends_the_connection_and_it_comes_back(
         handler, redis_server.url, channel(), ping_interval=0.1, backoff=RecordingBackoff()
     )
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     # PUBLISH waits while the server is paused: no PING comes back. Paused far longer
     # than the 3 ping intervals the transport waits, so that a busy machine still sees
     # the silence (with 0.7 s, the full suite's load once let the pause end first).
@@ -207,7 +207,7 @@ async def test_a_publisher_whose_lines_go_nowhere_ends_the_connection_while_othe
         handler, redis_url, name, ping_interval=0.1, backoff=RecordingBackoff()
     )
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     outbox = transport._outbox
     assert outbox is not None
     lost: list[str] = []
@@ -274,7 +274,7 @@ async def test_a_task_that_swallows_its_cancellation_does_not_hold_the_connectio
         handler, redis_server.url, channel(), ping_interval=5.0, backoff=RecordingBackoff()
     )
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     first = handler.session
     first.link.send("RDATA s a 1 {}")
     await asyncio.sleep(0.05)  # the publisher is in stubborn_publish
@@ -295,7 +295,7 @@ async def test_a_restarted_server_is_reconnected_with_growing_delays(
         handler, redis_server.url, channel(), backoff=backoff, metrics=metrics, ping_interval=1.0
     )
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     first = handler.session
     await eventually(lambda: gauge_up(metrics) == 1, "connection_up 1")
     assert backoff.ups == 1
@@ -362,7 +362,7 @@ async def test_bad_lines_cost_a_log_line_never_the_connection(
     handler = RecordingHandler("a")
     transport = make_transport(handler, redis_url, channel())
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     link = handler.session.link
     link.send("BOOM")  # the session raises on it
     link.send("RDATA s a 1 \ud800")  # not encodable as UTF-8
@@ -457,14 +457,14 @@ async def test_stop_while_connected_flushes_and_ends_every_task(
     observer = RecordingHandler("observer")
     watching = make_transport(observer, redis_url, name)
     await watching.start()
-    assert await watching.wait_open(3)
+    assert await watching.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
 
     before = asyncio.all_tasks()
     handler = RecordingHandler("a")
     metrics = ReplicationMetrics()
     transport = make_transport(handler, redis_url, name, metrics=metrics)
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     await eventually(lambda: gauge_up(metrics) == 1, "connection_up 1")
     sent = [f"RDATA s a {i} {{}}" for i in range(1, 201)]
     for line in sent:
@@ -490,7 +490,7 @@ async def test_stop_while_disconnected_ends_every_task(
     backoff = RecordingBackoff(initial=5.0, cap=5.0)  # stop() must not wait for it
     transport = make_transport(handler, redis_server.url, channel(), backoff=backoff)
     await transport.start()
-    assert await transport.wait_open(3)
+    assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
     await asyncio.to_thread(redis_server.stop)
     await eventually(lambda: handler.session.closed_calls == 1, "session.closed()")
     await eventually(lambda: len(backoff.delays) == 1, "a backoff delay")

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pace import scaled, slowness
+from pace import scaled, slowness, within
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, CommandSet, Depart, Position, Rdata, rows_of
 from plait.errors import CommandParseError, ConfigError
@@ -148,14 +148,14 @@ class RawPeer:
         await self.writer.drain()
 
     async def line(self) -> str:
-        async with asyncio.timeout(WAIT):
+        async with within(WAIT, "a line from the other end"):
             raw = await self.reader.readline()
         assert raw.endswith(b"\n"), f"connection ended instead: {raw!r}"
         return raw.decode().rstrip("\n")
 
     async def rest(self) -> list[str]:
         """Every line until the other end hangs up."""
-        async with asyncio.timeout(WAIT):
+        async with within(WAIT, "the other end to hang up"):
             data = await self.reader.read()
         return data.decode().splitlines()
 
@@ -211,7 +211,7 @@ class FakeHub:
         self.peers.put_nowait(peer)
 
     async def accept(self) -> RawPeer:
-        async with asyncio.timeout(WAIT):
+        async with within(WAIT, "a connection to the fake hub"):
             return await self.peers.get()
 
 
@@ -244,7 +244,7 @@ async def test_client_sends_name_and_opens_only_after_server() -> None:
         assert handler.sessions == []
         assert not await client.wait_open(0.01)
         await hub_end.send(b"SERVER fake\n")
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         assert await hub_end.line() == "REPLICATE"  # the client's handler opened, and sent
         await hub_end.send(b"REPLICATE\n")
         await eventually(lambda: handler.sessions[0].lines == ["REPLICATE"], "client got it")
@@ -262,7 +262,7 @@ async def test_hub_and_client_open_sessions_on_both_ends() -> None:
 
     async with running_hub(hub_handler, metrics=metrics) as hub:
         async with running_client(handler, hub.port) as client:
-            assert await client.wait_open(WAIT)
+            assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
             await eventually(lambda: len(hub_handler.sessions) == 1, "the hub opened")
             hub_session, session = hub_handler.sessions[0], handler.sessions[0]
             assert hub_session.link.label == "tcp:c1"
@@ -281,7 +281,7 @@ async def test_either_handler_can_drop_a_connection() -> None:
         running_hub(hub_handler) as hub,
         running_client(handler, hub.port, backoff=Backoff(initial=0.02)) as client,
     ):
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         handler.sessions[0].link.close()  # e.g. catching up failed on this connection
         await eventually(
             lambda: len(handler.sessions) == len(hub_handler.sessions) == 2, "a new connection"
@@ -309,7 +309,7 @@ async def test_hub_relays_to_every_other_client_in_order_and_never_back() -> Non
         running_client(handlers["c"], hub.port) as c,
     ):
         for client in (a, b, c):
-            assert await client.wait_open(WAIT)
+            assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         await eventually(lambda: len(hub_handler.live()) == 3, "three clients at the hub")
         a_session, b_session, c_session = (handlers[n].sessions[0] for n in "abc")
         others = (b_session, c_session, hub_handler.session_of("tcp:a"))
@@ -370,7 +370,7 @@ async def test_pings_keep_a_quiet_connection_up_and_never_reach_sessions() -> No
         running_hub(hub_handler, **fast) as hub,
         running_client(handler, hub.port, **fast) as client,
     ):
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         await asyncio.sleep(0.6 * pace)  # several dead_after periods with nothing but pings
         assert len(handler.sessions) == len(hub_handler.sessions) == 1
         assert handler.sessions[0].closed_calls == hub_handler.sessions[0].closed_calls == 0
@@ -410,7 +410,7 @@ async def test_a_burst_beyond_the_queue_to_a_peer_that_keeps_up_is_sent_not_refu
         running_hub(hub_handler, send_queue=10) as hub,
         running_client(other, hub.port) as client,
     ):
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = await connected_trio(hub, hub_handler, other, "slow")
         slow_link = hub_handler.session_of("tcp:slow").link
         other_link = hub_handler.session_of("tcp:other").link
@@ -437,7 +437,7 @@ def _small_window_socket() -> socket.socket:
 async def _recv_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
     """One line from a bare socket, read a byte at a time so nothing more is consumed."""
     data = b""
-    async with asyncio.timeout(WAIT):
+    async with within(WAIT, "a line from the hub"):
         while not data.endswith(b"\n"):
             byte = await loop.sock_recv(sock, 1)
             assert byte, "the hub hung up"
@@ -471,7 +471,7 @@ class StuckPeer:
     async def last_line(self) -> str:
         """Read everything the hub sent, until it hung up; the last line of it."""
         data = b""
-        async with asyncio.timeout(WAIT):
+        async with within(WAIT, "the hub to hang up on the stuck peer"):
             while chunk := await self.loop.sock_recv(self.sock, 1 << 20):
                 data += chunk
         return data.decode().splitlines()[-1]
@@ -484,7 +484,7 @@ async def _send_until_closed(
     millisecond, until `stuck` is closed; how many were sent."""
     sent = 0
     payload = "x" * size
-    async with asyncio.timeout(WAIT):
+    async with within(WAIT, "the stuck peer to be closed"):
         while not stuck.closed_calls:
             hub_handler.send_all(f"POSITION s hub {sent} {sent + 1} {payload}")
             sent += 1
@@ -498,7 +498,7 @@ async def test_a_peer_that_never_reads_is_closed_and_others_get_everything() -> 
         running_hub(hub_handler, send_queue=10) as hub,
         running_client(other, hub.port) as client,
     ):
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = StuckPeer(hub, hub_handler)
         async with peer as stuck:
             sent = await _send_until_closed(hub_handler, stuck, 16_000)
@@ -563,7 +563,7 @@ async def test_no_name_within_the_handshake_timeout_is_answered_with_error_and_c
 async def test_line_limit_after_the_handshake() -> None:
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = await connected_trio(hub, hub_handler, other)
         at_hub = hub_handler.session_of("tcp:raw")
         # exactly the limit (with "\r\n") is fine, and relayed
@@ -606,7 +606,7 @@ async def test_client_reconnects_with_growing_delays_and_resets_only_when_up() -
     port = hub.port
     async with running_client(handler, port, backoff=backoff, metrics=metrics) as client:
         try:
-            assert await client.wait_open(WAIT)
+            assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
             await asyncio.sleep(0.1)
             assert backoff.ups == 0  # open is not up: the session has not caught up
             assert gauge() in (None, 0.0)
@@ -626,7 +626,7 @@ async def test_client_reconnects_with_growing_delays_and_resets_only_when_up() -
         assert not await client.wait_open(0.01)
 
         async with running_hub(hub_handler, port=port):
-            assert await client.wait_open(WAIT)
+            assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
             await eventually(lambda: backoff.ups == 2, "up again")
             assert len(handler.sessions) == 2
             assert handler.sessions[1].closed_calls == 0
@@ -676,7 +676,7 @@ async def test_stop_ends_every_task_promptly() -> None:
     for client in clients:
         await client.start()
     for client in clients:
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
     handshaking = await RawPeer.connect(hub.port)  # stopped in the middle of its handshake
     await eventually(lambda: len(hub_handler.live()) == 3, "three clients at the hub")
     handlers[0].sessions[0].link.send("POSITION s c0 0 1")
@@ -701,7 +701,7 @@ async def test_stop_flushes_what_is_queued() -> None:
     async with running_hub(hub_handler) as hub:
         client = TcpClient(handler, host=HOST, port=hub.port)
         await client.start()
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         await eventually(lambda: len(hub_handler.sessions) == 1, "at the hub")
         for i in range(100):  # still queued when stop() begins: a departure, say
             handler.sessions[0].link.send(f"POSITION s c1 {i} {i + 1}")
@@ -717,7 +717,7 @@ async def test_stop_flushes_what_is_queued() -> None:
 async def test_a_line_the_hub_refuses_is_never_relayed_and_reactions_follow_the_relay() -> None:
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = await connected_trio(hub, hub_handler, other)
         at_other = other.sessions[0]
         await peer.send(
@@ -758,7 +758,7 @@ async def test_bad_lines_past_the_budget_close_the_peer_and_only_it(
     monkeypatch.setattr(tcp_transport, "_CLOSE_GRACE", scaled(tcp_transport._CLOSE_GRACE))
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = await connected_trio(hub, hub_handler, other)
         at_hub = hub_handler.session_of("tcp:raw")
         marker = "POSITION s raw 0 1"  # once the hub has it, it has taken every line before
@@ -828,7 +828,7 @@ async def test_a_client_cannot_speak_for_another_instance() -> None:
     writer only FENCED is relayed (receivers check it against the database)."""
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("w2")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = await connected_trio(hub, hub_handler, other, "evil")
         at_hub, at_other = hub_handler.session_of("tcp:evil"), other.sessions[0]
         attack = [
@@ -942,7 +942,7 @@ async def test_with_a_secret_the_hub_and_client_prove_it_to_each_other() -> None
         running_hub(hub_handler, secret=SECRET) as hub,
         running_client(handler, hub.port, secret=SECRET) as client,
     ):
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         await eventually(lambda: len(hub_handler.live()) == 1, "open at the hub")
         assert hub_handler.sessions[0].link.label == "tcp:c1"
         await eventually(lambda: handler.sessions[0].lines == ["REPLICATE"], "the hub's line")
@@ -990,7 +990,7 @@ async def test_without_the_secret_nothing_gets_past_the_handshake() -> None:
         running_hub(hub_handler, secret=SECRET) as hub,
         running_client(other, hub.port, secret=SECRET) as client,
     ):
-        assert await client.wait_open(WAIT)
+        assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         peer = await RawPeer.connect(hub.port)
         await peer.send(b"NAME evil\n")
         assert (await peer.line()).startswith("CHALLENGE hub ")
@@ -1143,7 +1143,7 @@ async def test_connections_past_the_global_handshake_limit_are_refused_at_once(
         for peer in waiting:
             assert (await peer.rest())[0].startswith("ERROR expected NAME <name> within")
         async with running_client(handler, hub.port) as client:
-            assert await client.wait_open(WAIT)
+            assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         for peer in (*waiting, refused):
             await peer.close()
 

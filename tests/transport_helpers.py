@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from pace import scaled
 from plait.core.backoff import Backoff
 from replication_helpers import until
 
@@ -35,8 +36,9 @@ class RecordingBackoff(Backoff):
 
 
 async def eventually(condition: Callable[[], bool], what: str, within: float = 3.0) -> None:
-    """Returns once `condition()` holds; fails the test after `within` seconds."""
+    """Returns once `condition()` holds; fails the test after `within` seconds at this
+    machine's pace (`until` scales it: tests/pace.py)."""
     try:
         await until(condition, within=within, step=0.005)
     except TimeoutError:
-        pytest.fail(f"not within {within}s: {what}")
+        pytest.fail(f"not within {scaled(within):.1f} s: {what}")
