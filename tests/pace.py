@@ -25,8 +25,9 @@ def slowness() -> float:
     given = os.environ.get("PLAIT_TEST_SLOWNESS")
     if given:
         return min(MAX_SLOWNESS, max(1.0, float(given)))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(MAX_SLOWNESS, max(1.0, os.getloadavg()[0] / (cores or 1)))
+    # The load average counts the whole machine's run queue, so it is shared out over
+    # the whole machine's cores (a container pinned to fewer would see it inflated).
+    return min(MAX_SLOWNESS, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 
 
 def scaled(seconds: float) -> float:

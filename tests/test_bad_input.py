@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -344,3 +346,31 @@ async def test_an_instance_listens_where_instance_map_says_and_names_a_taken_add
         "in use; instance_map gives it to a. Does this instance run already? Else give each "
         "instance its own address in instance_map (the file's http.port is the same for all)"
     )
+
+
+async def test_the_demo_drops_no_schema_it_did_not_make(server_dsn: str) -> None:
+    """`plait demo --schema` drops its schema at every run: an existing one that the demo
+    did not make (an application's) is refused by the flag, and left as it was."""
+    import psycopg
+
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA IF EXISTS not_the_demos CASCADE; CREATE SCHEMA not_the_demos")
+        conn.execute("CREATE TABLE not_the_demos.precious (x int)")
+    try:
+        args = ["demo", "--dsn", server_dsn, "--schema", "not_the_demos", "--no-spark"]
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "plait", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "--schema 'not_the_demos' exists and plait demo did not make it" in done.stderr
+        with psycopg.connect(server_dsn) as conn:
+            assert conn.execute("SELECT to_regclass('not_the_demos.precious')").fetchone() == (
+                "not_the_demos.precious",
+            )
+    finally:
+        with psycopg.connect(server_dsn, autocommit=True) as conn:
+            conn.execute("DROP SCHEMA IF EXISTS not_the_demos CASCADE")

@@ -288,7 +288,7 @@ async def test_export_from_the_installed_script_with_no_python_of_its_own_on_the
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.strip() == (
-        "nothing new: the checkpoint's last batch already ended where the stream ends now"
+        "nothing new: the stream has no rows past where the checkpoint ends"
     )
 
 

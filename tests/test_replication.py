@@ -272,7 +272,8 @@ async def test_an_idle_writer_lets_the_linear_position_advance(cluster: Cluster)
     gen = r.generator("events")
     await until(lambda: gen.get_persisted_upto_position() >= last, within=5, step=0.005)
     elapsed = time.monotonic() - done
-    assert elapsed <= scaled(announce + 0.1), elapsed  # one announce, not a refresh
+    # One announce, not the 1 s refresh, whatever the machine's pace.
+    assert elapsed <= min(scaled(announce + 0.1), 0.95), elapsed
 
 
 async def test_an_idle_writer_whose_listener_lags_still_follows_the_others(
@@ -339,7 +340,8 @@ async def test_wait_for_stream_position_and_read_your_writes(cluster: Cluster) -
         # Positions on several streams are awaited together: one timeout in all.
         started_at = time.monotonic()
         await r.await_positions("w1", {"events": pending, "notes": pending_note}, timeout=0.3)
-        assert 0.3 <= time.monotonic() - started_at < 0.3 + scaled(0.25)  # one, not two
+        # One timeout for both, not two in turn, whatever the machine's pace.
+        assert 0.3 <= time.monotonic() - started_at < min(0.3 + scaled(0.25), 0.59)
         assert metric(r, "plait_wait_timeouts_total", stream="notes") == 1
 
     for i in range(5):  # each call sees the write just before it

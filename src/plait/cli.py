@@ -944,7 +944,7 @@ def _ran(ended: bool, options: dict[str, Any], printer: Any) -> None:
     printed nothing at all before)."""
     if ended and options["once"] and printer.rows == 0:
         click.echo(
-            "nothing new: the checkpoint's last batch already ended where the stream ends now",
+            "nothing new: the stream has no rows past where the checkpoint ends",
             err=True,
         )
 
@@ -952,6 +952,11 @@ def _ran(ended: bool, options: dict[str, Any], printer: Any) -> None:
 def unreachable(err: DatabaseUnavailableError) -> str:
     """The command line's one message for a PostgreSQL it could not connect to, whatever
     the command (the library's own speaks of `dsn=None` and `Database.connect`)."""
+    if (err.reason or "").startswith("invalid DSN"):
+        return (
+            f"{err.reason}. Give --dsn a URI such as postgresql://user@host:5432/dbname, or "
+            "leave it out to use the embedded server"
+        )
     waited = f" (waited {err.waited:.0f} s)" if err.waited else ""
     return (
         f"cannot connect to PostgreSQL at {err.server}{waited}: {err.reason}. Check that it "
@@ -982,9 +987,12 @@ def run() -> None:
     except click.exceptions.Abort:
         sys.exit(130)
     except SystemExit as err:
-        # Click ends a command whose output was closed (EPIPE) with status 1, once it has
-        # quieted the streams: `plait tail ... | head` got what it wanted, not an error.
-        if err.code == 1 and isinstance(sys.stdout, click.utils.PacifyFlushWrapper):
+        # Click ends a command with status 1 on any EPIPE, once it has quieted the
+        # streams. For a command whose output is its data, read by a pipe that closed
+        # (`plait tail ... | head`), the reader got what it wanted: not an error. For
+        # any other (a socket of `serve`), it stays one.
+        piped = sys.argv[1:2] in (["tail"], ["status"])
+        if err.code == 1 and piped and isinstance(sys.stdout, click.utils.PacifyFlushWrapper):
             sys.exit(0)
         raise
     except click.ClickException as err:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from plait.caches.invalidations import CACHES_STREAM
 from plait.core.inbound import DEFAULT_INBOUND_QUEUE
 from plait.errors import ConfigError
+from plait.ports import is_loopback
 from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
 from plait.storage.database import DEFAULT_RETRY_READS_FOR
 from plait.storage.timeouts import DatabaseTimeouts
@@ -298,23 +299,27 @@ class InstanceConfig(_Model):
         return f"{self.replication.redis.channel_prefix}.{self.deployment}"
 
     def http_address(self) -> tuple[str, int, str]:
-        """Where this instance's HTTP API listens, and the setting that says so: the
-        port of its own `instance_map` entry (what the others call; one file serves every
-        instance, and a shared `http.port` would be right for one of them only), else
-        `http.port`; the host is `http.host`."""
+        """Where this instance's HTTP API listens, and the setting that says so: `http.host`
+        and, when its own `instance_map` entry is on this machine (a loopback address:
+        what the others call is this very socket), that entry's port (one file serves
+        every instance, and a shared `http.port` is right for one of them only); else
+        `http.port` (an entry elsewhere may be a port forwarded to this one, as in a
+        container)."""
         own = self.instance_map.get(self.instance_name)
         if own:
-            port = _port_of(own)
-            if port is not None:
+            host, port = _address_of(own)
+            if port is not None and host is not None and is_loopback(host):
                 return self.http.host, port, f"instance_map.{self.instance_name}"
         return self.http.host, self.http.port, "http.port"
 
     def holders_of(self, port: int) -> list[str]:
-        """The other instances `instance_map` gives `port` to."""
+        """The other instances `instance_map` gives `port` on this machine to."""
         return sorted(
             name
             for name, url in self.instance_map.items()
-            if name != self.instance_name and _port_of(url) == port
+            if name != self.instance_name
+            and _address_of(url)[1] == port
+            and is_loopback(_address_of(url)[0] or "")
         )
 
     @classmethod
@@ -393,11 +398,12 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
-def _port_of(url: str) -> int | None:
+def _address_of(url: str) -> tuple[str | None, int | None]:
     try:
-        return urlsplit(url).port
+        parts = urlsplit(url)
+        return parts.hostname, parts.port
     except ValueError:  # a port that is no number, or out of range
-        return None
+        return None, None
 
 
 def _check_size(value: Any, source: str) -> None:

@@ -510,8 +510,11 @@ class Instance:
         try:
             await self._api.start(host, port)
         except OSError as err:
-            if err.errno != errno.EADDRINUSE:
-                raise
+            if err.errno != errno.EADDRINUSE:  # not allowed (a port below 1024), no such address
+                raise ConfigError(
+                    f"instance {self.name!r} cannot listen on {host}:{port} ({setting}, "
+                    f"http.host): {err.strerror or err}"
+                ) from None
             holders = self.config.holders_of(port)
             who = f"; instance_map gives it to {', '.join(holders)}" if holders else ""
             fix = (

@@ -11,6 +11,7 @@ leaves too little room below it, bind(0) it is.
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from pathlib import Path
@@ -63,3 +64,14 @@ def _kernel_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only listens on this machine. Names other
+    than localhost may resolve anywhere, and an empty host means every interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

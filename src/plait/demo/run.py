@@ -36,6 +36,7 @@ from rich.text import Text
 
 from plait.demo import SCHEMA, schema
 from plait.demo.roles import SYNC_PORT_ENV
+from plait.errors import ConfigError
 from plait.ops import status
 from plait.ports import free_port
 from plait.storage.database import Database
@@ -352,11 +353,27 @@ async def positions_of(processes: Processes) -> dict[str, dict[str, int]]:
     return out
 
 
+_MARK = "made by plait demo, which drops and makes it again at every run"
+
+
 async def _prepare(server_dsn: str, schema_name: str) -> str:
+    """The demo's schema, made anew. One that exists is dropped only when the demo made
+    it (its comment says so; `plait_demo` is the demo's by name): --schema may name
+    anything, and the demo must never drop an application's tables."""
     dsn = in_schema(server_dsn, schema_name, "--schema")  # a plain name: safe to quote
     with psycopg.connect(server_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace WHERE nspname = %s",
+            (schema_name,),
+        ).fetchone()
+        if row is not None and row[0] != _MARK and schema_name != SCHEMA:
+            raise ConfigError(
+                f"--schema {schema_name!r} exists and plait demo did not make it: the demo "
+                "drops its schema at every run, so give it a new name"
+            )
         conn.execute(
-            f'DROP SCHEMA IF EXISTS "{schema_name}" CASCADE; CREATE SCHEMA "{schema_name}"'
+            f'DROP SCHEMA IF EXISTS "{schema_name}" CASCADE; CREATE SCHEMA "{schema_name}";'
+            f"COMMENT ON SCHEMA \"{schema_name}\" IS '{_MARK}'"
         )
     db = await Database.connect(dsn, min_size=1, max_size=1)
     try:

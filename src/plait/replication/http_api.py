@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import itertools
 import json
 import logging
@@ -42,6 +41,7 @@ from yarl import URL
 from plait.core import strict_json
 from plait.core.backoff import Backoff
 from plait.errors import ConfigError, RemoteCallError
+from plait.ports import is_loopback
 from plait.replication.metrics import ReplicationMetrics
 from plait.streams.memory import ReadPage
 
@@ -72,17 +72,6 @@ _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
 # What a secret may hold: it travels in an HTTP header, so visible ASCII only.
 _SECRET = re.compile(r"[!-~]+")
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name) only listens on this machine. Names other
-    than localhost may resolve anywhere, and an empty host means every interface."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_secret(secret: str | None) -> bytes | None:

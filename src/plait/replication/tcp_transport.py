@@ -85,7 +85,7 @@ from plait.core.commands import (
     to_line,
 )
 from plait.errors import CommandParseError, ConfigError
-from plait.replication.http_api import is_loopback
+from plait.ports import is_loopback
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,

@@ -396,9 +396,11 @@ def holds_back(
     return not enough()
 
 
-# How far a trigger cut short by maxRowsPerTrigger counts the rows it leaves behind,
-# in batches of that size (the count walks an index, as the batch's own cut does).
+# How far a trigger cut short by maxRowsPerTrigger counts the rows it leaves behind:
+# ten batches of that size, and never more than ROWS_BEHIND_MOST index entries in all
+# (the count runs on the driver at every such trigger).
 ROWS_BEHIND_BATCHES = 10
+ROWS_BEHIND_MOST = 100_000
 
 
 class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -415,6 +417,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._last_batch: float | None = None  # monotonic: when a trigger last read rows
         self._behind: dict[str, int] | None = None  # rows per writer past the last end
         self._behind_capped = False
+        self._counted: tuple[StreamToken, StreamToken, int] | None = None  # what it was for
 
     def initialOffset(self) -> dict[str, Any]:
         return self._plan.offset(self._plan.token(self._plan.options.starting, "startingToken"))
@@ -456,7 +459,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
                 left = max(1, len(offsets.per_writer(offsets.ranges(end, latest), spec.writers)))
-                cap = -(-ROWS_BEHIND_BATCHES * limit.max_rows // left)  # shared out
+                budget = min(ROWS_BEHIND_BATCHES * limit.max_rows, ROWS_BEHIND_MOST)
+                cap = -(-budget // left)  # shared out
         self._count_behind(end, latest, cap)
         if pending:
             self._last_batch = time.monotonic()
@@ -465,6 +469,9 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _count_behind(self, end: StreamToken, latest: StreamToken, cap: int) -> None:
         """The rows per writer between `end` and `latest`, for the query's progress
         (`reportLatestOffset`), each range counted up to `cap` (0: none is counted)."""
+        if self._counted == (end, latest, cap):
+            return  # a trigger held back again with nothing new: the same count
+        self._counted = (end, latest, cap)
         known = self._plan.spec.writers
         behind = offsets.per_writer(offsets.ranges(end, latest), known)
         counts: list[int] = []

@@ -1506,7 +1506,12 @@ def reason_of(err: BaseException) -> str:
     """The first line of an error, without secrets: libpq's messages go on with hints
     over lines, and quote some DSNs back."""
     text = str(err).strip()
-    return redact(text.splitlines()[0]) if text else type(err).__name__
+    if not text:
+        return type(err).__name__
+    # A name with several addresses: libpq says how each attempt failed, one per line
+    # (::1 refused, then 127.0.0.1 refused the password); the last one is the verdict.
+    attempts = [line.strip() for line in text.splitlines() if "failed:" in line]
+    return redact(attempts[-1] if attempts else text.splitlines()[0])
 
 
 def server_address(dsn: str) -> str:
