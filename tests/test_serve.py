@@ -18,9 +18,8 @@ from plait import Database
 from stream_helpers import create_table
 
 
-async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
-    db: Database, tmp_path: Path
-) -> None:
+async def _deployment_file(db: Database, tmp_path: Path) -> Path:
+    """A configuration file for one stream `events` written by w1 (its table made)."""
     await create_table(db)
     config = {
         "instance_name": "placeholder",
@@ -29,6 +28,13 @@ async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
     }
     path = tmp_path / "plait.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
+    db: Database, tmp_path: Path
+) -> None:
+    path = await _deployment_file(db, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "PLAIT_DSN": db.dsn}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "plait.cli", "serve", "--config", str(path),
@@ -68,14 +74,7 @@ async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
 async def test_serve_logs_one_json_object_per_line_when_asked(db: Database, tmp_path: Path) -> None:
     """`--log-format json`: every line of stderr is one JSON object with the instance's
     name, for a log pipeline."""
-    await create_table(db)
-    config = {
-        "instance_name": "placeholder",
-        "streams": [{"name": "events", "tables": [{"name": "events"}], "writers": ["w1"]}],
-        "http": {"port": 0},
-    }
-    path = tmp_path / "plait.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = await _deployment_file(db, tmp_path)
     env = {**os.environ, "PLAIT_DSN": db.dsn}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "plait", "serve", "--config", str(path),

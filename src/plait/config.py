@@ -314,12 +314,11 @@ class InstanceConfig(_Model):
 
     def holders_of(self, port: int) -> list[str]:
         """The other instances `instance_map` gives `port` on this machine to."""
+        addresses = {name: _address_of(url) for name, url in self.instance_map.items()}
         return sorted(
             name
-            for name, url in self.instance_map.items()
-            if name != self.instance_name
-            and _address_of(url)[1] == port
-            and is_loopback(_address_of(url)[0] or "")
+            for name, (host, at) in addresses.items()
+            if name != self.instance_name and at == port and is_loopback(host or "")
         )
 
     @classmethod

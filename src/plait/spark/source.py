@@ -449,31 +449,34 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if pending and self._waits(pending, limit):
             min_rows = self._plan.options.min_rows
             assert min_rows is not None
-            self._count_behind(begin, latest, min_rows)  # fewer than min_rows: exact
+            # Fewer than min_rows are pending: each range counted up to it is exact.
+            self._count_behind(begin, latest, min_rows, each=True)
             return self._plan.offset(begin)  # no new batch yet
-        cap = 0  # nothing is behind unless a limit cut the batch short
+        budget = 0  # nothing is behind unless a limit cut the batch short
         if isinstance(limit, ReadMaxRows):
             cut = self._plan.ask(
                 lambda conn: catalog.cutoff(conn, spec, table, pending, limit.max_rows)
             )
             if cut is not None:
                 end = offsets.limited(begin, end, cut)
-                left = max(1, len(offsets.per_writer(offsets.ranges(end, latest), spec.writers)))
                 budget = min(ROWS_BEHIND_BATCHES * limit.max_rows, ROWS_BEHIND_MOST)
-                cap = -(-budget // left)  # shared out
-        self._count_behind(end, latest, cap)
+        self._count_behind(end, latest, budget)
         if pending:
             self._last_batch = time.monotonic()
         return self._plan.offset(end)
 
-    def _count_behind(self, end: StreamToken, latest: StreamToken, cap: int) -> None:
+    def _count_behind(
+        self, end: StreamToken, latest: StreamToken, budget: int, *, each: bool = False
+    ) -> None:
         """The rows per writer between `end` and `latest`, for the query's progress
-        (`reportLatestOffset`), each range counted up to `cap` (0: none is counted)."""
-        if self._counted == (end, latest, cap):
+        (`reportLatestOffset`): at most `budget` index entries in all, shared out over
+        the writers' ranges (`each`: up to `budget` in every range); 0 counts none."""
+        if self._counted == (end, latest, budget):
             return  # a trigger held back again with nothing new: the same count
-        self._counted = (end, latest, cap)
+        self._counted = (end, latest, budget)
         known = self._plan.spec.writers
         behind = offsets.per_writer(offsets.ranges(end, latest), known)
+        cap = budget if each or not behind else -(-budget // len(behind))
         counts: list[int] = []
         if behind and cap > 0:
             spec, table = self._plan.spec, self._plan.table

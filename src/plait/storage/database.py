@@ -935,7 +935,7 @@ class Database:
 
         def unreachable(seconds: float, reason: str) -> DatabaseUnavailableError:
             if not wait_for_server:
-                return _cannot_connect(dsn, reason)
+                return cannot_connect(dsn, reason)
             return DatabaseUnavailableError(
                 f"could not connect to PostgreSQL at {server_address(dsn)}: it has been "
                 f"unreachable for {seconds:.0f} s ({reason}). Check that the server is up "
@@ -1377,7 +1377,7 @@ async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
     except psycopg.OperationalError as err:
         if may_come_up(err):
             raise  # `connect` tries again while it may wait, then says so
-        raise _cannot_connect(dsn, reason_of(err)) from None
+        raise cannot_connect(dsn, reason_of(err)) from None
     try:
         version = conn.info.server_version
         if version < MIN_SERVER_VERSION:
@@ -1469,11 +1469,6 @@ def may_come_up(err: psycopg.OperationalError) -> bool:
     if any(phrase in text for phrase in _REFUSED_FOR_GOOD):
         return False
     return "FATAL:" not in text or any(phrase in text for phrase in _NOT_ACCEPTING_YET)
-
-
-def _cannot_connect(dsn: str, reason: str) -> DatabaseUnavailableError:
-    """A first connection attempt failed, and `connect` may not wait: what to check."""
-    return cannot_connect(dsn, reason)
 
 
 CHECK_DSN = "Check host, port, user, password and database name"
