@@ -15,6 +15,7 @@ from plait import (
     ConfigError,
     Database,
     DatabaseUnavailableError,
+    InvalidDsnError,
     MultiWriterIdGenerator,
     SchemaError,
     SequenceBehindError,
@@ -34,8 +35,41 @@ async def test_wrong_dsn_is_one_clear_error() -> None:
     with pytest.raises(DatabaseUnavailableError) as info:
         await Database.connect("postgresql://nobody:secret@127.0.0.1:1/none")
     assert "secret" not in str(info.value)
-    with pytest.raises(DatabaseUnavailableError, match="invalid DSN"):
+    with pytest.raises(InvalidDsnError, match="invalid DSN") as bad:
         await Database.connect("host=127.0.0.1 bogus_option=1")
+    assert isinstance(bad.value, ConfigError)  # a mistake in the configuration
+    assert isinstance(bad.value, DatabaseUnavailableError)  # and no database reached
+
+
+def test_a_malformed_dsn_on_the_command_line_says_what_to_give_instead() -> None:
+    """Told apart by its type, not by the words of libpq's message: every command says
+    what --dsn takes, whatever the reason libpq gives."""
+    for dsn in ["host=127.0.0.1 bogus_option=1", "postgresql://u@h:notaport/db", "a=b=c"]:
+        for args in (["status", "--dsn", dsn], ["tail", "events", "--dsn", dsn]):
+            result = CliRunner().invoke(main, args)
+            assert isinstance(result.exception, InvalidDsnError), (args, result.output)
+            message = unreachable(result.exception)
+            assert message.startswith("invalid DSN"), message
+            assert "Give --dsn a URI such as postgresql://" in message
+            assert "dsn=None" not in message
+
+
+def test_where_the_server_is_said_with_what_libpq_takes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DSN that leaves host, port or database out reaches the server PGHOST, PGPORT
+    and PGDATABASE name, and the errors say that one, not localhost:5432."""
+    from plait.storage.database import server_address
+
+    monkeypatch.setenv("PGHOST", "db.example")
+    monkeypatch.setenv("PGPORT", "6543")
+    monkeypatch.setenv("PGDATABASE", "shop")
+    assert server_address("") == "db.example:6543/shop"
+    assert server_address("user=app") == "db.example:6543/shop"
+    assert server_address("postgresql://other:5000/x") == "other:5000/x"
+    monkeypatch.delenv("PGDATABASE")
+    monkeypatch.setenv("PGUSER", "app")
+    assert server_address("host=h") == "h:6543/app"  # libpq's database is the user's name
 
 
 def test_every_command_says_the_same_about_a_database_it_cannot_reach() -> None:

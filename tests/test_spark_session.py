@@ -100,4 +100,5 @@ def test_a_task_spark_tries_again_is_one_line_on_the_console(tmp_path: Path) -> 
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "Exception in task 0.0" in lines[0]
+    assert "RuntimeError: the first try fails (Spark tries a task again" in lines[0]
     assert "spark.task.maxFailures" in lines[0]

@@ -21,7 +21,7 @@ import click
 from plait.check.options import Options as _CHECK  # its defaults are the command's
 from plait.check.plan import FAULT_KINDS
 from plait.demo import SCHEMA as DEMO_SCHEMA
-from plait.errors import ConfigError, DatabaseUnavailableError, PlaitError
+from plait.errors import ConfigError, DatabaseUnavailableError, InvalidDsnError, PlaitError
 from plait.storage.embedded import dsn_or_embedded
 
 _DSN = click.option(
@@ -952,7 +952,7 @@ def _ran(ended: bool, options: dict[str, Any], printer: Any) -> None:
 def unreachable(err: DatabaseUnavailableError) -> str:
     """The command line's one message for a PostgreSQL it could not connect to, whatever
     the command (the library's own speaks of `dsn=None` and `Database.connect`)."""
-    if (err.reason or "").startswith("invalid DSN"):
+    if isinstance(err, InvalidDsnError):
         return (
             f"{err.reason}. Give --dsn a URI such as postgresql://user@host:5432/dbname, or "
             "leave it out to use the embedded server"

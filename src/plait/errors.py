@@ -40,6 +40,12 @@ class DatabaseUnavailableError(PlaitError):
         self.waited = waited
 
 
+class InvalidDsnError(DatabaseUnavailableError, ConfigError):
+    """The DSN itself is malformed (libpq cannot parse it), so no server was tried: a
+    configuration mistake, also a `DatabaseUnavailableError` for callers that catch
+    every way of not reaching the database."""
+
+
 class NoConnectionError(DatabaseUnavailableError, PoolTimeout):
     """No connection of the pool within its timeout: the server did not answer, or
     every connection stayed busy. Also a `psycopg_pool.PoolTimeout`, which is what

@@ -33,12 +33,15 @@ logger.sparkproject.level = error
 logger.netty.name = io.netty
 logger.netty.level = error
 # A failed task is one line: Spark runs it again (spark.task.maxFailures), and when the
-# last try fails too the query's error says why.
+# last try fails too the query's error says why. The line ends with the cause: the last
+# line of the exception's message that does not start with white space (a Python
+# worker's traceback ends with "Error: why", then Spark's " SQLSTATE: 38000").
 appender.tasks.type = Console
 appender.tasks.name = tasks
 appender.tasks.target = SYSTEM_ERR
 appender.tasks.layout.type = PatternLayout
-appender.tasks.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m \\
+appender.tasks.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m: \\
+  %replace{%ex{short.message}}{(?s)^(?:.*\\n)?(\\\\S[^\\n]*)(?:\\n[ \\t][^\\n]*)*\\n*$}{$1} \\
   (Spark tries a task again, spark.task.maxFailures times in all)%n%ex{none}
 logger.tasks.name = org.apache.spark.executor.Executor
 logger.tasks.level = error

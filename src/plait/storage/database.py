@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import getpass
 import logging
+import os
 import select
 import time
 import weakref
@@ -33,6 +35,7 @@ from plait.errors import (
     ConfigError,
     DatabaseUnavailableError,
     FencedError,
+    InvalidDsnError,
     NoConnectionError,
     SupersededError,
 )
@@ -1361,19 +1364,13 @@ async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
 async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:
     """Connect once to turn a bad DSN, an old server or a pooler plait cannot work
     behind into one clear error. Returns whether a (session) pooler is in between."""
+    check_dsn(dsn)
     try:
         conn = await AsyncConnection.connect(
             dsn, **{**client, "connect_timeout": 10, "autocommit": True}
         )
     except psycopg.ProgrammingError as err:
-        # libpq's message may quote the DSN back, password and all.
-        reason = f"invalid DSN {redact(dsn)!r}: {redact(str(err).strip())}"
-        raise DatabaseUnavailableError(
-            f"{reason}. Use a URI such as postgresql://user@host:5432/dbname, or dsn=None "
-            "for the embedded server",
-            server=server_address(dsn),
-            reason=reason,
-        ) from None
+        raise invalid_dsn(dsn, err) from None
     except psycopg.OperationalError as err:
         if may_come_up(err):
             raise  # `connect` tries again while it may wait, then says so
@@ -1491,10 +1488,38 @@ def connect_or_say(
 ) -> psycopg.Connection[Any]:
     """A plain (synchronous) connection (`connect_sync`), or `cannot_connect`'s error
     saying where and why when there is none (not psycopg's, which may quote the DSN)."""
+    check_dsn(dsn)
     try:
         return connect_sync(dsn, **kwargs)
+    except psycopg.ProgrammingError as err:
+        raise invalid_dsn(dsn, err) from None
     except psycopg.Error as err:
         raise cannot_connect(dsn, reason_of(err), fix) from None
+
+
+def check_dsn(dsn: str) -> None:
+    """Raise `InvalidDsnError` for a DSN libpq cannot parse, or whose port is not a
+    number (psycopg would look it up as a service name and fail with a resolver's
+    riddle, "Servname not supported for ai_socktype")."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as err:
+        raise invalid_dsn(dsn, err) from None
+    port = str(params.get("port") or "")
+    if port and not all(part.strip().isdigit() for part in port.split(",")):
+        raise invalid_dsn(dsn, f"the port {port!r} is not a number")
+
+
+def invalid_dsn(dsn: str, err: psycopg.ProgrammingError | str) -> InvalidDsnError:
+    """`dsn` is malformed: which DSN (no secrets) and what is wrong with it."""
+    # libpq's message may quote the DSN back, password and all.
+    reason = f"invalid DSN {redact(dsn)!r}: {redact(str(err).strip())}"
+    return InvalidDsnError(
+        f"{reason}. Use a URI such as postgresql://user@host:5432/dbname, or dsn=None "
+        "for the embedded server",
+        server=server_address(dsn),
+        reason=reason,
+    )
 
 
 def reason_of(err: BaseException) -> str:
@@ -1516,8 +1541,20 @@ def server_address(dsn: str) -> str:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         return redact(dsn)
-    host = params.get("host") or params.get("hostaddr") or "localhost"
-    return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+    # What the DSN leaves out, libpq takes from PGHOST, PGPORT, PGDATABASE and PGUSER,
+    # then from its defaults: the local socket, 5432, the user's own name.
+    env = os.environ
+    host = (
+        params.get("host")
+        or params.get("hostaddr")
+        or env.get("PGHOST")
+        or env.get("PGHOSTADDR")
+        or "localhost"
+    )
+    port = params.get("port") or env.get("PGPORT") or 5432
+    user = params.get("user") or env.get("PGUSER") or getpass.getuser()
+    dbname = params.get("dbname") or env.get("PGDATABASE") or user
+    return f"{host}:{port}/{dbname}"
 
 
 class _Outage:
