@@ -11,7 +11,6 @@ text have their own fuzz tests (test_commands, test_tokens).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import dataclasses
@@ -32,12 +31,14 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+import pace
 from demo_helpers import chat, post
 from http_api_helpers import SECRET, Counter, MemoryStream, StartApi, raw_request
 from pace import scaled
 from plait import ConfigError, Database, StreamSpec, StreamToken, TableSpec
 from plait.caches.invalidations import InvalidationRows
 from plait.config import MAX_CONFIG_BYTES, InstanceConfig
+from plait.core import offsets
 from plait.core.commands import CommandSet, to_line
 from plait.demo import api_requests, presence
 from plait.demo import tokens as sync_tokens
@@ -45,7 +46,6 @@ from plait.errors import CommandParseError, TokenParseError
 from plait.ops.status import pending_ages, scrape
 from plait.replication.http_api import PREFIX, InternalApi
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
-from plait.spark import offsets
 from plait.spark.options import Options
 from plait.spark.source import Plan
 from token_strategies import tokens
@@ -976,7 +976,7 @@ def _call_with(authorization: bytes) -> bytes:
 async def test_any_authorization_header_is_let_in_or_refused_with_a_401(
     api: InternalApi, header: bytes
 ) -> None:
-    async with asyncio.timeout(10):
+    async with pace.within(10, "the API's answer to a call with this Authorization header"):
         status, body = await raw_request(api.port, _call_with(header))
     if SECRET.encode() not in header:
         assert status in (400, 401), body  # 400: aiohttp refuses some header bytes itself

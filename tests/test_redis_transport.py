@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+import pace
 from pace import scaled
 from plait.core.commands import MAX_LINE_BYTES
 from plait.ports import free_port
@@ -53,7 +54,7 @@ async def make_transport() -> AsyncIterator[Callable[..., RedisTransport]]:
         return transport
 
     yield make
-    async with asyncio.timeout(10):
+    async with pace.within(10, "the test's transports to stop"):
         for transport in made:
             await transport.stop()
 
@@ -127,7 +128,7 @@ async def test_a_burst_travels_in_few_messages_and_arrives_as_its_lines(
     await eventually(lambda: len(rdata(b.session.lines)) >= 1000, "1000 lines at b")
     assert rdata(b.session.lines) == sent
     messages: list[bytes] = []
-    async with asyncio.timeout(5):
+    async with pace.within(5, "the 1000 lines' messages at the watcher"):
         while sum(m.count(b"\n") + 1 for m in messages) < 1000:
             message = await pubsub.get_message(timeout=1)
             if message is not None and message["data"].startswith(b"RDATA"):
@@ -447,7 +448,9 @@ async def test_failing_to_connect_retries_with_growing_delays_and_stops_promptly
     if failure == "wrong password":
         assert "nobody:***@127.0.0.1" in records[0].getMessage()
     if failure == "echoing peer":
-        assert "did not answer PING with PONG" in records[0].getMessage()
+        # redis-py 5-7 takes the echoed PING for a wrong answer; redis-py 8 trips over
+        # the echoed HELLO first. Either way: one warning that this is no Redis server.
+        assert "not a Redis server" in records[0].getMessage()
 
 
 async def test_stop_while_connected_flushes_and_ends_every_task(
@@ -510,7 +513,7 @@ async def test_stop_while_connecting_ends_every_task(redis_url: str) -> None:
         transport = RedisTransport(RecordingHandler("a"), url=redis_url, channel=channel())
         await transport.start()
         await asyncio.sleep(i * 0.0005)  # from before the first byte to subscribed
-        async with asyncio.timeout(2):
+        async with pace.within(2, "stop() while connecting to end the transport"):
             await transport.stop()
     await assert_no_tasks_left(before)
 

@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import pace
 import plait.spark
 from conftest import with_search_path
 from pg_proxy import proxy_in_front
@@ -123,13 +124,9 @@ async def _token(db: Database, gens: dict[str, MultiWriterIdGenerator]) -> str:
     return await token.to_string(db)
 
 
-async def until(condition: Callable[[], bool], within: float = 60.0, what: str = "") -> None:
-    try:
-        async with asyncio.timeout(within):
-            while not await asyncio.to_thread(condition):  # noqa: ASYNC110 - Spark's state
-                await asyncio.sleep(0.2)
-    except TimeoutError:
-        raise TimeoutError(f"waited {within} s for {what or condition}") from None
+async def until(condition: Callable[[], bool], what: str, within: float = 60.0) -> None:
+    """`pace.until` for a `condition` that asks Spark (blocking: in a thread)."""
+    await pace.until(lambda: asyncio.to_thread(condition), within, what, every=0.2)
 
 
 async def test_a_stream_is_never_held_back_by_a_slow_idle_or_late_writer(
@@ -158,7 +155,7 @@ async def test_a_stream_is_never_held_back_by_a_slow_idle_or_late_writer(
                 rows = spark.sql("SELECT stream_id FROM never_held_back").collect()
                 return [row.stream_id for row in rows]
 
-            await until(lambda: len(seen()) >= 3)
+            await until(lambda: len(seen()) >= 3, "w1's first 3 rows in the query's output")
             held: list[int] = []
             async with db.transaction() as txn:
                 stream_id = await gens["w2"].get_next_txn(txn)
@@ -169,13 +166,13 @@ async def test_a_stream_is_never_held_back_by_a_slow_idle_or_late_writer(
                 )
                 held.append(stream_id)
                 flowing = await write(gens["w1"], "b", 4)  # above the held ID
-                await until(lambda: set(flowing) <= set(seen()))
+                await until(lambda: set(flowing) <= set(seen()), "w1's rows above w2's held ID")
                 assert stream_id not in seen()
             await gens["w2"].flush_position()
-            await until(lambda: stream_id in seen())
+            await until(lambda: stream_id in seen(), "w2's row, once committed")
             async with writers(db, "w4", all_writers=names) as late:
                 latecomer = await write(late["w4"], "z", 2)
-                await until(lambda: set(latecomer) <= set(seen()))
+                await until(lambda: set(latecomer) <= set(seen()), "the rows of w4, started late")
             got = seen()
             assert sorted(got) == sorted(first + held + flowing + latecomer)  # each once
         finally:
@@ -446,18 +443,9 @@ async def test_a_read_whose_connection_drops_midway_fails_its_task_and_spark_tri
                 row = await cur.fetchone()
                 return bool(row and row[0])
 
-            try:
-                async with asyncio.timeout(120):
-                    while not await reading():  # noqa: ASYNC110 - the server's state
-                        await asyncio.sleep(0.01)
-            except TimeoutError:
-                raise TimeoutError("waited 120 s for a Spark task to read events") from None
+            await pace.until(reading, 120, "a Spark task to read events")
         assert proxy.drop_all() >= 1
-        try:
-            async with asyncio.timeout(180):
-                got = await task
-        except TimeoutError:
-            raise TimeoutError("waited 180 s for the read to end after the reset") from None
+        got = await pace.wait(task, 180, "the read to end after the reset")
     assert sorted(got) == sorted(written)
     assert await asyncio.to_thread(_failed_tasks, spark, "reset") >= 1  # the reset one
 
@@ -630,8 +618,7 @@ async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_dela
             # The progress of a trigger that read nothing says what waits: w2's 10 rows.
             await until(
                 lambda: _rows_behind(query.lastProgress)[0].get("w2") == 10,
-                within=60,
-                what="a progress showing w2's 10 rows waiting",
+                "a progress showing w2's 10 rows waiting",
             )
             assert _rows_behind(query.lastProgress) == ({"w1": 0, "w2": 10}, False)
             await write(gens["w1"], "c", 45)
@@ -645,11 +632,9 @@ async def test_a_trigger_waits_for_min_rows_per_trigger_at_most_max_trigger_dela
             start, "delayed", minRowsPerTrigger=1000, maxTriggerDelay="2s"
         )
         try:
-            await until(lambda: count("delayed") == 85, within=120, what="the first batch")
+            await until(lambda: count("delayed") == 85, "the first batch", within=120)
             await write(gens["w2"], "d", 5)
-            await until(
-                lambda: count("delayed") == 90, within=120, what="the delayed batch of 5 rows"
-            )
+            await until(lambda: count("delayed") == 90, "the delayed batch of 5 rows", within=120)
             (first, at), (late, later) = batches(query)
             assert (first, late) == (85, 5)
             # Not before the delay (a lower bound: a busy machine only makes it later).

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,12 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
+import pace
 from plait import Database
 from plait.cli import main
+from plait.core import offsets
+from plait.core.offsets import WriterRange
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError, TokenParseError
-from plait.spark import offsets, options, source
-from plait.spark.offsets import WriterRange
+from plait.spark import options, source
 from plait.spark.schema import infer
 from stream_helpers import create_generator, create_table
 
@@ -375,16 +376,14 @@ _PLAN_HUGE = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 from plait.core.tokens import StreamToken, decode_text
-from plait.spark import offsets
+from plait.core import offsets
 rs = offsets.ranges(StreamToken(0), StreamToken(2**63 - 2, {"w1": 2**63 - 1}))
 print(len(offsets.slices(rs, 250_000)), len(offsets.by_writer(rs, 250_000)))
 """
 
 
 def test_planning_a_range_up_to_the_bigint_max_stays_small() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _PLAN_HUGE], capture_output=True, text=True, timeout=60
-    )
+    done = pace.run([sys.executable, "-c", _PLAN_HUGE], 60, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     planned = [int(n) for n in done.stdout.split()]
     assert all(n <= offsets.MAX_SLICES for n in planned), planned

@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from plait.core.positions import PositionTracker
+from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken
 from plait.errors import (
     CacheKeyError,
@@ -25,8 +26,10 @@ from plait.errors import (
     NotAWriterError,
     PlaitError,
     PositionAboveHeadError,
+    RemoteCallError,
     SchemaError,
     SequenceBehindError,
+    StateError,
     SupersededError,
     TokenParseError,
 )
@@ -34,7 +37,6 @@ from plait.storage.database import Database, Transaction
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.stream_store import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
-from plait.streams.spec import StreamSpec, TableSpec
 
 if TYPE_CHECKING:
     from plait.instance import Instance
@@ -77,8 +79,10 @@ __all__ = [
     "PlaitError",
     "PositionAboveHeadError",
     "PositionTracker",
+    "RemoteCallError",
     "SchemaError",
     "SequenceBehindError",
+    "StateError",
     "StreamRow",
     "StreamSpec",
     "StreamToken",

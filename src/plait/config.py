@@ -16,12 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from plait.caches.invalidations import CACHES_STREAM
 from plait.core.inbound import DEFAULT_INBOUND_QUEUE
+from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import ConfigError
 from plait.ports import is_loopback
 from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
 from plait.storage.database import DEFAULT_RETRY_READS_FOR
 from plait.storage.timeouts import DatabaseTimeouts
-from plait.streams.spec import StreamSpec, TableSpec
 
 _NAME_PATTERN = r"^[^\s]+$"
 # Largest configuration file read; real ones are a few kilobytes.

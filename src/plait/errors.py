@@ -1,7 +1,8 @@
 """plait's exception types: each says what was wrong and what to do about it.
 
-Callers catch what they mean: `ConfigError` for a bad spec, `TokenParseError` for a
-malformed token, `DatabaseUnavailableError` when PostgreSQL cannot be reached, and so on.
+Callers catch what they mean: `ConfigError` for a bad spec, `StateError` for a call in
+the wrong state (after close, before start), `TokenParseError` for a malformed token,
+`DatabaseUnavailableError` when PostgreSQL cannot be reached, and so on.
 All derive from `PlaitError`.
 """
 
@@ -16,6 +17,11 @@ class PlaitError(Exception):
 
 class ConfigError(PlaitError, ValueError):
     """A stream spec, option or argument is invalid."""
+
+
+class StateError(PlaitError, RuntimeError):
+    """A call that the object's state does not allow: before `start()`, after
+    `close()`, a second `start()`. The calling code is wrong, not the configuration."""
 
 
 class DatabaseUnavailableError(PlaitError):
@@ -83,7 +89,15 @@ class CommandParseError(PlaitError, ValueError):
 
 class RemoteCallError(PlaitError):
     """A call to another instance's internal HTTP API failed (refused, timed out after
-    its retries, or answered with an error)."""
+    its retries, or answered with an error).
+
+    `status` is the HTTP status of the last answer, when there was one (401: the
+    instances' secrets differ; 404: no such stream or cache there; 503 after the
+    retries: the instance was starting or stopping), else None (no answer at all)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class CacheKeyError(PlaitError, TypeError):

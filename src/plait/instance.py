@@ -32,7 +32,7 @@ from plait.config import InstanceConfig, StreamConfig
 from plait.core.backoff import Backoff
 from plait.core.commands import Command, CommandSet
 from plait.core.throttle import Throttle
-from plait.errors import ConfigError
+from plait.errors import ConfigError, StateError
 from plait.replication.handler import (
     CommandListener,
     DepartureListener,
@@ -163,7 +163,7 @@ class Instance:
     async def start(self) -> None:
         """Connect, load every stream, then start the HTTP API and replication."""
         if self._started:
-            raise ConfigError(f"instance {self.name!r} was started already")
+            raise StateError(f"instance {self.name!r} was started already")
         self._started = True
         config = self.config
         try:
@@ -258,7 +258,7 @@ class Instance:
     @property
     def db(self) -> Database:
         if self._db is None:
-            raise ConfigError(f"instance {self.name!r} is not started")
+            raise StateError(f"instance {self.name!r} is not started")
         return self._db
 
     @property
@@ -397,7 +397,7 @@ class Instance:
 
     def _before_start(self, what: str) -> None:
         if self._started:
-            raise ConfigError(f"instance {self.name!r}: {what} before start(), not after")
+            raise StateError(f"instance {self.name!r}: {what} before start(), not after")
 
     def _stream_config(self, stream: str) -> StreamConfig:
         for candidate in self.config.streams:

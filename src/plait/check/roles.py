@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 
 from plait.caches.invalidations import CACHES_STREAM, Invalidation
+from plait.check.control import POLL, Control, read_until_stopped
 from plait.check.journal import Journal
 from plait.check.plan import (
     DB_LINEAR,
@@ -56,7 +57,6 @@ UNAVAILABLE_EXIT = 4
 SIZES = (1, 1, 2, 3, 5, 8, 13)  # IDs per transaction
 ROLLBACK_SHARE = 0.05
 KV_SHARE = 0.25
-POLL = 0.05
 PAGE = 10_000  # rows a linear reader reads per query: a backlog goes in a few
 
 logger = logging.getLogger("plait.check")
@@ -64,46 +64,6 @@ logger = logging.getLogger("plait.check")
 
 class _Rollback(Exception):
     pass
-
-
-class Control:
-    """The orchestrator's orders, re-read every `POLL` seconds."""
-
-    def __init__(self, plan: Plan) -> None:
-        self._plan = plan
-        self.value: dict[str, Any] = {}
-        self.changed = asyncio.Event()
-
-    async def follow(self) -> None:
-        while True:
-            value = read_control(self._plan.control)
-            if value != self.value:
-                self.value = value
-                self.changed.set()
-                self.changed = asyncio.Event()
-            await asyncio.sleep(POLL)
-
-    @staticmethod
-    def count(value: dict[str, Any], what: str, name: str) -> int:
-        orders = value.get(what)
-        count = orders.get(name, 0) if isinstance(orders, dict) else 0
-        return count if isinstance(count, int) else 0
-
-    def orders(self, what: str, name: str) -> int:
-        """How many of `what` the orchestrator has asked of process `name` so far."""
-        return self.count(self.value, what, name)
-
-    @property
-    def phase(self) -> str:
-        return str(self.value.get("phase", "run"))
-
-    def targets(self) -> dict[str, dict[str, dict[str, int]]] | None:
-        targets = self.value.get("targets")
-        return targets if isinstance(targets, dict) else None
-
-    async def until(self, phase: str) -> None:
-        while self.phase != phase:
-            await self.changed.wait()
 
 
 async def views(journal: Journal, gens: dict[str, MultiWriterIdGenerator]) -> None:
@@ -258,21 +218,6 @@ async def writer(plan: Plan, name: str) -> None:
 
 
 # -- readers ----------------------------------------------------------------------------------
-
-
-async def read_until_stopped(seen: Seen, control: Control, targets_key: str) -> None:
-    """Journal what `seen` holds every 0.1 s; say once when the targets are reached."""
-    caught_up = False
-    while control.phase != "stop":
-        seen.flush()
-        targets = control.targets()
-        if not caught_up and targets is not None and seen.reached(targets.get(targets_key, {})):
-            seen.journal.write("S", "caught-up")
-            print("caught-up", flush=True)
-            caught_up = True
-        await asyncio.sleep(0.1)
-    seen.flush()
-    seen.journal.write("S", "stopped")
 
 
 async def follower(plan: Plan, name: str) -> None:

@@ -35,8 +35,8 @@ from plait.check.journal import Journal
 from plait.check.plan import Plan, postgres_fault_near, read_control
 from plait.check.seen import Seen
 from plait.check.verdict import error_line, worker_start_timed_out
+from plait.core import offsets
 from plait.core.tokens import StreamToken
-from plait.spark import offsets
 
 TRIGGER = "0.5 seconds"
 IDLE_WAIT = 2.0  # how long a restart waits for the query to be between two batches
@@ -186,7 +186,7 @@ async def _start_again(queries: _Queries, stream: str) -> None:
 
 
 async def spark_reader(plan: Plan, name: str) -> None:
-    from plait.check.roles import Control, read_until_stopped
+    from plait.check.control import Control, read_until_stopped
     from plait.spark.session import quiet_session
 
     seen = Seen(Journal(plan.journal(name)))

@@ -69,9 +69,12 @@ from bisect import bisect_right, insort
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+from plait.errors import PlaitError
 
-class PositionError(Exception):
-    """An event broke the tracker's contract (an ID completed twice, a fetch ended twice)."""
+
+class PositionError(PlaitError):
+    """An event broke the tracker's contract (an ID completed twice, a fetch ended twice):
+    a bug in plait or a sequence that went back, never the caller's input."""
 
 
 class SequenceWentBackwardsError(PositionError):

@@ -14,11 +14,12 @@ from typing import Any
 
 from psycopg import sql
 
+from plait.core import offsets
 from plait.core.pages import TablePage, cut_pages
+from plait.core.spec import StreamSpec
 from plait.core.tokens import StreamToken
-from plait.spark import catalog, offsets
+from plait.spark import catalog
 from plait.storage.database import Database
-from plait.streams.spec import StreamSpec
 
 LIMIT = 100
 

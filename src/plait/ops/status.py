@@ -27,12 +27,12 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
+from plait.core.offsets import WriterRange
+from plait.core.spec import StreamSpec
 from plait.errors import SchemaError
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark.catalog import range_condition
-from plait.spark.offsets import WriterRange
 from plait.storage.stream_store import head_of, ident
-from plait.streams.spec import StreamSpec
 
 DEFAULT_STALL_AFTER = 30.0
 # Largest /metrics answer read from an instance; a real one is a few hundred kilobytes.

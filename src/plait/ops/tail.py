@@ -18,13 +18,14 @@ from typing import Any
 
 import psycopg
 
+from plait.core import offsets
+from plait.core.offsets import WriterRange
 from plait.core.pages import TablePage, cut_pages
+from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError
 from plait.replication.rows import jsonable
-from plait.spark import catalog, offsets
-from plait.spark.offsets import WriterRange
-from plait.streams.spec import StreamSpec, TableSpec
+from plait.spark import catalog
 
 PAGE = 1000
 Item = tuple[int, str, dict[str, Any]]  # internal ID, table, row

@@ -451,7 +451,11 @@ class InternalApi:
 
 
 class _Transient(Exception):
-    """An attempt failed in a way a retry may fix."""
+    """An attempt failed in a way a retry may fix; `status` of its answer, if any."""
+
+    def __init__(self, text: str, status: int | None = None) -> None:
+        super().__init__(text)
+        self.status = status
 
 
 class InternalClient:
@@ -529,7 +533,7 @@ class InternalClient:
             if not (_is_int(upto) and isinstance(limited, bool) and isinstance(reset, bool)):
                 raise TypeError("upto/limited/reset have the wrong types")
         except (KeyError, TypeError, ValueError) as exc:
-            raise RemoteCallError(f"{what}: malformed answer ({exc})") from None
+            raise RemoteCallError(f"{what}: malformed answer ({exc})", status=200) from None
         return CatchUpPage(rows=rows, upto=upto, limited=limited, reset=reset)
 
     async def call(self, instance: str, name: str, args: Any, *, txn_id: str | None = None) -> Any:
@@ -552,7 +556,7 @@ class InternalClient:
         payload = await self._request("POST", url, body, what)
         positions = _positions_or_none(payload.get("positions"))
         if "result" not in payload or positions is None:
-            raise RemoteCallError(f"{what}: malformed answer (no result or positions)")
+            raise RemoteCallError(f"{what}: malformed answer (no result or positions)", status=200)
         await self._await_positions(instance, positions)
         return payload["result"]
 
@@ -603,7 +607,9 @@ class InternalClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RemoteCallError(
-                        f"{what}: gave up after {attempts} attempts in {self._retry_for:g} s: {exc}"
+                        f"{what}: gave up after {attempts} attempts in "
+                        f"{self._retry_for:g} s: {exc}",
+                        status=exc.status,
                     ) from None
                 logger.debug("%s: attempt %d failed (%s); retrying", what, attempts, exc)
                 await asyncio.sleep(min(delay, remaining))
@@ -621,14 +627,16 @@ class InternalClient:
             text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise _Transient(text) from exc
         if status in _TRANSIENT_STATUSES:
-            raise _Transient(f"HTTP {status}: {_error_text(raw)}")
+            raise _Transient(f"HTTP {status}: {_error_text(raw)}", status)
         if status == 200:
             try:
                 payload = strict_json.loads(raw)
             except ValueError as exc:
-                raise RemoteCallError(f"{what}: the answer is not JSON: {exc}") from None
+                raise RemoteCallError(
+                    f"{what}: the answer is not JSON: {exc}", status=status
+                ) from None
             if not isinstance(payload, dict):
-                raise RemoteCallError(f"{what}: the answer is not a JSON object")
+                raise RemoteCallError(f"{what}: the answer is not a JSON object", status=status)
             return payload
         raise _failure(status, raw, what)
 
@@ -639,9 +647,10 @@ def _failure(status: int, raw: bytes, what: str) -> RemoteCallError:
     if status == 401:
         return RemoteCallError(
             f"{what}: HTTP 401, the instances' internal API secrets differ "
-            f"(or only one side has one): {text}"
+            f"(or only one side has one): {text}",
+            status=status,
         )
-    return RemoteCallError(f"{what}: HTTP {status}: {text}")
+    return RemoteCallError(f"{what}: HTTP {status}: {text}", status=status)
 
 
 def _error_text(raw: bytes) -> str:

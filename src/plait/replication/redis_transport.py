@@ -406,6 +406,17 @@ class RedisTransport:
                 raise TimeoutError(
                     f"no answer within {self._connect_timeout:g} s to connecting and SUBSCRIBE"
                 ) from err
+            except _EXPECTED_FAILURES:
+                raise
+            except Exception as err:
+                # A peer that is not Redis (a port reused by another program, one
+                # that hands every command back) can trip redis-py's own reply
+                # handling: redis-py 8 reads an echoed HELLO as a map and raises
+                # AttributeError. What failed is the peer, not plait.
+                raise ConnectionError(
+                    f"the server's answers to connecting are not Redis's "
+                    f"({type(err).__name__}: {err}): not a Redis server"
+                ) from err
             outbox = _Outbox()
             signer = None
             if self._key is not None:

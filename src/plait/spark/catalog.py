@@ -17,12 +17,12 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 from psycopg import sql
 
+from plait.core.offsets import Slice, WriterRange, above_head, not_a_writer
+from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
-from plait.spark.offsets import Slice, WriterRange, above_head, not_a_writer
 from plait.storage.database import CHECK_DSN, connect_or_say
 from plait.storage.stream_store import head_of, ident
-from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
 
@@ -255,7 +255,7 @@ def parse_token(spec: StreamSpec, value: str, run: Ask) -> StreamToken:
     """A starting or ending point: "earliest", "latest", a token's text form (s5,
     m3~1.5) or its JSON form, checked against the stream (`check`). `ValueError`
     (`TokenParseError`, `ConfigError`) saying what is wrong, naming no option."""
-    from plait.spark.offsets import Identity, foreign, parse
+    from plait.core.offsets import Identity, foreign, parse
 
     text = value.strip()
     if text == "earliest":

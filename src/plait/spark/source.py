@@ -57,15 +57,16 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
+from plait.core import offsets
+from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError, TokenParseError
-from plait.spark import catalog, offsets, pushdown, workers
+from plait.spark import catalog, pushdown, workers
 from plait.spark.options import METADATA, Options
 from plait.spark.read_connections import ReadConnections
 from plait.spark.schema import infer, text_columns
 from plait.storage.stream_store import ident
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
-from plait.streams.spec import StreamSpec, TableSpec
 
 T = TypeVar("T")
 NAME = "plait"

@@ -37,6 +37,7 @@ from plait.errors import (
     FencedError,
     InvalidDsnError,
     NoConnectionError,
+    StateError,
     SupersededError,
 )
 from plait.storage.embedded import EmbeddedPostgres
@@ -197,7 +198,7 @@ class Transaction:
 
     def check_open(self) -> None:
         if self._ended:
-            raise psycopg.ProgrammingError(
+            raise StateError(
                 "this transaction has ended already; write inside the `async with "
                 "db.transaction()` block"
             )

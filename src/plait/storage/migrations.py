@@ -79,7 +79,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         5,
         "a uid per stream, which Spark offsets carry",
         # A checkpoint of one stream reused for another, or for the same name in
-        # another database, is then refused by name (plait.spark.offsets). Random per
+        # another database, is then refused by name (plait.core.offsets). Random per
         # row, existing rows included; kept by failovers, upgrades and restores.
         """
         ALTER TABLE plait_streams

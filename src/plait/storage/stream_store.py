@@ -21,6 +21,7 @@ from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.rows import TupleRow
 
 from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
+from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import (
     DatabaseUnavailableError,
     PlaitError,
@@ -30,7 +31,6 @@ from plait.errors import (
 )
 from plait.storage.database import Database, Transaction, regclass_text
 from plait.storage.incarnation import name_prefix
-from plait.streams.spec import StreamSpec, TableSpec
 
 logger = logging.getLogger(__name__)
 

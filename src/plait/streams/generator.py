@@ -21,6 +21,7 @@ from psycopg.rows import TupleRow, scalar_row, tuple_row
 
 from plait.core.backoff import Backoff
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
+from plait.core.spec import StreamSpec
 from plait.core.throttle import Throttle
 from plait.errors import (
     ConfigError,
@@ -28,6 +29,7 @@ from plait.errors import (
     InstanceRunningError,
     NotAWriterError,
     PlaitError,
+    StateError,
 )
 from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.incarnation import name_prefix
@@ -36,7 +38,6 @@ from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.background import cancel_and_wait
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
-from plait.streams.spec import StreamSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -475,14 +476,14 @@ class MultiWriterIdGenerator:
     def _returned_ids(self, values: list[Any] | None) -> list[int]:
         """The IDs a statement returned (its first column), internal domain, sorted."""
         if values is None:
-            raise ConfigError(
+            raise _IdsNotReturned(
                 "the statement returned nothing: end it with RETURNING <id column> so "
                 "plait learns which stream IDs it took"
             )
         # One column has one type, so the first value tells; `type(...) is int` also
         # refuses bool, a subclass of int.
         if values and (type(values[0]) is not int or None in values):
-            raise ConfigError(
+            raise _IdsNotReturned(
                 "the statement must return the new stream IDs as its first column "
                 "(RETURNING <id column>)"
             )
@@ -575,7 +576,7 @@ class MultiWriterIdGenerator:
 
     def _check_writer(self) -> None:
         if self._closed:
-            raise ConfigError(f"generator for stream {self._spec.name!r} is closed")
+            raise StateError(f"generator for stream {self._spec.name!r} is closed")
         if not self._tracker.is_writer:
             raise NotAWriterError(
                 f"instance {self._instance!r} is not a writer of stream {self._spec.name!r} "
@@ -988,7 +989,7 @@ class _InsertAtCommit:
         self._ticket = None
         try:
             ids = gen._returned_ids(None if records is None else [r[0] for r in records])
-        except ConfigError as err:
+        except _IdsNotReturned as err:
             # Committed, but plait cannot tell which IDs it took: as for a lost answer.
             logger.error("stream %s: %s", gen.stream_name, err)
             gen._lost(ticket)
@@ -1009,9 +1010,14 @@ class _InsertAtCommit:
             self._gen._lost(ticket)
 
 
+class _IdsNotReturned(ConfigError):
+    """A statement ran (and may have committed) without returning its IDs as its first
+    column: the statement is wrong, and which IDs it took is unknown."""
+
+
 # A statement that failed with these may have committed all the same: its connection
 # broke, it was cancelled, or it committed without returning its IDs.
-_IDS_UNKNOWN = (psycopg.OperationalError, asyncio.CancelledError, ConfigError)
+_IDS_UNKNOWN = (psycopg.OperationalError, asyncio.CancelledError, _IdsNotReturned)
 
 
 def _names(cursor: Any) -> list[str] | None:
