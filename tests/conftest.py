@@ -24,6 +24,7 @@ import pytest
 from hypothesis import settings
 
 from http_api_helpers import MakeClient, StartApi, already_seen, no_streams
+from pace import scaled
 from plait import Database
 from plait.check.postgres import RestartablePostgres
 from plait.replication.http_api import InternalApi, InternalClient
@@ -37,6 +38,23 @@ from replication_helpers import Cluster, cluster_of
 # own assertions are what the tests are for.
 settings.register_profile("plait", deadline=None)
 settings.load_profile("plait")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """A test's pytest-timeout limit (its `timeout` mark, else pyproject's `timeout`) is
+    a bound about speed too: at this machine's pace as the test starts, so that it never
+    cuts a test short of the scaled waits inside it. Runs before pytest-timeout's own
+    hook, which reads the closest mark."""
+    if not item.config.getoption("timeout", None):  # `--timeout` given: the user's
+        marker = item.get_closest_marker("timeout")
+        given = marker.args[0] if marker is not None and marker.args else None
+        if given is None and marker is not None:
+            given = marker.kwargs.get("timeout")
+        base = float(given if given is not None else item.config.getini("timeout") or 0)
+        if base > 0:
+            item.add_marker(pytest.mark.timeout(scaled(base)), append=False)
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -170,8 +188,10 @@ async def make_client() -> AsyncIterator[MakeClient]:
             "secret": None,
             "own_positions": dict,
             "await_positions": already_seen,
-            "retry_for": 2.0,
-            "request_timeout": 2.0,
+            # A busy machine answers a local call late, not never: the client's own
+            # bounds follow its pace (a test of their firing waits longer, no more).
+            "retry_for": scaled(2.0),
+            "request_timeout": scaled(2.0),
         }
         kwargs.update(overrides)
         client = InternalClient(**kwargs)
@@ -186,7 +206,7 @@ async def make_client() -> AsyncIterator[MakeClient]:
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A plain HTTP session for requests the InternalClient would never send."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=scaled(5))) as session:
         yield session
 
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pace import within
+import pace
 from plait import Database, MultiWriterIdGenerator
 from plait.storage.incarnation import name_prefix
 
@@ -29,7 +29,7 @@ async def spawn(dsn: str, name: str, config: Any = None) -> asyncio.subprocess.P
         stderr=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
-    async with within(30, "the writer process to say it started"):
+    async with pace.within(30, "the writer process to say it started"):
         line = await process.stdout.readline()
     assert line == b"started\n", (line, await process.stderr.read() if process.stderr else b"")
     return process
@@ -52,17 +52,15 @@ class LinearReader:
         return self.linear
 
     async def until(self, position: int, within: float) -> float:
-        """Seconds until the linear position reached `position`."""
+        """Seconds until the linear position reached `position`; a TimeoutError after
+        `within` seconds at this machine's pace."""
         started = time.monotonic()
         try:
-            async with asyncio.timeout(within):
+            async with pace.within(within, f"the linear position to reach {position}"):
                 while await self.catch_up() < position:  # noqa: ASYNC110 - polls the database
                     await asyncio.sleep(0.02)
-        except TimeoutError:
-            raise TimeoutError(
-                f"waited {within:.1f} s for the linear position to reach {position}; it is "
-                f"at {self.linear}"
-            ) from None
+        except TimeoutError as late:
+            raise TimeoutError(f"{late}; it is at {self.linear}") from None
         return time.monotonic() - started
 
 
@@ -76,7 +74,8 @@ async def server_processes_gone(db: Database, writers: list[str], within: float)
     """Wait until no server process carries a name of the `writers`' registered runs,
     what a fence proves: a killed writer's COMMIT may still be landing after the
     process was reaped (the server finishes it after the link dropped), and only then is
-    every row it will ever commit committed."""
+    every row it will ever commit committed. `within` seconds at this machine's pace."""
+    limit = pace.scaled(within)
     async with db.connection() as conn:
         cursor = await conn.execute(
             "SELECT DISTINCT epoch FROM stream_positions"
@@ -96,10 +95,10 @@ async def server_processes_gone(db: Database, writers: list[str], within: float)
             row = await cursor.fetchone()
         if row is not None and row[0] == 0:
             return
-        if time.monotonic() - started > within:
+        if time.monotonic() - started > limit:
             raise TimeoutError(
-                f"{row[0] if row else '?'} server process(es) of {writers} still alive"
-                f" {within:.0f} s after they were killed"
+                f"waited {limit:.1f} s for the server processes of {writers} to end after they"
+                f" were killed; {row[0] if row else '?'} still alive"
             )
         await asyncio.sleep(0.05)
 

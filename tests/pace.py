@@ -5,7 +5,9 @@ quiet machine; on a busy one (other work running, a laptop on battery) the same 
 takes longer without being wrong. `slowness()` says how much longer: the environment's
 PLAIT_TEST_SLOWNESS when set, else the load average per core the tests may use (1 on a
 quiet machine, 4.5 at load 9 on 2 cores), read anew at each call so that it follows the
-load through a long run. `scaled(seconds)` is a bound for this machine now.
+load through a long run. `scaled(seconds)` is a bound for this machine now; `within`,
+`wait` and `until` wait at that pace, and `run` and `communicate` for a subprocess: a
+wait that times out says what it waited for and for how long.
 
 The same guarantees on their strict, quiet-machine bounds live in tests marked `timing`
 (`pytest -m timing`, which CI runs on its quiet machine); the default run leaves them out.
@@ -15,8 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 MAX_SLOWNESS = 10.0  # past this the machine is not busy but stuck: let the test say so
 
@@ -39,9 +46,83 @@ def scaled(seconds: float) -> float:
 async def within(seconds: float, what: str) -> AsyncIterator[None]:
     """`asyncio.timeout` for `seconds` at this machine's pace (`scaled`), whose
     TimeoutError says what was waited for and for how long."""
-    limit = scaled(seconds)
+    async with bounded(scaled(seconds), what):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def bounded(limit: float, what: str) -> AsyncIterator[None]:
+    """`within` for a `limit` taken as it is: one already at this machine's pace (a
+    caller's, or a process's that was given it), or a quiet machine's on purpose."""
+    timeout = asyncio.timeout(limit)
     try:
-        async with asyncio.timeout(limit):
+        async with timeout:
             yield
     except TimeoutError:
+        if not timeout.expired():
+            raise  # a timeout of the body's own, which says what it waited for
         raise TimeoutError(f"waited {limit:.1f} s for {what}") from None
+
+
+async def wait(awaitable: Awaitable[T], seconds: float, what: str) -> T:
+    """`asyncio.wait_for` at this machine's pace, saying what it waited for (built on
+    `within`: 3.11's wait_for can swallow a cancellation, pyproject's ban says)."""
+    async with within(seconds, what):
+        return await awaitable
+
+
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    within: float,
+    what: str,
+    *,
+    every: float = 0.01,
+) -> None:
+    """Returns once `condition()` (or what it returns, awaited) holds, asked every
+    `every` s: for state another component keeps, with no event to wait on. A
+    TimeoutError after `within` seconds at this machine's pace says what for."""
+    async with bounded(scaled(within), what):
+        while not await _holds(condition):  # noqa: ASYNC110 - it offers no event
+            await asyncio.sleep(every)
+
+
+async def _holds(condition: Callable[[], bool | Awaitable[bool]]) -> bool:
+    held = condition()
+    return bool(await held) if inspect.isawaitable(held) else bool(held)
+
+
+def run(
+    args: Sequence[str | os.PathLike[str]] | str, seconds: float, **kwargs: Any
+) -> subprocess.CompletedProcess[Any]:
+    """`subprocess.run` with a timeout of `seconds` at this machine's pace; one that
+    expires fails the test naming the command, the seconds and what it printed by then
+    (TimeoutExpired's message leaves that out)."""
+    limit = scaled(seconds)
+    try:
+        return subprocess.run(args, timeout=limit, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        raise _still_running(args, limit, expired.stdout, expired.stderr) from None
+
+
+def communicate(process: subprocess.Popen[Any], seconds: float) -> tuple[Any, Any]:
+    """`process.communicate()` with a timeout of `seconds` at this machine's pace; a
+    process still running then is killed, and the test fails as with `run`."""
+    limit = scaled(seconds)
+    try:
+        return process.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise _still_running(process.args, limit, out, err) from None
+
+
+def _still_running(args: Any, limit: float, *printed: str | bytes | None) -> AssertionError:
+    command = args if isinstance(args, str) else " ".join(str(arg) for arg in args)
+    said = "".join(
+        (text.decode(errors="replace") if isinstance(text, bytes) else text)[-3000:]
+        for text in printed
+        if text
+    )
+    return AssertionError(
+        f"waited {limit:.1f} s for {command[:300]} to end; it printed:\n{said or '(nothing)'}"
+    )

@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import pace
 from plait import Database
 from plait.storage.embedded import EmbeddedPostgres
 from stream_helpers import create_generator, create_table
@@ -33,7 +34,7 @@ SERVER_ADDRESS, WRITER_ADDRESS = "10.77.0.1", "10.77.0.2"
 
 
 def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
+    pace.run(args, 30, check=True, capture_output=True)
 
 
 def network() -> tuple[subprocess.Popen[bytes], list[str]]:
@@ -42,10 +43,11 @@ def network() -> tuple[subprocess.Popen[bytes], list[str]]:
     sh("ip", "link", "set", "lo", "up")
     keeper = subprocess.Popen(["unshare", "--net", "sleep", "600"])
     ours = os.readlink("/proc/self/ns/net")
-    deadline = time.monotonic() + 10
+    limit = pace.scaled(10)
+    deadline = time.monotonic() + limit
     while os.readlink(f"/proc/{keeper.pid}/ns/net") == ours:  # unshare has not run yet
         if time.monotonic() > deadline:
-            raise RuntimeError("unshare did not make a network namespace within 10 s")
+            raise RuntimeError(f"waited {limit:.1f} s for unshare to make a network namespace")
         time.sleep(0.01)
     inside = ["nsenter", f"--net=/proc/{keeper.pid}/ns/net"]
     sh("ip", "link", "add", "va", "type", "veth", "peer", "name", "vb", "netns", str(keeper.pid))
@@ -74,8 +76,7 @@ async def spawn(prefix: list[str], dsn: str, name: str) -> asyncio.subprocess.Pr
         *prefix, sys.executable, str(ROLE), json.dumps(args), stdout=asyncio.subprocess.PIPE
     )
     assert process.stdout is not None
-    async with asyncio.timeout(30):
-        line = await process.stdout.readline()
+    line = await pace.wait(process.stdout.readline(), 30, f"writer {name} to say it started")
     if line != b"started\n":
         raise RuntimeError(f"writer {name} did not start: {line!r}")
     return process

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+import pace
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check.journal import Line, read
 from plait.check.plan import Plan, write_control
@@ -98,7 +99,9 @@ class Role:
             self.said.add(line.decode().strip())
 
     async def until(self, word: str, within: float) -> None:
-        deadline = time.monotonic() + within
+        """Until the process said `word`, for `within` seconds at this machine's pace."""
+        limit = pace.scaled(within)
+        deadline = time.monotonic() + limit
         while word not in self.said:
             assert self.proc is not None
             if self.proc.returncode is not None:
@@ -109,25 +112,22 @@ class Role:
             if time.monotonic() > deadline:
                 self.dump_tasks()
                 raise AssertionError(
-                    f"{self.name} did not say {word!r} within {within:g} s:\n{self.log_tail()}"
+                    f"waited {limit:.1f} s for {self.name} to say {word!r}:\n{self.log_tail()}"
                 )
             await asyncio.sleep(0.05)
 
     async def exit_code(self, within: float) -> int:
         """The process's exit status once it ended; fails when it is still running
-        after `within` seconds (it hangs: its tasks are logged first)."""
+        after `within` seconds at this machine's pace (it hangs: its tasks are logged
+        first)."""
         assert self.proc is not None
         try:
-            async with asyncio.timeout(within):
-                code = await self.proc.wait()
-        except TimeoutError:
+            code = await pace.wait(self.proc.wait(), within, f"{self.name} to end when told to")
+        except TimeoutError as late:
             self.dump_tasks()
             await asyncio.sleep(1)
             self.kill()
-            raise AssertionError(
-                f"{self.name} still running {within:g} s after it was told to stop:\n"
-                f"{self.log_tail(60)}"
-            ) from None
+            raise AssertionError(f"{late}; still running:\n{self.log_tail(60)}") from None
         if self._listener is not None:
             await self._listener
         return code

@@ -24,6 +24,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+import pace
 from plait.ports import free_port
 
 # Where Debian puts it; not on a non-root user's PATH.
@@ -93,7 +94,8 @@ class PgBouncer:
         return self._log.read_text(errors="replace")
 
     def _wait_listening(self) -> None:
-        deadline = time.monotonic() + _STARTS_WITHIN
+        limit = pace.scaled(_STARTS_WITHIN)
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 raise RuntimeError(f"pgbouncer exited at start:\n{self.log()}")
@@ -104,8 +106,7 @@ class PgBouncer:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(
-            f"pgbouncer was not listening on port {self.port} after {_STARTS_WITHIN:.0f} s:\n"
-            f"{self.log()}"
+            f"waited {limit:.1f} s for pgbouncer to listen on port {self.port}:\n{self.log()}"
         )
 
     def stop(self) -> None:

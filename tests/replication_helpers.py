@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg import sql
 
-from pace import scaled
+import pace
 from plait import Database
 from plait.instance import Instance
 from plait.ports import free_port
@@ -58,30 +58,14 @@ class Seen:
         return [row for _, _, rows in self.calls for row in rows]
 
     async def wait(self, count: int, within: float = 15.0) -> None:
-        within = scaled(within)  # for this machine's pace (tests/pace.py)
+        """Until `count` rows arrived, for `within` seconds at this machine's pace."""
         try:
-            async with asyncio.timeout(within):
+            async with pace.within(within, f"{count} rows"):
                 while len(self.rows) < count:
                     self.changed.clear()
                     await self.changed.wait()
-        except TimeoutError:
-            raise TimeoutError(
-                f"waited {within:.1f} s for {count} rows; {len(self.rows)} arrived"
-            ) from None
-
-
-async def until(
-    condition: Callable[[], bool], within: float = 10.0, step: float = 0.01, *, what: str = ""
-) -> None:
-    """Poll `condition` (state of another instance, which offers no event to wait on) for
-    `within` seconds at this machine's pace (tests/pace.py)."""
-    within = scaled(within)
-    try:
-        async with asyncio.timeout(within):
-            while not condition():  # noqa: ASYNC110 - polling another component's state
-                await asyncio.sleep(step)
-    except TimeoutError:
-        raise TimeoutError(f"waited {within:.1f} s for {what or 'the condition'}") from None
+        except TimeoutError as late:
+            raise TimeoutError(f"{late}; {len(self.rows)} arrived") from None
 
 
 def metric(instance: Instance, name: str, **labels: str) -> float:
@@ -106,7 +90,9 @@ async def start_connected(
 
 async def connected(*instances: Instance) -> None:
     """Until every instance's connections are up (every stream caught up)."""
-    await until(lambda: all(_up(i) for i in instances))
+    await pace.until(
+        lambda: all(_up(i) for i in instances), 10, "every instance's connections to be up"
+    )
 
 
 def _up(instance: Instance) -> bool:

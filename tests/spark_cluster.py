@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyspark
 
+import pace
 from plait.ports import free_port
 from plait.spark.session import ensure_java
 
@@ -47,7 +48,8 @@ def _spark_env(work: Path) -> dict[str, str]:
 
 
 def _wait(log: Path, word: str, process: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + START_WITHIN
+    limit = pace.scaled(START_WITHIN)
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if word in log.read_text(errors="replace"):
             return
@@ -55,7 +57,7 @@ def _wait(log: Path, word: str, process: subprocess.Popen[bytes], what: str) -> 
             break
         time.sleep(0.2)
     raise TimeoutError(
-        f"waited {START_WITHIN:.0f} s for the {what} to say {word!r}; its log ends:\n"
+        f"waited {limit:.1f} s for the {what} to say {word!r}; its log ends:\n"
         + log.read_text(errors="replace")[-3000:]
     )
 

@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 
+import pace
 from plait.streams.background import cancel_and_wait
 
 
@@ -30,7 +31,7 @@ async def test_a_task_that_lost_its_cancellation_still_ends() -> None:
     started = asyncio.Event()
     task = asyncio.create_task(swallows_one_cancellation(started))
     await started.wait()
-    async with asyncio.timeout(10):
+    async with pace.within(10, "the task that swallowed a cancellation to end"):
         await cancel_and_wait(task)
     assert task.cancelled()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from psycopg import sql
 
+import pace
 from plait import (
     ConfigError,
     Database,
@@ -393,11 +393,7 @@ async def test_the_demo_drops_no_schema_it_did_not_make(server_dsn: str) -> None
     try:
         args = ["demo", "--dsn", server_dsn, "--schema", "not_the_demos", "--no-spark"]
         done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "plait", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            pace.run, [sys.executable, "-m", "plait", *args], 120, capture_output=True, text=True
         )
         assert done.returncode == 2, done.stderr
         assert "--schema 'not_the_demos' exists and plait demo did not make it" in done.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+import pace
 from pace import scaled, slowness
 from plait.check import journal
 from plait.check.faults import kinds_for
@@ -169,7 +170,8 @@ async def test_a_stopped_check_leaves_no_server_or_process_behind(how: str) -> N
     )  # fmt: skip
     assert process.stdout is not None
     output = []
-    async with asyncio.timeout(120):  # the server's initdb and every role's start
+    # The server's initdb and every role's start.
+    async with pace.within(120, "plait check to say it is running"):
         while not output or not output[-1].startswith("running"):
             line = await process.stdout.readline()
             assert line, f"plait check ended before it ran: {''.join(output)}"
@@ -182,15 +184,14 @@ async def test_a_stopped_check_leaves_no_server_or_process_behind(how: str) -> N
     else:
         os.killpg(process.pid, signal.SIGINT)
     try:
-        async with asyncio.timeout(90):
-            rest, _ = await process.communicate()
-    except TimeoutError:
+        rest, _ = await pace.wait(process.communicate(), 90, f"plait check to end after {how}")
+    except TimeoutError as late:
         left = _session(process.pid)
         for pid in left:  # all of it: its roles would run on into the next tests
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         raise AssertionError(
-            f"plait check still ran 90 s after {how} ({len(left)} processes, killed); "
+            f"{late}: it still ran ({len(left)} processes, killed); "
             f"its output before: {''.join(output)[-2000:]}"
         ) from None
     text = "".join(output) + rest.decode()

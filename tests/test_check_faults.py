@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import psycopg
 import pytest
 from rich.console import Console
 
+import pace
 from pg_proxy import proxy_in_front
 from plait.check import journal
 from plait.check.options import Options
@@ -98,14 +98,6 @@ async def test_a_process_that_did_not_start_or_died_says_why(tmp_path: Path) -> 
     assert checker._reader_deaths() == {"spark": "exited with 1: KeyError: 'no-such-role'"}
 
 
-async def wait_for(what: str, check: Callable[[], Awaitable[bool]], within: float) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting after {within:g} s for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_a_partition_holds_every_byte_then_drops_what_it_held(dsn: str) -> None:
     """The proxy's part of `pg_partition`, on a real PostgreSQL: while black-holed, a
     connection's query gets no answer and its server process lives on (the proxy's
@@ -138,11 +130,12 @@ async def test_a_partition_holds_every_byte_then_drops_what_it_held(dsn: str) ->
             assert proxy.drop_all() == 1
             with pytest.raises(psycopg.OperationalError):
                 await query
-            await wait_for("the partitioned server process to end", _zero(backends), 10.0)
+            await pace.until(
+                _zero(backends), 10.0, "the partitioned server process to end", every=0.05
+            )
             assert not late.done()  # the partition goes on for new connections
             proxy.heal()
-            async with asyncio.timeout(10):
-                healed = await late
+            healed = await pace.wait(late, 10, "the connection begun in the partition, healed")
             async with healed:
                 cur = await healed.execute("SELECT 1")
                 assert await cur.fetchone() == (1,)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import pace
 from plait import Database
 from stream_helpers import create_generator, create_table
 
@@ -20,7 +21,7 @@ PLAIT = str(Path(sys.executable).parent / "plait")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+    return pace.run(args, 60, capture_output=True, text=True)
 
 
 def test_version_module_and_bare_command() -> None:
@@ -65,7 +66,7 @@ def _head_of_tail(dsn: str) -> tuple[bytes, int, str]:
     first = process.stdout.readline()
     process.stdout.close()  # what `head -1` does
     errors = process.stderr.read().decode()
-    return first, process.wait(timeout=60), errors
+    return first, process.wait(timeout=pace.scaled(60)), errors  # TimeoutExpired names it
 
 
 STREAM_SETUP = """
@@ -118,7 +119,7 @@ def test_export_without_dsn_reads_the_embedded_server_in_the_schema_given(
             PLAIT, "export", "--schema", "mine", "--stream", "events", "--path", str(out),
             "--checkpoint", str(tmp_path / "ck"), "--once",
         ]  # fmt: skip
-        done = subprocess.run(export, env=env, capture_output=True, text=True, timeout=300)
+        done = pace.run(export, 300, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         import pyarrow.parquet as pq
 

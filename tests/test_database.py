@@ -8,6 +8,7 @@ import psycopg
 import pytest
 from psycopg import pq
 
+import pace
 from plait import Database
 from plait.storage import database
 
@@ -301,7 +302,10 @@ async def test_a_connection_whose_server_said_fatal_is_not_used_before_its_end_a
     the lease handed the connection out, and the statement failed with
     OperationalError once the end arrived."""
     info = psycopg.conninfo.conninfo_to_dict(dsn)
-    proxy = HoldsTheEnd(str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432), 5.0)
+    slow = pace.slowness()  # the held end, and the bound below it, at this machine's pace
+    proxy = HoldsTheEnd(
+        str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432), 5.0 * slow
+    )
     port = await proxy.start()
     db = await Database.connect(
         psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=port), min_size=1, max_size=1
@@ -312,17 +316,14 @@ async def test_a_connection_whose_server_said_fatal_is_not_used_before_its_end_a
         assert row is not None
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as other:
             await other.execute("SELECT pg_terminate_backend(%s)", (row[0],))
-        try:
-            async with asyncio.timeout(10):
-                await proxy.server_ended.wait()
-        except TimeoutError:
-            pytest.fail("waited 10 s for the server to end the terminated connection")
+        async with pace.within(10, "the server to end the terminated connection"):
+            await proxy.server_ended.wait()
         await asyncio.sleep(0.1)  # the FATAL reached the idle connection's socket
-        try:
-            async with asyncio.timeout(4), db.connection() as conn:  # not the held end's 5 s
+        try:  # not the held end's 5 s (both at this machine's pace)
+            async with pace.bounded(4.0 * slow, "SELECT 1"), db.connection() as conn:
                 await conn.execute("SELECT 1")
-        except TimeoutError:
-            pytest.fail("waited 4 s for SELECT 1: the lease handed out the ended connection")
+        except TimeoutError as late:
+            pytest.fail(f"{late}: the lease handed out the ended connection")
         assert db.connections_lost >= 1
     finally:
         await db.close()

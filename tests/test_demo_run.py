@@ -13,6 +13,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+import pace
+
 pytestmark = pytest.mark.slow
 
 
@@ -26,7 +28,7 @@ async def test_the_demo_runs_and_its_checks_hold(server_dsn: str) -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:
-        output, _ = await asyncio.wait_for(demo.communicate(), 300)
+        output, _ = await pace.wait(demo.communicate(), 300, "plait demo to run and end")
         text = output.decode()
         assert demo.returncode == 0, text
         _the_checks_held(text)

@@ -5,12 +5,12 @@ cover the code: every command of `plait`, every configuration key."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import click
 
+import pace
 from plait.cli import main
 from plait.config import InstanceConfig
 
@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_docs_build_strictly_and_their_references_cover_the_code(tmp_path: Path) -> None:
     site = tmp_path / "site"
-    done = subprocess.run(
+    done = pace.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        300,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, done.stderr[-4000:]

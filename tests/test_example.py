@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import pace
 from plait.ports import free_port
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "minimal.py"
@@ -27,20 +28,22 @@ async def test_the_minimal_example_delivers_every_note_once(dsn: str) -> None:
     # A reader gets the rows written after it started: the worker first, then writers.
     worker = await start("worker")
     assert worker.stdout is not None
-    first = await asyncio.wait_for(worker.stdout.readline(), 60)
+    first = await pace.wait(worker.stdout.readline(), 60, "the worker to say it started")
     assert first.decode().strip() == "worker started"
     writers = [await start("w1"), await start("w2")]
     try:
         try:
-            out, err = await asyncio.wait_for(worker.communicate(), 60)
-        except TimeoutError:
+            out, err = await pace.wait(
+                worker.communicate(), 60, "the worker to get ten notes and end"
+            )
+        except TimeoutError as late:
             worker.kill()
             for process in writers:
                 if process.returncode is None:
                     process.terminate()
             said = [await p.communicate() for p in (worker, *writers)]
             raise AssertionError(
-                "the worker did not get ten notes in 60 s; what each process said:\n"
+                f"{late}; what each process said:\n"
                 + "\n".join(
                     f"{n}: {o.decode()}{e.decode()[-3000:]}"
                     for n, (o, e) in zip(("worker", "w1", "w2"), said, strict=True)

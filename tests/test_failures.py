@@ -9,8 +9,8 @@ import logging
 import psycopg
 import pytest
 
+import pace
 from plait import Database, SequenceBehindError
-from replication_helpers import until
 from stream_helpers import create_generator, create_table, stored_positions, write_in_txn
 
 
@@ -66,7 +66,7 @@ async def test_a_waiter_cancelled_while_queued_gives_its_ids_back(db: Database) 
     gen._finish([5])
     # ID 4 went to the cancelled waiter: it was given back (finished once the WAL was
     # flushed, R-ID-14), so nothing is stuck at 3.
-    await until(lambda: gen.get_current_token() == 5, what="the given-back ID to finish")
+    await pace.until(lambda: gen.get_current_token() == 5, 10, "the given-back ID to finish")
     assert gen._tracker.unfinished() == []
 
 
@@ -185,7 +185,7 @@ async def test_connection_killed_before_commit(db: Database) -> None:
     with pytest.raises(psycopg.OperationalError):
         await write_then_lose_the_connection()
     # The ID completed (once the WAL was flushed: R-ID-14)...
-    await until(lambda: gen.get_current_token() == 2, what="the ID to complete")
+    await pace.until(lambda: gen.get_current_token() == 2, 10, "the ID to complete")
     assert await gen.get_updates_since("w", 0, 2) == ([], 2, False)  # ...with no row
     assert await gen.insert("INSERT INTO events VALUES ({id}, 'w') RETURNING stream_id") == [3]
     assert gen.get_current_token() == 3

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from psycopg import sql
 
+import pace
 from fence_helpers import committed, spawn, stop
 from plait.core.commands import Fenced, Position
 from plait.instance import Instance
-from replication_helpers import Cluster, Seen, connected, metric, until, write
+from replication_helpers import Cluster, Seen, connected, metric, write
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,9 +59,10 @@ async def test_a_fence_the_database_does_not_show_is_refused(cluster: Cluster) -
         await seen.wait(2)
         x.send_command(Position("events", "w2", above, above))
         x.send_command(Fenced("events", "w2", above))
-        await until(
+        await pace.until(
             lambda: metric(r, "plait_refused_positions_total", stream="events") >= 1,
-            within=30,
+            30,
+            "r to refuse the forged POSITION of w2",
         )
         await asyncio.sleep(0.5)  # the forged POSITION, had it been taken, shows by now
         reader = r.generator("events")
@@ -87,14 +89,22 @@ async def test_a_real_fence_reaches_a_reader_that_does_not_fence(
     config = cluster.config("w2", replication={"secret": SECRET}, database=dsn)
     w2 = await spawn(dsn, "w2", config)
     try:
-        await until(lambda: sum(1 for row in seen.rows if row[2] == "w2") >= 20, within=30)
+        await pace.until(
+            lambda: sum(1 for row in seen.rows if row[2] == "w2") >= 20, 30, "20 rows of w2 at r"
+        )
         w2.send_signal(signal.SIGKILL)
         await w2.wait()
         later = [await write(w1, f"later{i}") for i in range(3)]
         reader = r.generator("events")
-        await until(lambda: reader.get_persisted_upto_position() >= later[-1], within=30)
+        await pace.until(
+            lambda: reader.get_persisted_upto_position() >= later[-1],
+            30,
+            f"r's persisted-up-to position to reach w1's later row {later[-1]}",
+        )
         truth = await committed(cluster.db)
-        await until(lambda: len(seen.rows) >= len(truth), within=30)
+        await pace.until(
+            lambda: len(seen.rows) >= len(truth), 30, f"all {len(truth)} committed rows at r"
+        )
         assert sorted((row[1], row[2]) for row in seen.rows) == truth
         fencers = [i for i in cluster.instances if i is not r]  # w1, and the TCP hub
         assert sum(i.generator("events").fences for i in fencers) >= 1

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator
 import psycopg
 import pytest
 
+import pace
 from fence_helpers import LinearReader, committed, spawn, stop
-from pace import scaled
 from plait import Database, FencedError
 from plait.storage.incarnation import Incarnation, name_prefix, refuse_if_fenced
 from plait.storage.stream_store import StreamStore
-from replication_helpers import Seen, cluster_of, connected, until, write
+from replication_helpers import Seen, cluster_of, connected, write
 from stream_helpers import create_generator, create_table, spec_for
 
 INSERT = (
@@ -228,12 +228,13 @@ async def cut_off(db: Database, run: Incarnation) -> None:
 
 
 async def fenced_within(store: StreamStore, within: float, what: str) -> None:
-    """Fence w1 as far as it goes, trying until it works; fails saying what for."""
-    deadline = time.monotonic() + within
-    while (await store.fence("w1", 10**9)).position is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting after {within:g} s for {what}")
-        await asyncio.sleep(0.05)
+    """Fence w1 as far as it goes, trying until it works (for `within` seconds at this
+    machine's pace); fails saying what for."""
+
+    async def fenced() -> bool:
+        return (await store.fence("w1", 10**9)).position is not None
+
+    await pace.until(fenced, within, what, every=0.05)
 
 
 async def test_a_live_writer_holding_a_transaction_is_not_fenced(db: Database, dsn: str) -> None:
@@ -252,10 +253,9 @@ async def test_a_live_writer_holding_a_transaction_is_not_fenced(db: Database, d
             assert w2.fences == 0
             assert w2.get_current_token() < held
         # It moves on by itself (its next refresh, 0.1 s on a quiet machine), unfenced.
-        deadline = time.monotonic() + scaled(2.0)
-        while w2.get_current_token() <= held and time.monotonic() < deadline:  # noqa: ASYNC110 - polls its position
-            await asyncio.sleep(0.02)
-        assert w2.get_current_token() > held, f"not past {held} within {scaled(2.0):.1f} s"
+        await pace.until(
+            lambda: w2.get_current_token() > held, 2.0, f"w2's position past {held}", every=0.02
+        )
         assert w2.fences == 0
     finally:
         await w1.close()
@@ -296,11 +296,11 @@ async def test_a_killed_writer_is_fenced_and_nothing_is_lost(db: Database, dsn: 
         head = await reader.gen.get_max_allocated_token()
         # The readers pass everything the dead writer held within 2 s (for a quiet
         # machine: `pace`), while it stays dead.
-        took = await reader.until(head, within=scaled(2.0))
+        took = await reader.until(head, within=2.0)
         print(f"linear position passed the dead writer {took:.2f} s after kill -9")
         # And keep following the live writer, with the dead one fenced along.
         head = await reader.gen.get_max_allocated_token()
-        await reader.until(head, within=scaled(2.0))
+        await reader.until(head, within=2.0)
 
         # A new run of w1 writes again; nothing of it is claimed by the fence.
         writers["w1"] = await spawn(dsn, "w1")
@@ -354,7 +354,11 @@ async def test_over_replication_a_killed_instance_is_fenced_and_its_rows_reach_r
         await connected(w2, r)
         w1 = await spawn(dsn, "w1", {**cluster.config("w1"), "database": dsn})
         try:
-            await until(lambda: sum(1 for row in seen.rows if row[2] == "w1") >= 20)
+            await pace.until(
+                lambda: sum(1 for row in seen.rows if row[2] == "w1") >= 20,
+                10,
+                "20 rows of w1 at r",
+            )
             w1.send_signal(signal.SIGKILL)
             await w1.wait()
             killed = time.monotonic()
@@ -363,7 +367,11 @@ async def test_over_replication_a_killed_instance_is_fenced_and_its_rows_reach_r
             truth = await committed(db)
             last_w1 = max(i for i, w in truth if w == "w1")
             gen = r.generator("events")
-            await until(lambda: gen.get_current_token() >= truth[-1][0], within=5.0)
+            await pace.until(
+                lambda: gen.get_current_token() >= truth[-1][0],
+                5.0,
+                f"r's linear position to pass the dead w1, to {truth[-1][0]}",
+            )
             took = time.monotonic() - killed
             print(f"r's linear position passed the dead w1 {took:.2f} s after kill -9")
             # Every committed row of both writers reached r once, w1's last ones read
@@ -396,22 +404,21 @@ async def test_a_fence_stalled_mid_transaction_holds_the_writers_row_briefly(
                 assert await store._locked_row(txn, "w1") is not None
                 started = time.monotonic()
                 # The writer stores its position meanwhile: it waits for the row.
-                try:
-                    async with asyncio.timeout(30), db.connection() as conn:
-                        await conn.execute(
-                            "UPDATE stream_positions SET updated_at = now()"
-                            " WHERE stream_name = 'events' AND instance_name = 'w1'"
-                        )
-                except TimeoutError:
-                    raise AssertionError(
-                        "w1's row still locked by the stalled fence after 30 s"
-                    ) from None
+                async with (
+                    pace.within(30, "w1's row, locked by the stalled fence"),
+                    db.connection() as conn,
+                ):
+                    await conn.execute(
+                        "UPDATE stream_positions SET updated_at = now()"
+                        " WHERE stream_name = 'events' AND instance_name = 'w1'"
+                    )
                 waited.append(time.monotonic() - started)
                 await txn.execute("SELECT 1")  # the stalled fencer goes on
 
         with pytest.raises(psycopg.OperationalError, match="ended a transaction"):
             await stalled_fence()
-        assert waited[0] < 20, f"the writer's row was locked {waited[0]:.1f} s by a stalled fence"
+        locked = waited[0]
+        assert locked < pace.scaled(20), f"w1's row was locked {locked:.1f} s by a stalled fence"
         assert (await store.fence("w1", 10**9)).epoch is None  # a new connection answers
     finally:
         await fencer_db.close()

@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import pace
 from plait import (
     Database,
     MultiWriterIdGenerator,
@@ -19,7 +20,6 @@ from plait import (
     StreamToken,
     TableSpec,
 )
-from replication_helpers import until
 from stream_helpers import (
     create_generator,
     create_table,
@@ -67,7 +67,7 @@ async def test_get_next_txn_completes_after_commit_and_rollback(db: Database) ->
         await write_then_fail()
     # Rolled-back IDs complete too, once the WAL is flushed (a round trip later): the
     # sequence's log record must survive a crash first (R-ID-14).
-    await until(lambda: gen.get_current_token() == 5, what="the rolled-back IDs to complete")
+    await pace.until(lambda: gen.get_current_token() == 5, 10, "the rolled-back IDs to complete")
     rows, upto, limited = await gen.get_updates_since("master", 0, 5)
     assert [r.stream_id for r in rows] == [2]
     assert (upto, limited) == (5, False)
@@ -79,7 +79,7 @@ async def test_failing_write_in_get_next_still_completes(db: Database) -> None:
     with pytest.raises(RuntimeError):
         async with gen.get_next():
             raise RuntimeError("write failed")
-    await until(lambda: gen.get_current_token() == 2, what="the failed write's ID to complete")
+    await pace.until(lambda: gen.get_current_token() == 2, 10, "the failed write's ID to complete")
     async with gen.get_next() as stream_id:
         assert stream_id == 3
 
@@ -140,7 +140,7 @@ async def test_cancelled_allocation_does_not_stall_the_position(db: Database) ->
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     # Finished once the WAL was flushed (R-ID-14), a round trip later.
-    await until(lambda: gen.get_current_token() == 6, what="the cancelled IDs to complete")
+    await pace.until(lambda: gen.get_current_token() == 6, 10, "the cancelled IDs to complete")
     assert gen._tracker.unfinished() == []
 
 
@@ -379,7 +379,7 @@ async def test_cancelled_during_commit_runs_the_right_callbacks(db: Database) ->
     rows, _, _ = await gen.get_updates_since("master", 0, 10)
     assert outcome == (["committed"] if rows else ["rolled back"])
     # The ID completed either way (rolled back: once the WAL was flushed, R-ID-14).
-    await until(lambda: gen.get_current_token() == 2, what="the ID to complete")
+    await pace.until(lambda: gen.get_current_token() == 2, 10, "the ID to complete")
     assert gen._tracker.unfinished() == []
 
 
@@ -389,7 +389,7 @@ async def test_psycopg_rollback_is_honoured(db: Database) -> None:
     async with write_in_txn(db, gen):
         raise psycopg.Rollback
     assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
-    await until(lambda: gen.get_current_token() == 2, what="the rolled-back ID to complete")
+    await pace.until(lambda: gen.get_current_token() == 2, 10, "the rolled-back ID to complete")
 
 
 async def test_commit_after_a_caught_error_is_not_reported_as_committed(db: Database) -> None:
@@ -406,7 +406,7 @@ async def test_commit_after_a_caught_error_is_not_reported_as_committed(db: Data
         await write()
     assert outcome == ["rolled back"]
     assert await gen.get_updates_since("master", 0, 10) == ([], 10, False)
-    await until(lambda: gen.get_current_token() == 2, what="the rolled-back ID to complete")
+    await pace.until(lambda: gen.get_current_token() == 2, 10, "the rolled-back ID to complete")
 
 
 async def test_transaction_round_trips(db: Database) -> None:
@@ -678,9 +678,10 @@ async def test_a_database_only_reader_passes_committed_rows_below_a_long_transac
         await fast.flush_position()
         await slow.flush_position()
         assert (await stored_positions(db))["slow"] == sign * 2
-        await until(
+        await pace.until(
             lambda: reader.get_current_token() == sign * 5,
-            what="the database-only reader to pass fast's rows 3 to 5",
+            10,
+            "the database-only reader to pass fast's rows 3 to 5",
         )
         # Rows above the pending ID do not let it pass it, nor does a rolled-back ID.
         with contextlib.suppress(RuntimeError):
@@ -689,7 +690,9 @@ async def test_a_database_only_reader_passes_committed_rows_below_a_long_transac
                 raise RuntimeError("rolled back")
         async with fast.get_next_mult(2) as above:  # 8, 9
             await write(above, "fast")
-        await until(lambda: fast.get_current_token_for_writer("fast") == sign * 9, what="fast at 9")
+        await pace.until(
+            lambda: fast.get_current_token_for_writer("fast") == sign * 9, 10, "fast at 9"
+        )
         await fast.flush_position()
         for _ in range(5):
             await reader.refresh_positions()
@@ -699,9 +702,10 @@ async def test_a_database_only_reader_passes_committed_rows_below_a_long_transac
         await waiting
     await slow.refresh_positions()  # idle: at fast's 9 (R-ID-5), over the rolled-back 7
     await slow.flush_position()
-    await until(
+    await pace.until(
         lambda: reader.get_current_token() == sign * 9,
-        what="the reader to pass 6 and 7 once slow committed 6",
+        10,
+        "the reader to pass 6 and 7 once slow committed 6",
     )
     for gen in (slow, fast, reader):
         await gen.close()

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import pace
 from http_api_helpers import (
     SECRET,
     Counter,
@@ -30,7 +31,6 @@ from plait.errors import ConfigError, RemoteCallError
 from plait.ports import free_port
 from plait.replication.http_api import CatchUpPage, InternalApi
 from plait.replication.metrics import ReplicationMetrics
-from replication_helpers import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -315,10 +315,14 @@ async def test_concurrent_calls_with_one_txn_id_share_one_run(
         asyncio.create_task(client.call("server", "count", i, txn_id="same")) for i in range(5)
     ]
     try:
-        async with asyncio.timeout(5):
+        async with pace.within(5, "five calls with one txn_id to share one run"):
             await handler.started.wait()
             # The other four reach the server while the first still runs.
-            await until(lambda: len(api._runner.server.connections) >= 5)  # type: ignore[union-attr]
+            await pace.until(
+                lambda: len(api._runner.server.connections) >= 5,  # type: ignore[union-attr]
+                10,
+                "five connections at the server",
+            )
             await asyncio.sleep(0.05)  # and are read (each waits on the first run)
             runs_while_held = handler.runs
             handler.gate.set()
@@ -428,7 +432,7 @@ async def test_a_lost_answer_is_retried_with_the_same_txn_id_and_runs_once(
     api.register("transfer", transfer)
     async with LosingProxy(api.port) as proxy:
         client = make_client({"server": f"http://127.0.0.1:{proxy.port}"})
-        async with asyncio.timeout(5):
+        async with pace.within(5, "the transfer call, its first answer lost"):
             result = await client.call("server", "transfer", {"amount": 5})
     assert result == {"echo": {"amount": 5}, "run": 1}
     assert transfer.runs == 1
@@ -447,7 +451,7 @@ async def test_a_retry_after_a_timeout_waits_for_the_run_in_progress(
     slow = Counter(delay=0.5)
     api.register("slow", slow)
     client = make_client({"server": api.url}, request_timeout=0.2, retry_for=3.0)
-    async with asyncio.timeout(5):
+    async with pace.within(5, "the slow call, retried after its request timed out"):
         assert await client.call("server", "slow", None) == {"echo": None, "run": 1}
     assert slow.runs == 1
 
@@ -461,7 +465,7 @@ async def test_the_client_retries_until_the_server_listens(
     port = free_port()
     client = make_client({"server": f"http://127.0.0.1:{port}"}, retry_for=5.0)
     handler = Counter()
-    async with asyncio.timeout(5):
+    async with pace.within(5, "the calls made before the server listened"):
         call = asyncio.create_task(client.call("server", "echo", "hi"))
         page = asyncio.create_task(client.catch_up("server", "events", 0, 5, 10))
         await asyncio.sleep(0.3)
@@ -644,7 +648,7 @@ async def test_stop_ends_calls_in_progress_and_closes_the_port(
     port = api.port
     request = asyncio.create_task(http.post(f"{api.url}/_plait/v1/call/forever/t", json=_body()))
     try:
-        async with asyncio.timeout(3):
+        async with pace.within(3, "the call to start, then stop() to end it"):
             await started.wait()
             await api.stop()
         assert cancelled.is_set()  # stop() returned only after the run ended

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+import pace
 from plait.instance import Instance
 from replication_helpers import (
     Cluster,
     Seen,
     connected,
     metric,
-    until,
     write,
     write_many,
 )
@@ -75,7 +75,7 @@ async def test_a_slow_reader_stays_within_its_bound_and_gets_every_row_once_in_o
     def received() -> float:
         return metric(r, "plait_commands_received_total", command="RDATA")
 
-    await until(lambda: received() >= sent, within=30)
+    await pace.until(lambda: received() >= sent, 30, f"r to receive all {sent} RDATA")
     reader.note_queue()
     reader.release.set()
 
@@ -122,7 +122,11 @@ async def test_an_in_memory_stream_past_its_bound_catches_up_from_its_writer(
         room = f"room{i % 7}"
         token = typing.write(room, {"room": room, "n": i})
         latest[room] = i
-    await until(lambda: metric(r, "plait_commands_received_total", command="RDATA") >= 20 * BOUND)
+    await pace.until(
+        lambda: metric(r, "plait_commands_received_total", command="RDATA") >= 20 * BOUND,
+        10,
+        f"r to receive {20 * BOUND} RDATA",
+    )
     assert metric(r, "plait_inbound_queue_length", stream="typing") <= BOUND
     release.set()
     assert await r.wait_for_stream_position("w1", "typing", token, timeout=30)

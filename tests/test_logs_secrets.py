@@ -6,7 +6,6 @@ PostgreSQL with trust auth takes any password) and every logger records at DEBUG
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import aiohttp
 import pytest
 from psycopg.conninfo import make_conninfo
 
+import pace
 from http_api_helpers import Counter, MakeClient
 from plait import ConfigError, Database, DatabaseUnavailableError
 from plait.config import InstanceConfig
@@ -24,7 +24,6 @@ from plait.errors import RemoteCallError
 from plait.instance import Instance
 from plait.ports import free_port
 from plait.replication.http_api import PREFIX
-from replication_helpers import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,12 +100,13 @@ async def test_no_secret_reaches_the_logs_or_the_errors(
 
         # c's failed attempts are logged with its Redis URL, masked (its "not signed"
         # warning comes first, and names no URL).
-        await until(
+        await pace.until(
             lambda: any(
                 "redis transport" in r.getMessage() and "redis://" in r.getMessage()
                 for r in caplog.records
             ),
-            what="a log record of c's Redis transport naming its URL",
+            10,
+            "a log record of c's Redis transport naming its URL",
         )
 
     assert caplog.records
@@ -199,11 +199,11 @@ def test_passwords_are_masked_in_any_text(text: str, shown: str) -> None:
 
 def test_the_cli_shows_a_dsn_that_does_not_parse_masked() -> None:
     # libpq quotes a DSN it cannot parse back in its error, password and all.
-    result = subprocess.run(
+    result = pace.run(
         [sys.executable, "-m", "plait.cli", "status", "--dsn", "postgresql://u:sekrit@[::1"],
+        60,
         capture_output=True,
         text=True,
-        timeout=60,
         check=False,
     )
     assert result.returncode == 2, result.stderr

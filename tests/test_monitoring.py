@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 
+import pace
 from plait.instance import Instance
 from plait.ports import free_port
 
@@ -73,7 +73,5 @@ async def test_the_rules_and_the_dashboard_name_only_metrics_an_instance_serves(
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_promtool_finds_the_rules_valid_and_their_unit_tests_pass() -> None:
     for args in (["check", "rules", RULES.name], ["test", "rules", "prometheus-rules.test.yml"]):
-        done = subprocess.run(
-            ["promtool", *args], cwd=MONITORING, capture_output=True, text=True, timeout=60
-        )
+        done = pace.run(["promtool", *args], 60, cwd=MONITORING, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import pace
 from plait import Database, MultiWriterIdGenerator, StreamSpec, StreamToken, TableSpec
 from plait.check.plan import read_control, write_control
 from stream_helpers import create_table, stored_positions
@@ -50,7 +51,9 @@ async def spawn(role: str, args: dict[str, Any]) -> asyncio.subprocess.Process:
 async def wait_for_event(
     paths: list[Path], event: str, seconds: float, procs: list[asyncio.subprocess.Process]
 ) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
+    """Until each file of `paths` has an `event`, for `seconds` at this machine's pace."""
+    limit = pace.scaled(seconds)
+    deadline = asyncio.get_running_loop().time() + limit
     while asyncio.get_running_loop().time() < deadline:
         if all(any(e["event"] == event for e in read_events(p)) for p in paths):
             return
@@ -59,13 +62,13 @@ async def wait_for_event(
                 assert proc.stderr is not None
                 raise AssertionError((await proc.stderr.read()).decode()[-3000:])
         await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {event!r} from {paths}")
+    raise AssertionError(f"waited {limit:.1f} s for {event!r} from {paths}")
 
 
 async def finish(procs: list[asyncio.subprocess.Process], seconds: float = 60) -> None:
     for proc in procs:
         try:
-            await asyncio.wait_for(proc.wait(), seconds)
+            await pace.wait(proc.wait(), seconds, f"process {proc.pid} to end")
         except TimeoutError:
             proc.kill()
             raise

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+import pace
 from pg_proxy import proxy_in_front
 from plait import Database
 from plait.storage.incarnation import Incarnation, name_prefix
@@ -59,8 +60,7 @@ async def spawn_holder(
     )
     assert process.stdout is not None
     assert process.stderr is not None
-    async with asyncio.timeout(30):
-        line = await process.stdout.readline()
+    line = await pace.wait(process.stdout.readline(), 30, f"writer {name} to say it holds an ID")
     if not line.startswith(b"holding "):
         process.kill()
         raise AssertionError(f"the writer did not start: {line!r} {await process.stderr.read()!r}")
@@ -82,11 +82,13 @@ async def backends_of(db: Database, epoch: int) -> int:
 
 
 async def wait_for(what: str, check: Any, within: float) -> float:
-    """Seconds until `await check()` is true; fails saying what it waited for."""
+    """Seconds until `await check()` is true; fails saying what it waited for after
+    `within` seconds at this machine's pace."""
+    limit = pace.scaled(within)
     started = time.monotonic()
     while not await check():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"still waiting after {within:.1f} s for {what}")
+        if time.monotonic() - started > limit:
+            raise AssertionError(f"waited {limit:.1f} s for {what}")
         await asyncio.sleep(0.02)
     return time.monotonic() - started
 
@@ -142,8 +144,9 @@ async def test_a_writer_partitioned_in_a_transaction_is_fenced_within_the_bound(
             # committed: the fence claimed nothing it could still write.
             proxy.heal()
             assert holder.stdout is not None
-            async with asyncio.timeout(30):
-                ended = await holder.stdout.readline()
+            ended = await pace.wait(
+                holder.stdout.readline(), 30, "the healed writer to say its session ended"
+            )
             assert ended.startswith(b"ended IdleInTransactionSessionTimeout: "), ended
             async with db.connection() as conn:
                 cursor = await conn.execute(
@@ -186,12 +189,13 @@ def test_a_writer_cut_off_by_the_network_is_fenced_within_the_default_bound() ->
     fence_after = 1.0
     bound = dead_after + fence_after
     driver = str(ROLE.with_name("partition_kernel.py"))
-    args = json.dumps({"within": 3 * bound, "fence_after": fence_after})
-    done = subprocess.run(
+    within = pace.scaled(3 * bound)  # the kernel takes it as it is
+    args = json.dumps({"within": within, "fence_after": fence_after})
+    done = pace.run(
         ["unshare", "--net", sys.executable, driver, args],
+        120 + 3 * bound,
         capture_output=True,
         check=False,
-        timeout=120 + 3 * bound,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     lines = done.stdout.decode().splitlines()
@@ -201,8 +205,8 @@ def test_a_writer_cut_off_by_the_network_is_fenced_within_the_default_bound() ->
     print(f"kernel partition: {result}")
     assert result["connections"] >= 2  # idle pooled connections too, not only transactions
     assert result["gone"] is not None, (
-        f"w1's {result['connections']} server processes still alive {3 * bound:.0f} s after the cut"
+        f"w1's {result['connections']} server processes still alive {within:.1f} s after the cut"
     )
     assert result["passed"] is not None, (
-        f"the reader's linear position did not pass w1 within {3 * bound:.0f} s of the cut"
+        f"the reader's linear position did not pass w1 within {within:.1f} s of the cut"
     )

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 from asyncio.subprocess import Process
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+import pace
 from pg_restarts import RestartablePostgres
 from plait import Database, FencedError, MultiWriterIdGenerator, StreamSpec, TableSpec
 from plait.check.proxy import CutProxy
@@ -30,14 +30,6 @@ from plait.storage.incarnation import Incarnation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 CRASH_WRITER = Path(__file__).with_name("crash_writer.py")
-
-
-async def _until(what: str, condition: Callable[[], bool], within: float = 30.0) -> None:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"waited {within:g} s for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def _w1_behind_a_proxy(server: RestartablePostgres) -> tuple[CutProxy, Database]:
@@ -100,7 +92,9 @@ async def test_a_writer_fenced_after_a_crash_goes_on_as_a_new_incarnation(
         held_id = await held.__aenter__()
         await proxy.stop()  # w1 cannot reconnect...
         await asyncio.to_thread(_crash, server)
-        await _until("the reader to fence w1 after the crash", lambda: reader.fences >= 1)
+        await pace.until(
+            lambda: reader.fences >= 1, 30, "the reader to fence w1 after the crash", every=0.05
+        )
         await proxy.start()  # ...until now
         # While the ID taken before the fence is held, this run may not write: it
         # could commit that ID below where the fence moved the readers.
@@ -132,9 +126,11 @@ async def test_a_writer_fenced_after_a_crash_goes_on_as_a_new_incarnation(
         assert stored >= stored_before  # never backwards through the fence
         assert stored >= after[0]
         # The reader passes the held ID and reads on to the new row.
-        await _until(
-            "the reader's linear position to pass w1's new row",
+        await pace.until(
             lambda: reader.get_persisted_upto_position() >= after[0],
+            30,
+            "the reader's linear position to pass w1's new row",
+            every=0.05,
         )
         rows, _, _ = await reader.get_updates_since("w1", 0, after[0])
         assert [r.data["payload"] for r in rows] == ["before0", "before1", "before2", "after"]
@@ -262,11 +258,7 @@ async def _writer_process(server: RestartablePostgres, **args: object) -> Proces
 async def _said(proc: Process, key: str) -> int:
     """The value of `key` in the next JSON line `proc` prints."""
     assert proc.stdout is not None
-    try:
-        async with asyncio.timeout(60):
-            line = await proc.stdout.readline()
-    except TimeoutError:
-        raise AssertionError(f"a writer process said no {key!r} within 60 s") from None
+    line = await pace.wait(proc.stdout.readline(), 60, f"a writer process to say {key!r}")
     if not line:
         raise AssertionError(f"a writer process exited with {await proc.wait()}")
     return int(json.loads(line)[key])
@@ -380,9 +372,11 @@ async def test_a_rolled_back_transactions_ids_count_once_their_sequence_record_i
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
         ids = await _forty_rolled_back(w1_db, w1)
-        await _until(
-            "w1's position to pass its rolled-back IDs",
+        await pace.until(
             lambda: w1.get_current_token_for_writer("w1") >= ids[-1],
+            30,
+            "w1's position to pass its rolled-back IDs",
+            every=0.05,
         )
         reported = w1.get_current_token_for_writer("w1")
         await asyncio.to_thread(_crash, server)
@@ -420,9 +414,11 @@ async def test_an_id_without_a_row_counts_once_its_sequence_record_is_on_disk(
             else:
                 async with w1_db.transaction() as txn:
                     new_id = await w1.get_next_txn(txn)  # and no row
-                await _until(
-                    "w1's position to reach its transaction's ID",
+                await pace.until(
                     lambda taken=new_id: w1.get_current_token_for_writer("w1") == taken,
+                    30,
+                    "w1's position to reach its transaction's ID",
+                    every=0.05,
                 )
         await asyncio.to_thread(_crash, server)
         assert await _sequence_head(server) >= new_id
@@ -471,14 +467,17 @@ async def test_a_writer_fenced_after_a_crash_reports_no_position_above_the_seque
         await MultiWriterIdGenerator.create(
             reader_db, spec, "reader", position_flush_interval=0.1, fence_after=0.3
         )
-        deadline = time.monotonic() + 30
-        while (await _epoch_row(reader_db))[2] is None:
-            assert time.monotonic() < deadline, "the reader did not fence w1 within 30 s"
-            await asyncio.sleep(0.05)
+
+        async def fenced() -> bool:
+            return (await _epoch_row(reader_db))[2] is not None
+
+        await pace.until(fenced, 30, "the reader to fence w1", every=0.05)
         await proxy.start()
-        await _until(
-            "w1's failed write's IDs to finish",
+        await pace.until(
             lambda: w1.get_current_token_for_writer("w1") >= ids[-1],
+            30,
+            "w1's failed write's IDs to finish",
+            every=0.05,
         )
         # w1 found itself fenced: still so, or already gone on as a new incarnation once
         # its IDs finished (on a busy machine that can come first: CI saw it).
@@ -523,9 +522,11 @@ async def test_a_writer_writes_above_its_position_after_a_crash_took_the_sequenc
             if await _sequence_head(server) >= handed_out:
                 # The WAL writer woke and wrote the record out.
                 pytest.skip("the crash did not take the sequence back this time")
-        await _until(
-            "w1's position to pass the IDs of its block",
+        await pace.until(
             lambda: w1.get_current_token_for_writer("w1") >= handed_out,
+            30,
+            "w1's position to pass the IDs of its block",
+            every=0.05,
         )
 
         new_id = await _write_after_the_crash(w1, write, insert)
@@ -641,14 +642,17 @@ async def test_a_live_writer_stores_its_position_again_after_a_crash(
         await asyncio.to_thread(_crash, server)
         lost = await look.retry_read("w1's row", lambda: _stored(look))
         assert lost < reported  # what the crash did (asynchronous commit)
-        await _until(
-            "w1 to store its position again after the crash",
+        await pace.until(
             lambda: w1_db.connections_lost > 0,
+            30,
+            "w1 to find its connections lost in the crash",
+            every=0.05,
         )
-        deadline = time.monotonic() + 30
-        while await look.retry_read("w1's row", lambda: _stored(look)) < reported:
-            assert time.monotonic() < deadline, "w1 did not store its position again in 30 s"
-            await asyncio.sleep(0.1)
+
+        async def stored_again() -> bool:
+            return await look.retry_read("w1's row", lambda: _stored(look)) >= reported
+
+        await pace.until(stored_again, 30, "w1 to store its position again", every=0.1)
         await asyncio.to_thread(_crash, server)
         assert await look.retry_read("w1's row", lambda: _stored(look)) >= reported
         await w1.close()

@@ -20,11 +20,12 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import TupleRow
 
+import pace
 from fence_helpers import LinearReader, committed, server_processes_gone, spawn, stop
 from pgbouncer import PgBouncer, pgbouncer, pgbouncer_binary, role_with_schema
 from plait import Database, DatabaseUnavailableError, FencedError
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
-from plait.storage.stream_store import StreamStore
+from plait.storage.stream_store import FenceResult, StreamStore
 from plait.storage.timeouts import DatabaseTimeouts
 from stream_helpers import create_generator, create_table, spec_for
 
@@ -146,12 +147,16 @@ async def test_session_pooling_keeps_settings_names_and_statements(
         await db.close()
         # PgBouncer keeps the server processes, but its DISCARD ALL drops the name (once
         # it has run: PgBouncer resets a released server connection on its own time).
-        fenced = await store.fence("w1", ids[-1])
-        deadline = time.monotonic() + 10
-        while fenced.position is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            fenced = await store.fence("w1", ids[-1])
-        assert (fenced.alive, fenced.position) == (0, ids[-1])
+        fences: list[FenceResult] = []
+
+        async def fenced() -> bool:
+            fences.append(await store.fence("w1", ids[-1]))
+            return fences[-1].position is not None
+
+        await pace.until(
+            fenced, 10, "a fence of w1 once PgBouncer reset its connections", every=0.05
+        )
+        assert (fences[-1].alive, fences[-1].position) == (0, ids[-1])
         # The fenced run may open no new connection through PgBouncer either.
         async with await psycopg.AsyncConnection.connect(
             session_bouncer.dsn, autocommit=True, application_name=run.application_name
@@ -222,8 +227,8 @@ async def test_killed_writers_behind_session_pooling_are_fenced_up_to_the_last_r
         # Generous: PgBouncer sees the client go at once, fence_after is 1 s.
         try:
             took = await reader.until(head, within=15.0)
-        except TimeoutError:
-            pytest.fail(f"the linear position did not pass the dead writer's IDs ({head}) in 15 s")
+        except TimeoutError as late:
+            pytest.fail(f"the linear position did not pass the dead writer's IDs: {late}")
         print(f"linear position passed the dead writer {took:.2f} s after kill -9")
         killed = time.monotonic()
         stop(*writers.values())
@@ -237,11 +242,11 @@ async def test_killed_writers_behind_session_pooling_are_fenced_up_to_the_last_r
         last = truth[-1][0]
         try:  # about fence_after and a few ticks; generous for a busy machine
             await reader.until(last, within=30.0)
-        except TimeoutError:
+        except TimeoutError as late:
             pytest.fail(
-                f"the linear position ({reader.linear}) did not reach the last committed row"
-                f" ({last}) in 30 s after both writers were killed, waiting for it to fence"
-                f" the second one (positions {reader.gen.get_positions()})"
+                f"the linear position did not reach the last committed row after both"
+                f" writers were killed, waiting for it to fence the second one: {late}"
+                f" (positions {reader.gen.get_positions()})"
             )
         took = time.monotonic() - killed
         print(f"linear position reached the last row {took:.2f} s after both were killed")

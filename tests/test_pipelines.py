@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import pace
 from plait import ConfigError, Database
 from plait.spark import delta as delta_export
 from plait.spark import pipelines
@@ -81,7 +82,7 @@ async def test_export_is_exactly_once_across_kill_9_in_the_middle_of_a_batch(
     first.wait()
     assert batches == 3
     second = cli(*args, "--once")
-    _, errors = await asyncio.to_thread(second.communicate, timeout=240)
+    _, errors = await asyncio.to_thread(pace.communicate, second, 240)
     assert second.returncode == 0, errors
     lines = [line for line in errors.splitlines() if line.startswith("batch ")]
     assert lines  # the rest, in batches of at most 250 rows
@@ -232,7 +233,7 @@ async def test_plait_derive_keeps_counts_per_key_and_hour_across_runs(
 
     async def derive() -> list[str]:
         process = cli(*args)
-        _, errors = await asyncio.to_thread(process.communicate, timeout=240)
+        _, errors = await asyncio.to_thread(pace.communicate, process, 240)
         assert process.returncode == 0, errors
         return [line for line in errors.splitlines() if line.strip()]
 
@@ -274,7 +275,7 @@ async def test_export_from_the_installed_script_with_no_python_of_its_own_on_the
         "--once",
     ]  # fmt: skip
     process = await asyncio.to_thread(
-        subprocess.run, args, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+        pace.run, args, 240, env=env, capture_output=True, text=True, cwd=tmp_path
     )
     assert process.returncode == 0, process.stderr[-3000:]
     import pyarrow.parquet as pq
@@ -284,7 +285,7 @@ async def test_export_from_the_installed_script_with_no_python_of_its_own_on_the
     assert process.stderr.count("batch 0:") == 1, process.stderr  # one line per batch
     # Run again with nothing new: it says so (it printed nothing at all).
     again = await asyncio.to_thread(
-        subprocess.run, args, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+        pace.run, args, 240, env=env, capture_output=True, text=True, cwd=tmp_path
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.strip() == (

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+import pace
 from pace import scaled
 from plait import Database
 from plait.instance import Instance
@@ -27,7 +28,6 @@ from replication_helpers import (
     connected,
     create_tables,
     metric,
-    until,
     write,
 )
 
@@ -124,7 +124,11 @@ async def test_a_rogue_publish_neither_moves_positions_nor_delivers_rows(
                 positions = instance.generator("events").get_positions()
                 assert max(positions.values()) < BILLION, (instance.name, positions)
             assert w1.generator("events").get_current_token_for_writer("w1") == second
-            await until(lambda: all(refused(i) >= 4 for i in (w1, w2, r)))
+            await pace.until(
+                lambda: all(refused(i) >= 4 for i in (w1, w2, r)),
+                10,
+                "4 refused lines (the rogue's) at each of w1, w2 and r",
+            )
         finally:
             await rogue.aclose()
 
@@ -140,10 +144,10 @@ async def test_instances_with_different_secrets_exchange_nothing_and_say_why(
         r.on_rows("events", seen.on_rows)
         await cluster.start(r)
         # r's REPLICATE reaches w1 (which started first), and is dropped there.
-        await until(lambda: refused(w1) >= 1)
+        await pace.until(lambda: refused(w1) >= 1, 10, "w1 to refuse r's REPLICATE")
         for body in ("a", "b", "c"):
             await write(w1, body)
-        await until(lambda: refused(r) >= 3)  # 3 RDATA at least
+        await pace.until(lambda: refused(r) >= 3, 10, "r to refuse w1's 3 RDATA")
         await asyncio.sleep(0.3)
         assert seen.rows == []
         warnings = [
@@ -167,7 +171,11 @@ async def test_rows_and_positions_replicate_with_a_secret(db: Database, redis_ur
         ids = [await write(w1, f"row{i}", rows=2) for i in range(20)]
         await seen.wait(40)
         assert [row[1] for row in seen.rows] == [i for i in ids for _ in range(2)]
-        await until(lambda: r.generator("events").get_positions()["w1"] == ids[-1])
+        await pace.until(
+            lambda: r.generator("events").get_positions()["w1"] == ids[-1],
+            10,
+            f"r's position of w1 to reach {ids[-1]}",
+        )
         assert refused(r) == 0
 
 
@@ -185,7 +193,7 @@ async def make_transport() -> AsyncIterator[Callable[..., RedisTransport]]:
         return transport
 
     yield make
-    async with asyncio.timeout(10):
+    async with pace.within(10, "the test's transports to stop"):
         for transport in made:
             await transport.stop()
 
@@ -247,7 +255,7 @@ async def test_replayed_messages_reach_nobody_twice_and_a_replay_out_of_order_re
             a.session.link.send(f"RDATA s a {i} {{}}")
             await eventually(lambda i=i: f"RDATA s a {i} {{}}" in b.session.lines, "a line at b")
         captured: list[bytes] = []
-        async with asyncio.timeout(3):
+        async with pace.within(3, "a's 3 RDATA messages at the rogue subscriber"):
             while len(captured) < 3:
                 message = await pubsub.get_message(timeout=1)
                 if message is not None and b"\nRDATA s a " in message["data"]:
@@ -287,7 +295,7 @@ async def test_a_replay_older_than_the_clock_skew_is_refused(
         await pubsub.subscribe(name)
         await asyncio.sleep(0.1)
         a.session.link.send("DEPART a")
-        async with asyncio.timeout(3):
+        async with pace.within(3, "a's DEPART message at the rogue subscriber"):
             while True:
                 message = await pubsub.get_message(timeout=1)
                 if message is not None and message["data"].endswith(b"\nDEPART a"):

@@ -21,6 +21,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, SSLConnection
 
+import pace
 from pace import scaled
 from plait import Database
 from plait.config import InstanceConfig, RedisConfig
@@ -74,7 +75,7 @@ def tls_of(pki: Pki, **changes: Any) -> RedisTls:
 async def transports() -> AsyncIterator[list[RedisTransport]]:
     made: list[RedisTransport] = []
     yield made
-    async with asyncio.timeout(10):
+    async with pace.within(10, "the test's transports to stop"):
         for transport in made:
             await transport.stop()
 

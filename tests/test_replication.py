@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio import Redis
 
+import pace
 from pace import scaled
 from plait import Database
 from plait.demo.presence import UserSync
@@ -28,7 +29,6 @@ from replication_helpers import (
     cluster_of,
     connected,
     metric,
-    until,
     write,
     write_many,
 )
@@ -200,13 +200,13 @@ async def test_a_worker_whose_cancellation_was_swallowed_ends_with_its_connectio
     r = await redis_cluster.start(r_instance)
     await connected(w1, r)
     await write(w1, "held")
-    await until(lambda: bool(workers))
+    await pace.until(lambda: bool(workers), 10, "r's on_rows to be called")
     async with Redis.from_url(redis_server.url) as admin:
         await admin.client_kill_filter(_type="pubsub")  # every instance's connection ends
     await asyncio.sleep(0.3)  # the worker was cancelled; the listener went on waiting
     assert not workers[0].done()
     released.set()
-    await until(workers[0].done, within=2)
+    await pace.until(workers[0].done, 2, "the released on_rows to end")
     await connected(w1, r)
 
 
@@ -229,7 +229,11 @@ async def test_a_reader_of_positions_alone_catches_up_without_reading_rows(
     redis_server.start()
     await seen.wait(250, within=20)
     assert [row[1] for row in seen.rows] == ids
-    await until(lambda: p.generator("events").get_current_token_for_writer("w1") >= ids[-1])
+    await pace.until(
+        lambda: p.generator("events").get_current_token_for_writer("w1") >= ids[-1],
+        10,
+        f"p's position of w1 to reach {ids[-1]}",
+    )
     assert metric(rows_reader, "plait_catch_up_rows_total", stream="events") == 250
     assert metric(p, "plait_catch_up_rows_total", stream="events") == 0
     assert metric(p, "plait_catch_up_pages_total", stream="events") == 0
@@ -280,7 +284,12 @@ async def test_an_idle_writer_lets_the_linear_position_advance(cluster: Cluster)
         await asyncio.sleep(0.05)
     done = time.monotonic()
     gen = r.generator("events")
-    await until(lambda: gen.get_persisted_upto_position() >= last, within=5, step=0.005)
+    await pace.until(
+        lambda: gen.get_persisted_upto_position() >= last,
+        5,
+        f"r's persisted-up-to position to reach {last}",
+        every=0.005,
+    )
     elapsed = time.monotonic() - done
     # One announce, not the 1 s refresh, whatever the machine's pace.
     assert elapsed <= min(scaled(announce + 0.1), 0.95), elapsed
@@ -307,12 +316,11 @@ async def test_an_idle_writer_whose_listener_lags_still_follows_the_others(
     await connected(*others, w1, w2)
 
     ids = [await write(w1, f"x{i}") for i in range(150)]  # w2 hears them in >= 7.5 s
-    try:  # stored: what readers of the database follow
-        async with asyncio.timeout(60):
-            while (await stored_positions(cluster.db)).get("w2", 0) < ids[-1]:  # noqa: ASYNC110 - a table, no event
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        pytest.fail("waited 60 s for w2's stored idle position to reach w1's last ID")
+
+    async def stored() -> bool:  # what readers of the database follow
+        return (await stored_positions(cluster.db)).get("w2", 0) >= ids[-1]
+
+    await pace.until(stored, 60, "w2's stored idle position to reach w1's last ID")
     assert len(heard) < len(ids), "w2 got there only as its listener heard w1's last row"
 
 
@@ -389,11 +397,11 @@ async def test_in_memory_stream_catches_up_over_http_and_detects_a_reset(
     assert typing_rows[-1][2]["users"] == ["carol"]
 
     await w1.stop()  # clean shutdown: peers hear of it at once
-    await until(lambda: departed == ["w1"], within=5)
+    await pace.until(lambda: departed == ["w1"], 5, "w1's departure")
     typing_rows.clear()
     w1_again = await started(cluster, "w1")
     w1_again.memory("typing").write("room9", {"room": "room9", "users": ["dan"]})
-    await until(lambda: bool(typing_rows))
+    await pace.until(lambda: bool(typing_rows), 10, "the restarted w1's typing row")
     assert resets == ["w1", "w1"]  # the restarted writer lost its rows: a reset
     assert [row["room"] for _, _, row in typing_rows] == ["room9"]
 
@@ -417,7 +425,7 @@ async def test_rows_returned_whole_are_sent_from_memory_and_equal_the_stored_row
     )
 
     async def arrived(count: int) -> None:
-        await until(lambda: len(received) >= count)
+        await pace.until(lambda: len(received) >= count, 10, f"{count} notes rows at r")
 
     await gen.insert(insert + " RETURNING *", ("whole",))
     await arrived(1)
@@ -487,13 +495,17 @@ async def test_application_commands_positions_and_metrics(cluster: Cluster) -> N
     await connected(w1, r)
 
     w1.send_command(UserSync("w1", "@alice:example.org", "start", 1700))
-    await until(lambda: bool(got["r"]))
+    await pace.until(lambda: bool(got["r"]), 10, "w1's USER_SYNC at r")
     assert got["r"] == [UserSync("w1", "@alice:example.org", "start", 1700)]
     # Over Redis a process hears its own commands too; over TCP the hub relays to others.
     assert len(got["w1"]) == (1 if cluster.transport == "redis" else 0)
 
     sid = await write(w1, "moves")
-    await until(lambda: any(t >= sid for w, t in moved if w == "w1"))
+    await pace.until(
+        lambda: any(t >= sid for w, t in moved if w == "w1"),
+        10,
+        f"r's position of w1 to move to {sid}",
+    )
 
     async with aiohttp.ClientSession() as http, http.get(f"{r.http_url}/metrics") as response:
         text = await response.text()
@@ -514,14 +526,14 @@ async def test_a_malformed_line_on_tcp_gets_error_and_the_connection_lives_on(
             assert (await reader.readline()).startswith(b"SERVER w1")
             writer.write(b"POSITION events raw not-a-number 3\nREPLICATE\n")
             lines: list[bytes] = []
-            async with asyncio.timeout(5):
+            async with pace.within(5, "the hub's ERROR for the malformed line"):
                 while not any(line.startswith(b"ERROR") for line in lines):
                     lines.append(await reader.readline())
                     assert lines[-1], "the hub closed the connection"
             error = next(line for line in lines if line.startswith(b"ERROR"))
             assert b"bad prev" in error
             sid = await write(w1, "after the bad line")
-            async with asyncio.timeout(5):
+            async with pace.within(5, "w1's RDATA after the malformed line"):
                 while not (line := await reader.readline()).startswith(b"RDATA events w1"):
                     assert line, "the hub closed the connection"
             assert line.split(b" ")[3] == str(sid).encode()
@@ -552,10 +564,10 @@ async def test_writers_keep_writing_through_a_redis_restart_every_reader_gets_ev
         """Until each writer wrote `more` rows from now (at its own pace: a busy machine
         only makes the phase longer)."""
         marks = {name: len(ids) for name, ids in written.items()}
-        await until(
+        await pace.until(
             lambda: all(len(written[n]) >= marks[n] + more for n in written),
-            within=60,
-            what=f"each writer to write {more} rows {when}",
+            60,
+            f"each writer to write {more} rows {when}",
         )
 
     writers = [asyncio.create_task(keep_writing(name)) for name in written]
@@ -625,11 +637,14 @@ async def test_any_writer_streams_replicate_between_instances(cluster: Cluster) 
     }
     for name, ids in expected.items():
         try:
-            await until(lambda name=name, ids=ids: len(received[name]) >= len(ids))
-        except TimeoutError:
-            raise AssertionError(
-                {n: (len(received[n]), len(i)) for n, i in expected.items()}
-            ) from None
+            await pace.until(
+                lambda name=name, ids=ids: len(received[name]) >= len(ids),
+                10,
+                f"{len(ids)} rows at {name}",
+            )
+        except TimeoutError as late:
+            got = {n: (len(received[n]), len(i)) for n, i in expected.items()}
+            raise AssertionError(f"{late}; (received, expected) rows: {got}") from None
     await asyncio.sleep(0.3)
     for name, ids in expected.items():
         assert sorted(row["stream_id"] for row in received[name]) == sorted(ids), name
@@ -723,7 +738,11 @@ async def test_any_writer_streams_catch_up_after_a_redis_restart(
     await connected(*instances.values())
     insert = "INSERT INTO anyone SELECT {id}, %s, 'x' FROM generate_series(1, %s) RETURNING *"
     before = {n: await instances[n].generator("anyone").insert(insert, (n, 5)) for n in received}
-    await until(lambda: all(len(ids) == 5 for ids in received.values()))
+    await pace.until(
+        lambda: all(len(ids) == 5 for ids in received.values()),
+        10,
+        "the other's 5 rows at w1 and at w2",
+    )
     redis_server.stop()
     during = {n: await instances[n].generator("anyone").insert(insert, (n, 120)) for n in received}
     redis_server.start()
@@ -731,7 +750,11 @@ async def test_any_writer_streams_catch_up_after_a_redis_restart(
     other = {"w1": "w2", "w2": "w1"}
     for name in received:
         wanted = before[other[name]] + during[other[name]] + after[other[name]]
-        await until(lambda name=name, wanted=wanted: len(received[name]) >= len(wanted), within=15)
+        await pace.until(
+            lambda name=name, wanted=wanted: len(received[name]) >= len(wanted),
+            15,
+            f"{len(wanted)} rows at {name}",
+        )
         await asyncio.sleep(0.2)
         assert received[name] == wanted, name  # every row once, in order
 

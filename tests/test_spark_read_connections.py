@@ -6,12 +6,12 @@ process of their own, as in a worker, so that an abort fails the test and not py
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pace
 from plait.spark import read_connections
 from plait.spark.read_connections import new_socket, reusable
 
@@ -56,11 +56,8 @@ print(json.dumps(seen))
 
 
 def _reads(dsn: str, reuse_within: float) -> dict[str, int]:
-    done = subprocess.run(
-        [sys.executable, "-c", READS, dsn, str(reuse_within)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = pace.run(
+        [sys.executable, "-c", READS, dsn, str(reuse_within)], 120, capture_output=True, text=True
     )
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-3000:]}"
     seen: dict[str, int] = json.loads(done.stdout.splitlines()[-1])

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import pace
 from plait.spark.probe import cannot_run
 from plait.spark.session import TASK_TRIES, driver_python_problem, with_task_retries
 
@@ -89,11 +89,11 @@ spark.stop()
 def test_a_task_spark_tries_again_is_one_line_on_the_console(tmp_path: Path) -> None:
     """A failed task Spark runs again (a read whose connection dropped) was Spark's
     ERROR and a 50-line Java and Python trace on the console of `plait export`."""
-    done = subprocess.run(
+    done = pace.run(
         [sys.executable, "-c", RETRIED, str(tmp_path / "failed-once")],
+        300,
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["6"]

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 from click.testing import CliRunner
 
+import pace
 from plait import Database, MultiWriterIdGenerator
 from plait.cli import main
 from plait.ops.tail import Tail
@@ -91,13 +92,13 @@ async def test_tail_follow_prints_rows_written_after_it_started(db: Database) ->
         got: list[int] = []
         assert follower.stdout is not None
         while len(got) < 3:
-            line = await asyncio.wait_for(follower.stdout.readline(), 20)
+            line = await pace.wait(follower.stdout.readline(), 20, "a row from plait tail -f")
             got.append(json.loads(line)["row"]["stream_id"])
         assert got == after
         assert not set(got) & set(before)
     finally:
         follower.terminate()
-        await asyncio.wait_for(follower.wait(), 10)
+        await pace.wait(follower.wait(), 10, "plait tail -f to end on SIGTERM")
         await w1.close()
 
 

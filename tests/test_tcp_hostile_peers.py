@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import pace
 from pace import slowness
 from plait import Database
 from plait.core.commands import MAX_LINE_BYTES
@@ -213,7 +214,7 @@ class Hostile:
         not `read`); seconds until then."""
         reading = asyncio.create_task(self._read()) if read else None
         try:
-            async with asyncio.timeout((CUT_OFF_BOUND + 2) * PACE):
+            async with pace.bounded((CUT_OFF_BOUND + 2) * PACE, "the hub to cut the peer off"):
                 while True:
                     if reading is not None and reading.done():
                         break
@@ -406,7 +407,8 @@ async def test_a_peer_that_never_reads_is_cut_off_once_its_queue_is_full(
                 started = time.monotonic()
                 # It reads nothing from here on, but pings (a silent peer would be cut
                 # off by dead_after instead), while the rows pile up for it at the hub.
-                async with asyncio.timeout((CUT_OFF_BOUND + 2) * PACE):
+                limit = (CUT_OFF_BOUND + 2) * PACE
+                async with pace.bounded(limit, "the hub to cut off the peer that reads nothing"):
                     while True:
                         try:
                             await loop.sock_sendall(sock, b"PING 1\n")
@@ -452,7 +454,8 @@ async def test_many_connections_that_half_close_or_never_say_name_are_all_cut_of
                         if reader.at_eof():
                             break
                 # kind 4: connects and says nothing
-                async with asyncio.timeout((CUT_OFF_BOUND + 2) * PACE):
+                limit = (CUT_OFF_BOUND + 2) * PACE
+                async with pace.bounded(limit, f"the hub to hang up on bad handshake {kind}"):
                     while await reader.read(1 << 16):
                         pass
                 return time.monotonic() - started
@@ -495,7 +498,7 @@ async def test_a_peer_cannot_move_another_writers_position_or_send_its_rows(
                     b"POSITION notes w2 0 1000000000\n"
                 )
                 errors: list[bytes] = []
-                async with asyncio.timeout(CUT_OFF_BOUND * PACE):
+                async with pace.bounded(CUT_OFF_BOUND * PACE, "the hub's ERROR lines"):
                     while len(errors) < 3 and (line := await reader.readline()):
                         if line.startswith(b"ERROR"):
                             errors.append(line)
@@ -541,7 +544,7 @@ async def test_a_reconnecting_peer_sending_garbage_does_not_flood_the_log(
                 peer = await Hostile.connect(port)
                 peer.writer.write(b"POSITION events hostile x y\n" * 20)
                 await peer.writer.drain()
-                async with asyncio.timeout(CUT_OFF_BOUND * PACE):
+                async with pace.bounded(CUT_OFF_BOUND * PACE, "20 ERROR lines from the hub"):
                     while len(errors_of(peer)) < 20:
                         chunk = await peer.reader.read(1 << 16)
                         assert chunk, "the hub hung up"

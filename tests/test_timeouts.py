@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+import pace
 from plait import Database
 from plait.config import InstanceConfig
 from plait.errors import ConfigError
@@ -136,8 +137,9 @@ async def stall(db: Database, dsn: str) -> None:
 
 
 async def until_gone(dsn: str, pid: int, within: float) -> None:
+    """Until server process `pid` ended, for `within` seconds at this machine's pace."""
     async with (
-        asyncio.timeout(within),
+        pace.within(within, f"server process {pid} to end"),
         await psycopg.AsyncConnection.connect(dsn, autocommit=True) as watcher,
     ):
         query = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"

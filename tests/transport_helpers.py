@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
-
-from pace import scaled
+import pace
 from plait.core.backoff import Backoff
-from replication_helpers import until
 
 
 class RecordingBackoff(Backoff):
@@ -37,8 +34,5 @@ class RecordingBackoff(Backoff):
 
 async def eventually(condition: Callable[[], bool], what: str, within: float = 3.0) -> None:
     """Returns once `condition()` holds; fails the test after `within` seconds at this
-    machine's pace (`until` scales it: tests/pace.py)."""
-    try:
-        await until(condition, within=within, step=0.005)
-    except TimeoutError:
-        pytest.fail(f"not within {scaled(within):.1f} s: {what}")
+    machine's pace (`pace.until`, asking every 5 ms)."""
+    await pace.until(condition, within, what, every=0.005)
