@@ -76,24 +76,24 @@ async def test_close_while_a_connection_is_lent(dsn: str) -> None:
 
 
 async def test_cursor_is_reused_on_the_free_connection_only(db: Database) -> None:
-    async with db.cursor() as first:
+    async with db.scalar_cursor() as first:
         await first.execute("SELECT 1")
         assert await first.fetchall() == [1]  # rows are first-column values
-        async with db.cursor() as meanwhile:  # the hot connection is busy: another one
+        async with db.scalar_cursor() as meanwhile:  # the hot connection is busy: another one
             assert meanwhile is not first
             assert meanwhile.connection is not first.connection
             await meanwhile.execute("SELECT 2")
             assert await meanwhile.fetchall() == [2]
-    async with db.cursor() as again:
+    async with db.scalar_cursor() as again:
         assert again is first
 
     async def fail() -> None:
-        async with db.cursor() as cur:
+        async with db.scalar_cursor() as cur:
             await cur.execute("SELECT 1/0")
 
     with pytest.raises(psycopg.errors.DivisionByZero):
         await fail()
-    async with db.cursor() as after:  # the connection was recycled, and its cursor too
+    async with db.scalar_cursor() as after:  # the connection was recycled, and its cursor too
         assert after is not first
         await after.execute("SELECT 3")
         assert await after.fetchall() == [3]

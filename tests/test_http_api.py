@@ -671,9 +671,24 @@ async def test_no_secret_means_no_listening_beyond_this_machine(
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
-async def test_loopback_needs_no_secret(start_api: StartApi, host: str) -> None:
-    await start_api(host=host)
+async def test_loopback_needs_no_secret(
+    start_api: StartApi, make_client: MakeClient, host: str
+) -> None:
+    api = await start_api(host=host)
+    api.register("echo", Counter())
+    client = make_client({"server": api.url})  # [::1] for ::1: api.url brackets it
+    assert await client.call("server", "echo", host) == {"echo": host, "run": 1}
 
 
-async def test_with_a_secret_any_address_will_do(start_api: StartApi) -> None:
-    await start_api(host="0.0.0.0", secret=SECRET)
+async def test_with_a_secret_any_address_will_do(
+    start_api: StartApi, make_client: MakeClient
+) -> None:
+    api = await start_api(host="0.0.0.0", secret=SECRET)
+    api.register("echo", Counter())
+    here = f"http://127.0.0.1:{api.port}"  # 0.0.0.0 listens on every address
+    client = make_client({"server": here}, secret=SECRET)
+    assert await client.call("server", "echo", 1) == {"echo": 1, "run": 1}
+    stranger = make_client({"server": here}, secret=None)
+    with pytest.raises(RemoteCallError) as refused:
+        await stranger.call("server", "echo", 2)
+    assert refused.value.status == 401

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import sys
 import types
+import weakref
 
 import pytest
 
@@ -35,13 +36,21 @@ def test_a_spark_worker_is_frozen_once(
         workers.settle()
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # the modules loaded so far
-        garbage: list[object] = []
-        garbage.append(garbage)  # a cycle made after: still collected
+        garbage = _Node()
+        garbage.me = garbage  # a cycle made after the freeze: still collected
+        gone = weakref.ref(garbage)
         del garbage
-        assert gc.collect() >= 1
+        gc.collect()
+        assert gone() is None, "a cycle made after the freeze was not collected"
         made_since = [[] for _ in range(1000)]  # tracked objects a second freeze would take
         workers.settle()  # once per process
         # Frozen objects that die leave the count, so it may shrink, but never take these.
         assert gc.get_freeze_count() < frozen + len(made_since)
     finally:
         gc.unfreeze()
+
+
+class _Node:
+    """An object that can be in a cycle and be watched by a weak reference."""
+
+    me: object = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from plait.check.journal import Kind
 from plait.check.plan import Plan, read_control
 from plait.check.seen import Seen
 
@@ -59,9 +60,9 @@ async def read_until_stopped(seen: Seen, control: Control, targets_key: str) -> 
         seen.flush()
         targets = control.targets()
         if not caught_up and targets is not None and seen.reached(targets.get(targets_key, {})):
-            seen.journal.write("S", "caught-up")
+            seen.journal.write(Kind.STATE, "caught-up")
             print("caught-up", flush=True)
             caught_up = True
         await asyncio.sleep(0.1)
     seen.flush()
-    seen.journal.write("S", "stopped")
+    seen.journal.write(Kind.STATE, "stopped")

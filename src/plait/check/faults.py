@@ -6,7 +6,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from plait.check.journal import Journal
+from plait.check.journal import Journal, Kind
 from plait.check.plan import FAULT_KINDS, PG_OUTAGES, PG_PARTITION, Transport
 from plait.check.verdict import merged_windows
 
@@ -118,7 +118,7 @@ class FaultLog:
 
     def note(self, what: str, target: str) -> None:
         if self.journal is not None:
-            self.journal.write("F", what, target)
+            self.journal.write(Kind.FAULT, what, target)
 
     def death(self, writer: str, at: float) -> None:
         self.deaths.setdefault(writer, []).append(at)

@@ -26,7 +26,26 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
+
+
+class Kind(StrEnum):
+    """The kinds of line above, by name: one letter each in the file (writers log every
+    ID they take), a word each in the code."""
+
+    FETCH = "F"
+    ARRIVED = "A"
+    COMMITTED = "C"
+    ROLLED_BACK = "R"
+    FAILED = "E"
+    POSITION = "P"
+    TOKEN = "W"
+    DELIVERED = "D"
+    VIOLATION = "V"
+    STATE = "S"
+    VIEW = "Q"
+    FAULT = "F"  # faults.journal only: the same letter as FETCH, in a file of its own
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ import psycopg
 
 from plait.caches.invalidations import CACHES_STREAM, Invalidation
 from plait.check.control import POLL, Control, read_until_stopped
-from plait.check.journal import Journal
+from plait.check.journal import Journal, Kind
 from plait.check.plan import (
     DB_LINEAR,
     FOLLOWER,
@@ -74,7 +74,7 @@ async def views(journal: Journal, gens: dict[str, MultiWriterIdGenerator]) -> No
         for s, gen in gens.items():
             view = json.dumps(gen.get_positions(), separators=(",", ":"), sort_keys=True)
             if last.get(s) != view:
-                journal.write("Q", s, view)
+                journal.write(Kind.VIEW, s, view)
                 last[s] = view
         await asyncio.sleep(1.0)
 
@@ -98,13 +98,13 @@ async def writer(plan: Plan, name: str) -> None:
         # start fails with the error printed, as plait's does (a crash, away from a
         # PostgreSQL fault).
         logger.error("writer %s: could not start: %s", name, err)
-        journal.write("S", "unavailable")
+        journal.write(Kind.STATE, "unavailable")
         os._exit(UNAVAILABLE_EXIT)  # nothing of this run ever wrote
     gens = {s: instance.generator(s) for s in plan.stream_names}
-    journal.write("S", "started")
+    journal.write(Kind.STATE, "started")
     print("started", flush=True)
     for s, gen in gens.items():
-        journal.write("P", s, gen.get_current_token_for_writer(name))
+        journal.write(Kind.POSITION, s, gen.get_current_token_for_writer(name))
     follow = asyncio.create_task(control.follow())
     inserts = {
         s: f"INSERT INTO {plan.table(s)} (stream_id, instance_name, payload)"
@@ -121,7 +121,7 @@ async def writer(plan: Plan, name: str) -> None:
         now = instance.db.incarnation
         if now is not None and now != incarnation:
             incarnation = now
-            journal.write("S", "renewed", now.epoch)
+            journal.write(Kind.STATE, "renewed", now.epoch)
 
     async def one() -> None:
         nonlocal slow_taken
@@ -135,14 +135,14 @@ async def writer(plan: Plan, name: str) -> None:
         fetch = next(fetches)
         # Journalled before the IDs are asked for: a writer paused while they are on
         # their way holds its position, and the judge must know it does.
-        journal.write("F", s, fetch)
+        journal.write(Kind.FETCH, s, fetch)
         try:
             async with instance.db.transaction() as txn:
                 try:
                     ids = await gens[s].get_next_mult_txn(txn, rng.choice(SIZES) * plan.batch)
                 finally:  # the fetch ended, with IDs or without
                     renewed()  # before IDs the new incarnation took
-                    journal.write("A", s, ",".join(map(str, ids)) or "-", fetch)
+                    journal.write(Kind.ARRIVED, s, ",".join(map(str, ids)) or "-", fetch)
                 payloads = [f"{name}:{i}" for i in ids]
                 await txn.execute(inserts[s], (ids, name, payloads))
                 if not slow and rng.random() < KV_SHARE:
@@ -155,13 +155,13 @@ async def writer(plan: Plan, name: str) -> None:
                     )
                     await instance.caches.invalidate_batch(txn, KV_CHANGED, (index, ids[0]), [key])
                 if slow:
-                    journal.write("S", "slow", s, ",".join(map(str, ids)))
-                    slow_made.write("S", name)
+                    journal.write(Kind.STATE, "slow", s, ",".join(map(str, ids)))
+                    slow_made.write(Kind.STATE, name)
                 await asyncio.sleep(plan.slow_commit if slow else rng.uniform(0, 0.01))
                 if rng.random() < ROLLBACK_SHARE:
                     raise _Rollback
         except _Rollback:
-            journal.ids("R", s, ids)
+            journal.ids(Kind.ROLLED_BACK, s, ids)
             return
         except FencedError:
             now = instance.db.incarnation
@@ -169,17 +169,17 @@ async def writer(plan: Plan, name: str) -> None:
                 # Begun by the fenced run, which has gone on as a new incarnation since:
                 # this transaction failed, the writer did not (it is not fenced twice).
                 if ids:
-                    journal.ids("E", s, ids)
+                    journal.ids(Kind.FAILED, s, ids)
                 return
             fenced.set()
             return
         except Exception as err:  # a cut connection: the database says what committed
             if ids:
-                journal.ids("E", s, ids)
+                journal.ids(Kind.FAILED, s, ids)
             logger.info("writer %s: transaction failed: %s", name, err)
             await asyncio.sleep(0.05)
             return
-        journal.ids("C", s, ids)
+        journal.ids(Kind.COMMITTED, s, ids)
 
     async def loop() -> None:
         while control.phase == "run" and not fenced.is_set():
@@ -192,7 +192,7 @@ async def writer(plan: Plan, name: str) -> None:
             for s, gen in gens.items():
                 position = gen.get_current_token_for_writer(name)
                 if last.get(s) != position:
-                    journal.write("P", s, position)
+                    journal.write(Kind.POSITION, s, position)
                     last[s] = position
             await asyncio.sleep(0.25)
 
@@ -203,9 +203,9 @@ async def writer(plan: Plan, name: str) -> None:
     loops = [asyncio.create_task(loop()) for _ in range(plan.concurrency)]
     await asyncio.gather(*loops)
     if fenced.is_set():
-        journal.write("S", "fenced")
+        journal.write(Kind.STATE, "fenced")
         os._exit(FENCED_EXIT)  # as a crash: nothing of this run may touch the database again
-    journal.write("S", "idle")
+    journal.write(Kind.STATE, "idle")
     print("idle", flush=True)
     await control.until("stop")
     tracker.cancel()
@@ -213,8 +213,8 @@ async def writer(plan: Plan, name: str) -> None:
     follow.cancel()
     await instance.stop()
     for s, gen in gens.items():
-        journal.write("P", s, gen.get_current_token_for_writer(name))
-    journal.write("S", "stopped")
+        journal.write(Kind.POSITION, s, gen.get_current_token_for_writer(name))
+    journal.write(Kind.STATE, "stopped")
 
 
 # -- readers ----------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ async def linear(plan: Plan, name: str) -> None:
             )
             for c in config.streams
         }
-    seen.journal.write("S", "started")
+    seen.journal.write(Kind.STATE, "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
     viewer = asyncio.create_task(views(seen.journal, gens))
@@ -352,10 +352,10 @@ async def worker(plan: Plan, name: str) -> None:
             served += 1
             if value < floor:
                 stale += 1
-                seen.journal.write("V", "stale", f"s{index}", key, f"{value}<{floor}")
+                seen.journal.write(Kind.VIOLATION, "stale", f"s{index}", key, f"{value}<{floor}")
             await asyncio.sleep(0.002)
         cache = kv.cache
-        seen.journal.write("S", "served", served, cache.hits, cache.misses, stale, failed)
+        seen.journal.write(Kind.STATE, "served", served, cache.hits, cache.misses, stale, failed)
 
     await _run_reader(instance, seen, control, "caches", serve)
 
@@ -369,7 +369,7 @@ async def _run_reader(
 ) -> None:
     """Start `instance`, then read (and run `also`) until told to stop."""
     await instance.start()
-    seen.journal.write("S", "started")
+    seen.journal.write(Kind.STATE, "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
     extra = asyncio.create_task(also()) if also is not None else None

@@ -35,6 +35,7 @@ from redis.asyncio import Redis
 from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
 from plait.check import journal
 from plait.check.faults import FaultLog, Partition, schedule
+from plait.check.journal import Kind
 from plait.check.options import Options
 from plait.check.plan import (
     FOLLOWER,
@@ -719,7 +720,7 @@ class Checker:
         died: dict[str, str] = {}
         for reader in self.readers:
             for line in journal.read(self.plan.journal(reader.name)):
-                if line.kind == "S" and line.fields[0] == "query-failed":
+                if line.kind == Kind.STATE and line.fields[0] == "query-failed":
                     died[reader.name] = "a query failed: " + " ".join(line.fields[1:])
             proc = reader.proc
             if proc is not None and proc.returncode is not None and not reader.killed:
@@ -752,7 +753,7 @@ class Checker:
         if "slow_commit" in self.options.fault_counts:
             self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
         for line in journal.read(plan.journal(SPARK)):
-            if line.kind == "S" and line.fields[0] == "reviving":
+            if line.kind == Kind.STATE and line.fields[0] == "reviving":
                 self.faults.revived.append(" ".join(line.fields[2:]))
         history = History(
             db_outages=self.faults.db_outages,
@@ -767,24 +768,24 @@ class Checker:
         rolled_back = failed = renewed = 0
         for w in plan.writers:
             for line in journal.read(plan.journal(w)):
-                if line.kind == "F":  # a fetch of IDs began
+                if line.kind == Kind.FETCH:  # a fetch of IDs began
                     s, fetch = line.fields[0], int(line.fields[1])
                     history.events.setdefault(s, []).append((line.t, w, "F", [fetch]))
                 elif line.kind in "ACRE":
                     s, ids = line.fields[0], journal.id_list(line.fields[1])
                     events = history.events.setdefault(s, [])
-                    if line.kind == "A":  # the fetch ended; its IDs, if any, are open
+                    if line.kind == Kind.ARRIVED:  # the fetch ended; its IDs, if any, are open
                         events.append((line.t, w, "f", [int(line.fields[2])]))
                     if ids:
                         events.append((line.t, w, line.kind, ids))
-                    rolled_back += len(ids) if line.kind == "R" else 0
-                    failed += len(ids) if line.kind == "E" else 0
-                elif line.kind == "P":
+                    rolled_back += len(ids) if line.kind == Kind.ROLLED_BACK else 0
+                    failed += len(ids) if line.kind == Kind.FAILED else 0
+                elif line.kind == Kind.POSITION:
                     positions = history.own_positions.setdefault((w, line.fields[0]), [])
                     positions.append(int(line.fields[1]))
-                elif line.kind == "S" and line.fields[0] == "started":
+                elif line.kind == Kind.STATE and line.fields[0] == "started":
                     history.starts.setdefault(w, []).append(line.t)
-                elif line.kind == "S" and line.fields[0] == "renewed":
+                elif line.kind == Kind.STATE and line.fields[0] == "renewed":
                     renewed += 1
         allowed = {s: allowed_positions(history, s, plan.writers) for s in plan.stream_names}
         verdicts = [
@@ -845,7 +846,7 @@ class Checker:
         ends = {"restarted": "restarting", "revived": "reviving"}
         down, began = [], {}
         for line in journal.read(plan.journal(reader)):
-            if line.kind != "S":
+            if line.kind != Kind.STATE:
                 continue
             what = line.fields[0]
             if what in ends.values():
@@ -885,17 +886,17 @@ async def create_schema(plan: Plan) -> None:
 def _reader_log(path: Path) -> ReaderLog:
     log = ReaderLog()
     for line in journal.read(path):
-        if line.kind == "D":
+        if line.kind == Kind.DELIVERED:
             stream, writer, ids = line.fields
             log.rows.setdefault((stream, writer), []).extend(journal.id_list(ids))
-        elif line.kind == "W":
+        elif line.kind == Kind.TOKEN:
             stream, writer, token = line.fields
             log.tokens.setdefault((stream, writer), []).append((line.t, int(token)))
-        elif line.kind == "Q":
+        elif line.kind == Kind.VIEW:
             stream, view = line.fields
             log.views.setdefault(stream, []).append((line.t, json.loads(view)))
-        elif line.kind == "V":
+        elif line.kind == Kind.VIOLATION:
             log.violations[line.fields[0]] += 1
-        elif line.kind == "S" and line.fields[0] == "caught-up":
+        elif line.kind == Kind.STATE and line.fields[0] == "caught-up":
             log.caught_up = True
     return log

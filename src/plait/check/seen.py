@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from plait.check.journal import Journal
+from plait.check.journal import Journal, Kind
 
 
 class Seen:
@@ -25,7 +25,7 @@ class Seen:
         last = self._last_id.get(key, 0)
         for i in ids:
             if writer != "*" and i <= last:
-                self.journal.write("V", "order", stream, writer, f"{i}<={last}")
+                self.journal.write(Kind.VIOLATION, "order", stream, writer, f"{i}<={last}")
             last = i
             batch.append(i)
         self._last_id[key] = last
@@ -34,18 +34,18 @@ class Seen:
         key = (stream, writer)
         before = self.tokens.get(key)
         if before is not None and token < before:
-            self.journal.write("V", "regression", stream, writer, f"{token}<{before}")
+            self.journal.write(Kind.VIOLATION, "regression", stream, writer, f"{token}<{before}")
             return
         self.tokens[key] = token
 
     def flush(self) -> None:
         for (stream, writer), ids in self._rows.items():
             if ids:
-                self.journal.write("D", stream, writer, ",".join(map(str, ids)))
+                self.journal.write(Kind.DELIVERED, stream, writer, ",".join(map(str, ids)))
                 ids.clear()
         for key, token in self.tokens.items():
             if self._journalled_tokens.get(key) != token:
-                self.journal.write("W", *key, token)
+                self.journal.write(Kind.TOKEN, *key, token)
                 self._journalled_tokens[key] = token
 
     def reached(self, targets: dict[str, dict[str, int]]) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.check.journal import Journal
+from plait.check.journal import Journal, Kind
 from plait.check.plan import Plan, postgres_fault_near, read_control
 from plait.check.seen import Seen
 from plait.check.verdict import error_line, worker_start_timed_out
@@ -201,7 +201,7 @@ async def spark_reader(plan: Plan, name: str) -> None:
     # Queries started again after a failure, until their first batch: the time from the
     # failure to that batch is journalled as the query's restart ("reviving", "revived").
     reviving: set[str] = set()
-    seen.journal.write("S", "started")
+    seen.journal.write(Kind.STATE, "started")
     print("started", flush=True)
     follow = asyncio.create_task(control.follow())
     read = asyncio.create_task(read_until_stopped(seen, control, "linear"))
@@ -211,9 +211,9 @@ async def spark_reader(plan: Plan, name: str) -> None:
     def take(stream: str, batch_id: int, rows: list[tuple[str, int]]) -> None:
         fresh = batches.first_time(stream, batch_id, rows)
         if fresh is None:
-            seen.journal.write("V", "replay", stream, batch_id)
+            seen.journal.write(Kind.VIOLATION, "replay", stream, batch_id)
         if not fresh:
-            seen.journal.write("S", "replayed", stream, batch_id)
+            seen.journal.write(Kind.STATE, "replayed", stream, batch_id)
             return
         by_writer: dict[str, list[int]] = {}
         for writer, i in rows:
@@ -234,7 +234,7 @@ async def spark_reader(plan: Plan, name: str) -> None:
                     seen.token(s, writer, end.get(writer))
         for s in sorted(reviving):
             if queries.running[s].lastProgress:
-                seen.journal.write("S", "revived", s)
+                seen.journal.write(Kind.STATE, "revived", s)
                 reviving.discard(s)
         if (failure := queries.failed()) is not None:
             stream, error = failure
@@ -244,7 +244,7 @@ async def spark_reader(plan: Plan, name: str) -> None:
                 postgres_fault_near(read_control(plan.control), time.time())
                 or worker_start_timed_out(error)
             ):
-                seen.journal.write("S", "query-failed", cause)
+                seen.journal.write(Kind.STATE, "query-failed", cause)
                 break
             # PostgreSQL was restarted or crashed just now (the plait source does not
             # outlast that within a query), or Spark gave up on starting a Python
@@ -253,16 +253,16 @@ async def spark_reader(plan: Plan, name: str) -> None:
             # job's supervisor would; exactly once must hold across it, as across any
             # restart. Down from now until its first batch.
             if stream not in reviving:
-                seen.journal.write("S", "reviving", stream, cause)
+                seen.journal.write(Kind.STATE, "reviving", stream, cause)
                 reviving.add(stream)
             await _start_again(queries, stream)
         if control.orders("restart", name) > restarted:
             restarted += 1
             stream = rng.choice(plan.stream_names)
-            seen.journal.write("S", "restarting", stream)
+            seen.journal.write(Kind.STATE, "restarting", stream)
             batch, removed = await asyncio.to_thread(queries.stop_for_restart, stream)
             await _start_again(queries, stream)
-            seen.journal.write("S", "restarted", stream, batch, "replay" if removed else "-")
+            seen.journal.write(Kind.STATE, "restarted", stream, batch, "replay" if removed else "-")
         await asyncio.sleep(0.1)
     await read
     follow.cancel()

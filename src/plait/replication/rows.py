@@ -13,7 +13,7 @@ import datetime
 import decimal
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from plait.storage.stream_store import StreamRow
 
@@ -37,6 +37,20 @@ class RowCodec(Protocol[R]):
 
     def from_json(self, value: Any) -> R:
         """A row that arrived as JSON."""
+        ...
+
+
+@runtime_checkable
+class BatchRowCodec(RowCodec[R], Protocol[R]):
+    """A `RowCodec` that also builds rows straight from the database's tuples, a page at
+    a time (catch-up reads millions). What `row_maker`'s function returns for a page
+    must equal `from_db` of each of its rows."""
+
+    def row_maker(
+        self, table: str, columns: list[tuple[str, int]]
+    ) -> Callable[[list[tuple[Any, ...]]], list[R]]:
+        """A function from one page's tuples of `table` (columns: name and type OID)
+        to its rows."""
         ...
 
 

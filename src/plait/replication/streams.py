@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from plait.core.own_writes import OwnWrites
 from plait.replication.metrics import ReplicationMetrics
-from plait.replication.rows import RowCodec
+from plait.replication.rows import BatchRowCodec, RowCodec
 from plait.storage.stream_store import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
@@ -285,7 +285,8 @@ class DatabaseStream:
     ) -> AsyncGenerator[CaughtUp, None]:
         codec = self._codec
         # The default row type builds its rows from the database's tuples directly.
-        maker = getattr(codec, "row_maker", None) if len(self._gen.spec.tables) == 1 else None
+        single = len(self._gen.spec.tables) == 1
+        maker = codec.row_maker if single and isinstance(codec, BatchRowCodec) else None
         # The store reads in the internal domain, like this class.
         pages = self._gen.store.scan(writer, from_exclusive, to_inclusive, first, most, maker)
         async with contextlib.aclosing(pages):

@@ -800,7 +800,7 @@ async def _pooled_connection(db: Database, lease: _Lease) -> AsyncConnection[Tup
 
 
 class _CursorLease:
-    """`Database.cursor()`: on the hot connection, the same cursor every time (a new
+    """`Database.scalar_cursor()`: on the hot connection, the same cursor every time (a new
     psycopg cursor per statement costs more client CPU than the rest of a small write);
     on a pooled connection, a new one. Rows are scalars (the first column)."""
 
@@ -992,10 +992,10 @@ class Database:
         """A pooled connection in autocommit mode."""
         return _Lease(self)
 
-    def cursor(self) -> AbstractAsyncContextManager[AsyncCursor[Any]]:
+    def scalar_cursor(self) -> AbstractAsyncContextManager[AsyncCursor[Any]]:
         """A cursor on a pooled connection in autocommit mode, for plait's own hot
-        statements: its rows are the first column's values; read them inside the block
-        (the next user reuses the cursor)."""
+        statements: its rows are the first column's values (`scalar_row`); read them
+        inside the block (the next user reuses the cursor)."""
         return _CursorLease(self)
 
     @asynccontextmanager

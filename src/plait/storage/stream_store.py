@@ -456,7 +456,7 @@ class StreamStore:
         writes a lock record and changes nothing, and every writer may (start-up writes
         that row; its upsert's lock does not conflict). `local`: the crash this is for
         is this server's; a standby that is down must not hold writers' positions."""
-        async with self.db.cursor() as cur:
+        async with self.db.scalar_cursor() as cur:
             await cur.execute(
                 "SELECT set_config('synchronous_commit', 'local', true) FROM plait_streams"
                 " WHERE stream_name = %s FOR KEY SHARE",
@@ -654,7 +654,7 @@ class StreamStore:
             "stored": self._sign * position,
             "internal": position,
         }
-        async with self.db.cursor() as cur:
+        async with self.db.scalar_cursor() as cur:
             await cur.execute(query, names)
             row = await cur.fetchone()
         head = None if row is None else int(row)
@@ -857,7 +857,7 @@ class StreamStore:
         """`n` new IDs from the sequence in one round trip, sorted. Also learns where
         the WAL stood after them (`allocated_lsn`, for `make_durable`): the last row,
         since UNION ALL runs its branches in order (nextval forbids a parallel plan)."""
-        async with self.db.cursor() as cur:
+        async with self.db.scalar_cursor() as cur:
             await cur.execute(
                 "SELECT nextval(%s::regclass) FROM generate_series(1, %s) UNION ALL"
                 " SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint",
@@ -892,7 +892,7 @@ class StreamStore:
                 )
             self._durable_tries += 1
             try:
-                async with self.db.cursor() as cur:
+                async with self.db.scalar_cursor() as cur:
                     await cur.execute(_DURABLE_QUERY, {"lsn": lsn, "name": self.spec.name})
                     flushed = await cur.fetchone()
                 if flushed is None:  # the row is gone: write it again, then flush

@@ -273,7 +273,7 @@ class MultiWriterIdGenerator:
 
         async def run() -> list[int]:
             nonlocal backend_pid
-            async with self._db.cursor() as cursor:
+            async with self._db.scalar_cursor() as cursor:
                 backend_pid = server_pid(cursor.connection)
                 if self._capture is None:
                     await cursor.execute(text, params)
