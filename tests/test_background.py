@@ -1,4 +1,4 @@
-"""Stopping background tasks (`streams.background.cancel_and_wait`): a task that lost
+"""Stopping background tasks (`plait.tasks.cancel_and_wait`): a task that lost
 its cancellation (as Python 3.11's wait_for can lose one) still ends, and a stop that
 is itself cancelled is cancelled, not carried on."""
 
@@ -10,7 +10,7 @@ import contextlib
 import pytest
 
 import pace
-from plait.streams.background import cancel_and_wait
+from plait.tasks import TaskSet, cancel_and_wait
 
 
 async def swallows_one_cancellation(started: asyncio.Event) -> None:
@@ -74,3 +74,33 @@ async def test_tasks_already_done_are_fine() -> None:
     await done
     await cancel_and_wait(done)
     await cancel_and_wait()
+
+
+async def test_a_task_set_owns_its_tasks_until_they_end_and_aclose_waits_for_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tasks = TaskSet("the test")
+    started = asyncio.Event()
+    finished = asyncio.Event()
+
+    async def quick() -> None:
+        finished.set()
+
+    async def fails() -> None:
+        raise RuntimeError("the background step broke")
+
+    forever = tasks.start(swallows_one_cancellation(started), "plait-test-forever")
+    tasks.start(quick(), "plait-test-quick")
+    failing = tasks.start(fails(), "plait-test-fails")
+    await started.wait()
+    await finished.wait()
+    await asyncio.wait([failing])
+    await asyncio.sleep(0)  # the done callbacks run
+    assert len(tasks) == 1  # the ended ones left the set
+    # Nobody awaited the failed one: the set said so, naming owner, task and error.
+    (record,) = [r for r in caplog.records if "the background step broke" in str(r.exc_info)]
+    assert record.getMessage() == "the test: task plait-test-fails failed"
+    async with pace.within(10, "the task set to close"):
+        await tasks.aclose()
+    assert forever.cancelled()
+    assert len(tasks) == 0

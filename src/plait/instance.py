@@ -51,9 +51,9 @@ from plait.replication.tcp_transport import TcpClient, TcpHub
 from plait.replication.waiters import PositionWaiters
 from plait.storage.database import Database
 from plait.storage.incarnation import Incarnation
-from plait.streams.background import cancel_and_wait
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
+from plait.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

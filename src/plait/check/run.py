@@ -71,6 +71,7 @@ from plait.ports import free_port
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
 from plait.storage.search_path import in_schema
+from plait.tasks import TaskSet
 
 START_TIMEOUT = 60.0
 # A Spark reader starts a JVM and plans a first query per stream: on a machine the
@@ -166,6 +167,8 @@ class _Proc:
         self.stopped = False
         self.restart_delay = 0.0
         self._log = plan.run_dir / f"{name}.log"
+        # Reading each run's standard output until it closes (the checker's stop waits).
+        self.listeners = TaskSet(f"check process {name}")
 
     async def spawn(self) -> None:
         self.said.clear()
@@ -180,7 +183,7 @@ class _Proc:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
             )
-        asyncio.create_task(self._listen(self.proc))  # noqa: RUF006 - ends with the process
+        self.listeners.start(self._listen(self.proc), name=f"plait-check-listen-{self.name}")
 
     async def _listen(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -704,6 +707,8 @@ class Checker:
         for task in [*self._tasks, *self._pauses, *self._partitions]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._pauses, *self._partitions, return_exceptions=True)
+        for p in self.writers + self.readers:
+            await p.listeners.aclose()
         if self._proxy is not None:
             await self._proxy.stop()
         for proxy in self._db_proxies.values():

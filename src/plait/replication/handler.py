@@ -79,8 +79,8 @@ from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
 from plait.replication.streams import ReplicatedStream
 from plait.replication.waiters import PositionWaiters
-from plait.streams.background import cancel_and_wait
 from plait.streams.memory import ReadPage
+from plait.tasks import TaskSet, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class ReplicationHandler:
         # Sessions whose connection ended while commands still waited: they drain.
         self._draining: set[_Session] = set()
         # Every task of every session: `stop` ends them all.
-        self._session_tasks: set[asyncio.Task[None]] = set()
+        self._session_tasks = TaskSet("replication sessions")
         self.stopping = False
         self._senders = [
             _Sender(self, stream)
@@ -271,7 +271,7 @@ class ReplicationHandler:
             self.broadcast([Depart(self._name)])
         for session in list(self._sessions):
             session.closed()
-        await cancel_and_wait(*self._session_tasks)
+        await self._session_tasks.aclose()
         self._draining.clear()
 
     # -- connections --------------------------------------------------------------------
@@ -290,7 +290,6 @@ class ReplicationHandler:
     def own_task(self, task: asyncio.Task[None]) -> None:
         """A session's task: `stop` cancels it and waits for it."""
         self._session_tasks.add(task)
-        task.add_done_callback(self._session_tasks.discard)
 
     def drain(self, session: _Session) -> None:
         """`session`'s connection ended with commands waiting: they are handled all the

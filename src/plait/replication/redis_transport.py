@@ -82,7 +82,7 @@ from plait.replication.link import (
 )
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_options import RedisTls, check_signing, client_options
-from plait.streams.background import cancel_and_wait
+from plait.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -94,7 +94,7 @@ from plait.replication.link import (
     wait_set,
 )
 from plait.replication.metrics import ReplicationMetrics
-from plait.streams.background import cancel_and_wait
+from plait.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

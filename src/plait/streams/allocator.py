@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from plait.core.pending_ages import PendingAges
 from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
 from plait.errors import SequenceBehindError
-from plait.streams.background import let_finish
+from plait.tasks import let_finish
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import psycopg
 
 from plait.core.fencing import HoldWatch
 from plait.storage.stream_store import StreamStore
-from plait.streams.background import cancel_and_wait
+from plait.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from plait.storage.database import Database, Params, Transaction, server_pid
 from plait.storage.incarnation import name_prefix
 from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamRow, StreamStore, Survey
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
-from plait.streams.background import cancel_and_wait
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
+from plait.tasks import TaskSet, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,7 +125,7 @@ class MultiWriterIdGenerator:
         self._moved_listeners: list[Callable[[], None]] = []
         self._fence_listeners: list[Callable[[str, int], None]] = []
         self._capture: WriteCapture | None = None
-        self._settling: set[asyncio.Task[None]] = set()
+        self._settling = TaskSet(f"stream {spec.name}")
         # IDs that finish once the WAL is flushed, and the task that flushes it.
         self._unflushed: list[int] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -523,11 +523,7 @@ class MultiWriterIdGenerator:
         (without a capture, readers read every range from the database anyway)."""
         if self._capture is None:
             return False
-        task = asyncio.get_running_loop().create_task(
-            self._settle(ticket, backend_pid), name=f"plait-settle-{self._spec.name}"
-        )
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        self._settling.start(self._settle(ticket, backend_pid), f"plait-settle-{self._spec.name}")
         return True
 
     async def _settle(self, ticket: FetchTicket, backend_pid: int | None) -> None:
@@ -912,7 +908,7 @@ class MultiWriterIdGenerator:
         self._closed = True
         self._db.forget_on_close(self.close)
         self._db.release_renewal(self._pending)
-        await cancel_and_wait(*self._settling)
+        await self._settling.aclose()
         if self._flusher is not None:
             await cancel_and_wait(self._flusher)
         if self._confirming is not None:

@@ -27,7 +27,7 @@ import psycopg
 
 from plait.core.backoff import Backoff
 from plait.storage.database import connection_lost
-from plait.streams.background import let_finish
+from plait.tasks import let_finish
 
 logger = logging.getLogger(__name__)
 FINAL_FLUSH_TIMEOUT = 5.0  # seconds: stopping never waits longer for the last store

@@ -1,9 +1,17 @@
-"""Stopping plait's background tasks."""
+"""plait's background tasks: who owns them, and how they are stopped.
+
+Every task plait starts has an owner that waits for it when it stops: a `TaskSet`
+(`aclose()` cancels and waits for every task still running), or one attribute that the
+owner's `close()` hands to `cancel_and_wait` / `let_finish`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +53,38 @@ async def let_finish(task: asyncio.Task[None], patience: float = 10.0) -> None:
             await asyncio.shield(task)
     except TimeoutError:
         await cancel_and_wait(task)
+
+
+class TaskSet:
+    """Tasks started for one owner, which `aclose()` cancels and waits for. A task
+    leaves the set when it ends; one that fails logs its error (nobody else would see
+    it: an owner that needs the outcome awaits the task itself)."""
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Run `coro` as a task of this set."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.add(task)
+        return task
+
+    def add(self, task: asyncio.Task[Any]) -> None:
+        """Own a task started elsewhere."""
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "%s: task %s failed", self._owner, task.get_name(), exc_info=task.exception()
+            )
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def aclose(self) -> None:
+        """Cancel every task still running and wait until each has ended."""
+        await cancel_and_wait(*self._tasks)
