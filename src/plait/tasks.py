@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -88,3 +88,24 @@ class TaskSet:
     async def aclose(self) -> None:
         """Cancel every task still running and wait until each has ended."""
         await cancel_and_wait(*self._tasks)
+
+
+async def to_the_end(step: Awaitable[T]) -> tuple[T, bool]:
+    """Await `step` to its end even if the caller is cancelled meanwhile, however often:
+    a COMMIT or a connection's close stopped half-way leaves it in an unknown state.
+
+    Returns its result and whether a cancellation arrived meanwhile; the caller acts on
+    how the step ended first, then re-raises that cancellation. A step that raised
+    raises here.
+    """
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            cancelled = True
+            if task.done():
+                if task.cancelled():
+                    raise
+                return task.result(), True  # the step's outcome (or its exception)

@@ -575,18 +575,17 @@ class _Sender:
         self._wake.set()
 
     async def run(self) -> None:
-        failures = 0
+        backoff = Backoff(initial=0.2, cap=5.0)
         while True:
             await self._wake.wait()
             self._wake.clear()
             try:
                 await self.flush()
-                failures = 0
+                backoff.up()
             except Exception as err:
                 # Peers catch up by themselves on our next POSITION; retry soon.
-                failures += 1
                 logger.warning("replication: sending rows of %s failed: %s", self, err)
-                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+                await asyncio.sleep(backoff.next_delay())
                 self._wake.set()
 
     def _send_known(self) -> bool:

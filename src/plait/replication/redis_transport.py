@@ -82,7 +82,7 @@ from plait.replication.link import (
 )
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_options import RedisTls, check_signing, client_options
-from plait.tasks import cancel_and_wait
+from plait.tasks import cancel_and_wait, to_the_end
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +453,10 @@ class RedisTransport:
             if session is not None:
                 _closed(session)
             closers = (pubsub.aclose, subscriber.aclose, publisher.aclose)
-            await _to_the_end(_ended(tasks, closers))
+            # A connection closed half-way is leaked; stop() cancels every 0.1 s.
+            _, cancelled = await to_the_end(_ended(tasks, closers))
+            if cancelled:
+                raise asyncio.CancelledError
 
     def _client(self) -> Redis:
         # No retries inside redis-py (it would reconnect, and resubscribe, behind our
@@ -693,22 +696,6 @@ async def _close_all(closers: tuple[Callable[[], Awaitable[None]], ...]) -> None
                     logger.debug("redis transport: closing a connection: %s", err)
     except TimeoutError:
         logger.debug("redis transport: closing the connections timed out")
-
-
-async def _to_the_end(closing: Awaitable[None]) -> None:
-    """Await `closing` to its end even when cancelled meanwhile, however often (a
-    connection closed half-way is leaked; `stop()` cancels every 0.1 s), then pass the
-    cancellation on."""
-    task = asyncio.ensure_future(closing)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
 
 
 def _tls_hint(err: BaseException) -> str:

@@ -49,6 +49,7 @@ from plait.storage.incarnation import (
 )
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
 from plait.storage.timeouts import DEFAULT_TIMEOUTS, DatabaseTimeouts, connect_sync
+from plait.tasks import to_the_end
 
 logger = logging.getLogger(__name__)
 
@@ -1011,7 +1012,7 @@ class Database:
                 yield txn
             except BaseException as exc:
                 try:
-                    _, cancelled = await _finish(txn._end("ROLLBACK"))
+                    _, cancelled = await to_the_end(txn._end("ROLLBACK"))
                 finally:
                     txn._run(txn._after_rollback)
                 if cancelled and not isinstance(exc, asyncio.CancelledError):
@@ -1020,7 +1021,7 @@ class Database:
                     return
                 raise
             try:
-                _, cancelled = await _finish(txn._end("COMMIT"))
+                _, cancelled = await to_the_end(txn._end("COMMIT"))
             except BaseException as exc:
                 if isinstance(exc, psycopg.OperationalError):  # did it commit? wait it out
                     await self.wait_finished(xid=txn.xid, backend_pid=txn.backend_pid)
@@ -1341,25 +1342,6 @@ class Database:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-async def _finish(step: Awaitable[T]) -> tuple[T, bool]:
-    """Await `step` to its end even if we are cancelled meanwhile.
-
-    Returns its result and whether a cancellation arrived meanwhile; the caller acts on
-    how the step ended first, then re-raises that cancellation.
-    """
-    task = asyncio.ensure_future(step)
-    cancelled = False
-    while True:
-        try:
-            return await asyncio.shield(task), cancelled
-        except asyncio.CancelledError:
-            cancelled = True
-            if task.done():
-                if task.cancelled():
-                    raise
-                return task.result(), True  # the step's outcome (or its exception)
 
 
 async def _probe(dsn: str, client: Mapping[str, Any]) -> bool:

@@ -532,7 +532,7 @@ class MultiWriterIdGenerator:
         if backend_pid is not None:
             await self._db.wait_finished(backend_pid=backend_pid)
         low = ticket.floor - 1  # the sequence gave the statement nothing below the floor
-        high, delay = low, 0.05
+        high, backoff = low, Backoff(initial=0.05, cap=5.0)
         while True:
             try:
                 high = await self._store.sequence_head()
@@ -546,8 +546,7 @@ class MultiWriterIdGenerator:
                     self._spec.name,
                     err,
                 )
-                await asyncio.sleep(delay)
-                delay = min(5.0, 2 * delay)
+                await asyncio.sleep(backoff.next_delay())
         assert self._capture is not None  # `_unsettled` settles captured writers only
         self._capture.unknown(low, high)
         self._end_empty(ticket)
