@@ -19,6 +19,7 @@ from plait.core.inbound import DEFAULT_INBOUND_QUEUE
 from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import ConfigError
 from plait.ports import is_loopback
+from plait.replication import defaults
 from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
 from plait.storage.database import DEFAULT_RETRY_READS_FOR
 from plait.storage.timeouts import DatabaseTimeouts
@@ -107,9 +108,9 @@ class RedisConfig(_Model):
     """The password, kept out of the URL; never logged."""
     channel_prefix: str = "plait"
     """One pub/sub channel per deployment: `<channel_prefix>.<deployment>`."""
-    ping_interval: float = Field(30.0, gt=0)
+    ping_interval: float = Field(defaults.REDIS_PING_INTERVAL, gt=0)
     """Seconds between pings that find a dead connection."""
-    max_clock_skew: float = Field(60.0, gt=0)
+    max_clock_skew: float = Field(defaults.REDIS_MAX_CLOCK_SKEW, gt=0)
     """With `replication.secret`: how far (seconds) the first message of each sender's
     connection may be stamped from this machine's clock (a replay of an older one is
     refused). Clocks must agree within this (NTP)."""
@@ -157,15 +158,15 @@ class TcpConfig(_Model):
     """The instance that runs the hub (required)."""
     host: str = "127.0.0.1"
     """The hub's address."""
-    port: int = Field(9093, ge=0, le=65535)
+    port: int = Field(defaults.TCP_HUB_PORT, ge=0, le=65535)
     """The hub's port."""
-    ping_interval: float = Field(5.0, gt=0)
+    ping_interval: float = Field(defaults.TCP_PING_INTERVAL, gt=0)
     """Seconds between pings on an idle connection."""
-    dead_after: float = Field(25.0, gt=0)
+    dead_after: float = Field(defaults.TCP_DEAD_AFTER, gt=0)
     """Seconds of silence after which a connection is taken for dead and closed."""
-    send_queue: int = Field(10_000, ge=1)
+    send_queue: int = Field(defaults.TCP_SEND_QUEUE, ge=1)
     """Lines the hub holds for a peer that does not read; past it the peer is cut off."""
-    handshake_timeout: float = Field(3.0, gt=0)
+    handshake_timeout: float = Field(defaults.TCP_HANDSHAKE_TIMEOUT, gt=0)
     """The hub closes a connection that has not finished the handshake (NAME, and with
     `replication.secret` the proof) within this many seconds."""
 
@@ -181,9 +182,9 @@ class ReplicationConfig(_Model):
     """The TCP hub (transport `tcp`)."""
     announce_interval: float = Field(1.0, gt=0)
     """Seconds between a writer's announcements of where it stands."""
-    catch_up_page: int = Field(100, ge=1, le=10_000)
+    catch_up_page: int = Field(defaults.CATCH_UP_PAGE, ge=1, le=defaults.MAX_PAGE_LIMIT)
     """Rows in the first page of a catch-up query; each full page doubles it."""
-    catch_up_page_max: int = Field(10_000, ge=1, le=10_000)
+    catch_up_page_max: int = Field(defaults.CATCH_UP_PAGE_MAX, ge=1, le=defaults.MAX_PAGE_LIMIT)
     """The largest catch-up page."""
     inbound_queue: int = Field(DEFAULT_INBOUND_QUEUE, ge=1, le=10_000_000)
     """Replication commands one stream may have waiting on one connection: past it the

@@ -75,6 +75,7 @@ from plait.core.outbound import Outbound
 from plait.core.progress import Progress
 from plait.core.throttle import Throttle
 from plait.errors import CommandParseError
+from plait.replication import defaults
 from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
 from plait.replication.streams import ReplicatedStream
@@ -90,10 +91,6 @@ ResetListener = Callable[[str, str], Awaitable[None] | None]
 DepartureListener = Callable[[str], Awaitable[None] | None]
 CommandListener = Callable[[Any], Awaitable[None] | None]
 
-DEFAULT_CATCH_UP_PAGE = 100
-# Catch-up pages double after every full page up to this: a reader that missed a few
-# rows reads them in one small query; one that missed a million needs ~100 queries.
-DEFAULT_CATCH_UP_PAGE_MAX = 10_000
 # The queue key of application commands (stream names are SQL names: never this).
 _APP_QUEUE = "\x00commands"
 _TRANSPORT_COMMANDS = (Name, Server, Ping)
@@ -182,8 +179,8 @@ class ReplicationHandler:
         waiters: PositionWaiters,
         metrics: ReplicationMetrics,
         announce_interval: float = 1.0,
-        catch_up_page: int = DEFAULT_CATCH_UP_PAGE,
-        catch_up_page_max: int = DEFAULT_CATCH_UP_PAGE_MAX,
+        catch_up_page: int = defaults.CATCH_UP_PAGE,
+        catch_up_page_max: int = defaults.CATCH_UP_PAGE_MAX,
         up_grace: float | None = None,
         inbound_queue: int = DEFAULT_INBOUND_QUEUE,
     ) -> None:

@@ -42,6 +42,7 @@ from plait.core import strict_json
 from plait.core.backoff import Backoff
 from plait.errors import ConfigError, RemoteCallError
 from plait.ports import is_loopback
+from plait.replication import defaults
 from plait.replication.metrics import ReplicationMetrics
 from plait.streams.memory import ReadPage
 
@@ -63,7 +64,7 @@ OwnPositions = Callable[[], dict[str, int]]
 AwaitPositions = Callable[[str, dict[str, int]], Awaitable[None]]
 
 PREFIX = "/_plait/v1"
-MAX_PAGE_LIMIT = 10_000
+MAX_PAGE_LIMIT = defaults.MAX_PAGE_LIMIT
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _ENDPOINT_NAME = re.compile(r"[A-Za-z0-9_-]+")

@@ -73,6 +73,7 @@ from plait.core.signed_messages import (
     key_of,
     looks_signed,
 )
+from plait.replication import defaults
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,
@@ -282,12 +283,12 @@ class RedisTransport:
         *,
         url: str,
         channel: str,
-        ping_interval: float = 30.0,
-        connect_timeout: float = 5.0,
+        ping_interval: float = defaults.REDIS_PING_INTERVAL,
+        connect_timeout: float = defaults.REDIS_CONNECT_TIMEOUT,
         tls: RedisTls | None = None,
         password: str | None = None,
         secret: str | None = None,
-        max_clock_skew: float = 60.0,
+        max_clock_skew: float = defaults.REDIS_MAX_CLOCK_SKEW,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:

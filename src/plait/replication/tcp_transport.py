@@ -86,6 +86,7 @@ from plait.core.commands import (
 )
 from plait.errors import CommandParseError, ConfigError
 from plait.ports import is_loopback
+from plait.replication import defaults
 from plait.replication.link import (
     CONNECTION_COMMANDS,
     Handler,
@@ -665,10 +666,10 @@ class TcpHub:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        ping_interval: float = 5.0,
-        dead_after: float = 25.0,
-        send_queue: int = 10_000,
-        handshake_timeout: float = 3.0,
+        ping_interval: float = defaults.TCP_PING_INTERVAL,
+        dead_after: float = defaults.TCP_DEAD_AFTER,
+        send_queue: int = defaults.TCP_SEND_QUEUE,
+        handshake_timeout: float = defaults.TCP_HANDSHAKE_TIMEOUT,
         secret: str | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
@@ -1008,10 +1009,10 @@ class TcpClient:
         *,
         host: str,
         port: int,
-        ping_interval: float = 5.0,
-        dead_after: float = 25.0,
-        send_queue: int = 10_000,
-        connect_timeout: float = 5.0,
+        ping_interval: float = defaults.TCP_PING_INTERVAL,
+        dead_after: float = defaults.TCP_DEAD_AFTER,
+        send_queue: int = defaults.TCP_SEND_QUEUE,
+        connect_timeout: float = defaults.TCP_CONNECT_TIMEOUT,
         secret: str | None = None,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,

@@ -1,0 +1,25 @@
+"""The replication layer's defaults and limits, in one place: the components' own
+arguments and the configuration file's (`replication.*`) take them from here. No
+imports, so the configuration reads them without loading the transports."""
+
+from __future__ import annotations
+
+# TCP transport (`replication.tcp`)
+TCP_HUB_PORT = 9093
+TCP_PING_INTERVAL = 5.0  # seconds between pings on an idle connection
+TCP_DEAD_AFTER = 25.0  # seconds of silence after which a connection is dead
+TCP_SEND_QUEUE = 10_000  # lines the hub holds for a peer that does not read
+TCP_HANDSHAKE_TIMEOUT = 3.0  # seconds the hub gives a connection's handshake
+TCP_CONNECT_TIMEOUT = 5.0  # seconds a client gives connecting and its handshake
+
+# Redis transport (`replication.redis`)
+REDIS_PING_INTERVAL = 30.0  # seconds between pings through the channel
+REDIS_CONNECT_TIMEOUT = 5.0  # seconds for connecting, AUTH and SUBSCRIBE
+REDIS_MAX_CLOCK_SKEW = 60.0  # seconds a signed message's time may be off from ours
+
+# Catch-up (`replication.catch_up_page`, `catch_up_page_max`): pages double after
+# every full page up to the largest, so a reader that missed a few rows reads them in
+# one small query, and one that missed a million in ~100.
+CATCH_UP_PAGE = 100
+CATCH_UP_PAGE_MAX = 10_000
+MAX_PAGE_LIMIT = 10_000  # the most rows one HTTP catch-up request may ask for
