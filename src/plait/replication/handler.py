@@ -93,7 +93,6 @@ CommandListener = Callable[[Any], Awaitable[None] | None]
 
 # The queue key of application commands (stream names are SQL names: never this).
 _APP_QUEUE = "\x00commands"
-_TRANSPORT_COMMANDS = (Name, Server, Ping)
 # One warning per (connection, stream, writer) this often about refused claims; the
 # metric counts every one.
 _REFUSALS_LOGGED_EVERY = 10.0
@@ -750,46 +749,58 @@ class _Session:
     # -- dispatch ---------------------------------------------------------------------------
 
     def _dispatch(self, command: Command) -> None:
-        handler = self._handler
-        if isinstance(command, Rdata | Position | Fenced):
-            stream = handler.stream(command.stream)
-            if stream is None:
-                return
-            if stream.writers is not None and command.instance not in stream.writers:
-                # Not a configured writer (removed, or a misconfigured peer): its
-                # position is never tracked here, so following it would re-read forever.
-                logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
-                return
-            backlog = self._backlogs.get(command.stream)
-            if (
-                isinstance(command, Rdata)
-                and command.stream in handler.sync_streams
-                and command.stream not in self._busy
-                and (backlog is None or backlog.idle())
-                and not handler.is_delivering(command.stream, command.instance)
-                and (
-                    command.token is None
-                    or not self._check_every_claim
-                    or stream.is_known_allocated(stream.sign * command.token)
-                )
-            ):
-                self._rdata_now(stream, command)  # nothing queued before it: no task switch
-                return
-            self._heard(stream, command)
-            self._enqueue_stream(stream, command)
-        elif isinstance(command, Replicate):
-            handler.answer_replicate(self.link)
-        elif isinstance(command, Depart):
-            if command.name != self._own_name:  # Redis hands our own back
-                self._depart(command.name)
-        elif isinstance(command, Error):
-            logger.warning("replication: %s says: %s", self.link.label, command.text)
-        elif isinstance(command, _TRANSPORT_COMMANDS):
-            pass  # the transport's business
-        elif command.NAME in handler.listeners.commands:
+        step = _DISPATCH.get(type(command))
+        if step is not None:
+            step(self, command)
+        elif command.NAME in self._handler.listeners.commands:
             self._enqueue(command)
         else:
             logger.debug("replication: no listener for %s", command.NAME)
+
+    def _on_stream_command(self, command: Command) -> None:
+        """RDATA, POSITION or FENCED: a writer's rows or word about how far it got."""
+        assert isinstance(command, Rdata | Position | Fenced)
+        handler = self._handler
+        stream = handler.stream(command.stream)
+        if stream is None:
+            return
+        if stream.writers is not None and command.instance not in stream.writers:
+            # Not a configured writer (removed, or a misconfigured peer): its
+            # position is never tracked here, so following it would re-read forever.
+            logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
+            return
+        backlog = self._backlogs.get(command.stream)
+        if (
+            isinstance(command, Rdata)
+            and command.stream in handler.sync_streams
+            and command.stream not in self._busy
+            and (backlog is None or backlog.idle())
+            and not handler.is_delivering(command.stream, command.instance)
+            and (
+                command.token is None
+                or not self._check_every_claim
+                or stream.is_known_allocated(stream.sign * command.token)
+            )
+        ):
+            self._rdata_now(stream, command)  # nothing queued before it: no task switch
+            return
+        self._heard(stream, command)
+        self._enqueue_stream(stream, command)
+
+    def _on_replicate(self, command: Command) -> None:
+        self._handler.answer_replicate(self.link)
+
+    def _on_depart(self, command: Command) -> None:
+        assert isinstance(command, Depart)
+        if command.name != self._own_name:  # Redis hands our own back
+            self._depart(command.name)
+
+    def _on_error(self, command: Command) -> None:
+        assert isinstance(command, Error)
+        logger.warning("replication: %s says: %s", self.link.label, command.text)
+
+    def _on_transport_command(self, command: Command) -> None:
+        """NAME, SERVER, PING: the transport's business, handled before the session."""
 
     def _heard(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
         """A writer's word about how far it got, queued behind others: heard now, it
@@ -1132,3 +1143,18 @@ class _Session:
                     await self._changed.wait()
         # The transport sets the connection gauge and logs it (it owns the connection).
         self._up.set()
+
+
+# What `_Session._dispatch` does with each protocol command (application commands go to
+# their listeners by NAME).
+_DISPATCH: dict[type[Command], Callable[[_Session, Command], None]] = {
+    Rdata: _Session._on_stream_command,
+    Position: _Session._on_stream_command,
+    Fenced: _Session._on_stream_command,
+    Replicate: _Session._on_replicate,
+    Depart: _Session._on_depart,
+    Error: _Session._on_error,
+    Name: _Session._on_transport_command,
+    Server: _Session._on_transport_command,
+    Ping: _Session._on_transport_command,
+}
