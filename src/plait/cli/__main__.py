@@ -1,0 +1,5 @@
+"""`python -m plait.cli`, as `plait`."""
+
+from plait.cli import run
+
+run()
