@@ -27,9 +27,9 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-from plait.spark.catalog import Column
 from plait.spark.pushdown import push, targets
 from plait.spark.schema import infer
+from plait.storage.catalog import Column
 
 COLUMNS = [
     Column("id", "bigint"),

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from plait import Database
 from plait.cli import main
-from plait.ops.status import StreamRows, WriterRow, assess, pending_ages, rates
+from plait.ops.status import assess, pending_ages, rates
 from plait.ports import free_port
+from plait.storage.stream_records import StreamRows, WriterRow
 from replication_helpers import cluster_of, connected, write
 from stream_helpers import create_generator, create_table
 
@@ -191,17 +192,18 @@ async def test_status_with_the_config_shows_how_long_a_held_id_has_waited(
 
 async def test_rows_written_counts_rows_between_two_readings(db: Database) -> None:
     from plait.ops import status as ops
+    from plait.storage import stream_records
 
     await create_table(db)
     w1 = await create_generator(db, ["w1"], "w1", position_flush_interval=0.1)
 
-    def reading() -> list[ops.StreamRows]:
+    def reading() -> list[stream_records.StreamRows]:
         with psycopg.connect(db.dsn, autocommit=True) as conn:
-            return ops.read(conn)
+            return stream_records.read(conn)
 
-    def moved(streams: list[ops.StreamRows], since: dict[tuple[str, str], int]) -> Any:
+    def moved(streams: list[stream_records.StreamRows], since: dict[tuple[str, str], int]) -> Any:
         with psycopg.connect(db.dsn, autocommit=True) as conn:
-            return ops.rows_written(conn, streams, since)
+            return stream_records.rows_written(conn, streams, since)
 
     try:
         await w1.insert(INSERT, ("w1", 1))

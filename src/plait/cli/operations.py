@@ -76,6 +76,7 @@ def status(
     import psycopg
 
     from plait.ops import status as ops
+    from plait.storage import stream_records as records
     from plait.storage.database import connect_or_say
     from plait.storage.timeouts import connect_sync
 
@@ -90,13 +91,13 @@ def status(
 
     def look(
         conn: psycopg.Connection[Any],
-    ) -> tuple[list[ops.StreamRows], list[ops.StreamStatus], dict[str, str]]:
+    ) -> tuple[list[records.StreamRows], list[ops.StreamStatus], dict[str, str]]:
         pending, failed = ops.scrape(instances)
-        streams = ops.read(conn)
+        streams = records.read(conn)
         return streams, [ops.assess(s, stall_after, pending) for s in streams], failed
 
     with _database(dsn, schema) as url, connect_or_say(url, autocommit=True) as conn:
-        ops.check_schema(conn)
+        records.check_schema(conn)
         if not watch:
             _, found, failed = look(conn)
             if as_json:
@@ -116,7 +117,7 @@ def status(
 
         def poll(conn: psycopg.Connection[Any]) -> Any:
             streams, found, failed = look(conn)
-            return found, failed, ops.rows_written(conn, streams, ops.positions(before or []))
+            return found, failed, records.rows_written(conn, streams, ops.positions(before or []))
 
         link = Reconnecting(conn, lambda: connect_sync(url, autocommit=True), url, _say)
         console = _console()

@@ -179,7 +179,7 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
     creating something: the database, the stream, --table, the stream's columns that
     `columns` names by flag, --starting-token, and that --path and --checkpoint can be
     folders. Checked first, in under a second, and refused in the flag's name."""
-    from plait.spark import catalog
+    from plait.storage import catalog
 
     if options["master"] and options["remote"]:
         raise click.BadParameter(

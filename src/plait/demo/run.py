@@ -39,6 +39,7 @@ from plait.demo.roles import SYNC_PORT_ENV
 from plait.errors import ConfigError
 from plait.ops import status
 from plait.ports import free_port
+from plait.storage import stream_records
 from plait.storage.database import Database
 from plait.storage.embedded import dsn_or_embedded
 from plait.storage.search_path import in_schema
@@ -300,11 +301,11 @@ def _look(
     """The streams as `plait status` sees them, with the processes' pending ages, and the
     rows each writer persisted since `before`."""
     pending, _ = status.scrape(processes.api_urls, timeout=1.0)
-    streams = status.read(conn)
+    streams = stream_records.read(conn)
     found = [status.assess(s, pending=pending) for s in streams]
     if before is None:
         return found, {}
-    return found, status.rows_written(conn, streams, status.positions(before))
+    return found, stream_records.rows_written(conn, streams, status.positions(before))
 
 
 def reader_coverage(dsn: str, positions: dict[str, dict[str, int]]) -> tuple[int, dict[str, int]]:

@@ -18,7 +18,7 @@ from plait.core import offsets
 from plait.core.pages import TablePage, cut_pages
 from plait.core.spec import StreamSpec
 from plait.core.tokens import StreamToken
-from plait.spark import catalog
+from plait.storage import catalog
 from plait.storage.database import Database
 
 LIMIT = 100

@@ -25,7 +25,7 @@ from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError
 from plait.replication.rows import jsonable
-from plait.spark import catalog
+from plait.storage import catalog
 
 PAGE = 1000
 Item = tuple[int, str, dict[str, Any]]  # internal ID, table, row
@@ -83,18 +83,7 @@ class Tail:
         registered there if new (as `StreamToken.to_string` does)."""
         missing = sorted(set(token.writers) - set(self._ids))
         if missing:
-            self.conn.execute(
-                "INSERT INTO instance_map (instance_name) SELECT unnest(%s::text[])"
-                " ON CONFLICT (instance_name) DO NOTHING",
-                (missing,),
-            )
-            self._ids.update(
-                self.conn.execute(
-                    "SELECT instance_name, instance_id FROM instance_map"
-                    " WHERE instance_name = ANY(%s)",
-                    (missing,),
-                )
-            )
+            self._ids.update(catalog.instance_ids(self.conn, missing))
         return token.encode_text(self._ids)
 
     def between(self, start: StreamToken, end: StreamToken, page: int = PAGE) -> Iterator[Line]:
@@ -145,20 +134,17 @@ class Tail:
     def _page(
         self, table: TableSpec, ranges: list[WriterRange], limit: int, *, newest_first: bool
     ) -> list[Item]:
-        query = catalog.page_query(
-            table, self.spec.backwards, ranges, limit, newest_first=newest_first
+        names, rows = catalog.read_page(
+            self.conn, table, self.spec.backwards, ranges, limit, newest_first=newest_first
         )
-        with self.conn.cursor() as cur:
-            cur.execute(query)
-            names = [c.name for c in cur.description or []][1:]  # after the ID
-            return [
-                (
-                    self.spec.sign * int(r[0]),
-                    table.name,
-                    dict(zip(names, map(jsonable, r[1:]), strict=True)),
-                )
-                for r in cur.fetchall()
-            ]
+        return [
+            (
+                self.spec.sign * int(r[0]),
+                table.name,
+                dict(zip(names, map(jsonable, r[1:]), strict=True)),
+            )
+            for r in rows
+        ]
 
 
 def _ours(err: ConfigError) -> str:

@@ -50,9 +50,9 @@ def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
 
 
 def _checked(dsn: str, stream: str, options: dict[str, Any], *, batch: bool) -> dict[str, str]:
-    from plait.spark import catalog
     from plait.spark.options import Options
     from plait.spark.source import Plan
+    from plait.storage import catalog
 
     given = {"dsn": dsn, "stream": stream, **{k: str(v) for k, v in options.items()}}
     parsed = Options.parse(given)

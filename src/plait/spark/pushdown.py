@@ -59,8 +59,8 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from plait.spark.catalog import Column
 from plait.spark.schema import map_column
+from plait.storage.catalog import Column
 
 NUMBER, BOOLEAN, TEXT, OTHER = "number", "boolean", "text", "other"  # OTHER: NULL tests only
 _COMPARE: dict[type[Filter], str] = {

@@ -31,7 +31,7 @@ from pyspark.sql.types import (
 )
 
 from plait.errors import ConfigError
-from plait.spark.catalog import Column
+from plait.storage.catalog import Column
 
 _NATIVE: dict[str, DataType] = {
     "bigint": LongType(),

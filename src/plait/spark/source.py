@@ -61,10 +61,11 @@ from plait.core import offsets
 from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken
 from plait.errors import ConfigError, TokenParseError
-from plait.spark import catalog, pushdown, workers
+from plait.spark import pushdown, workers
 from plait.spark.options import METADATA, Options
 from plait.spark.read_connections import ReadConnections
 from plait.spark.schema import infer, text_columns
+from plait.storage import catalog
 from plait.storage.stream_store import ident
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
 

@@ -443,3 +443,35 @@ def pending_counts(
     row = conn.execute(sql.SQL("SELECT ARRAY[{}]").format(sql.SQL(", ").join(parts))).fetchone()
     assert row is not None
     return [int(n) for n in row[0]]
+
+
+def instance_ids(conn: psycopg.Connection[Any], names: Sequence[str]) -> dict[str, int]:
+    """The compact ids of these writers in `instance_map` (which token texts use),
+    registering those that have none yet, as `StreamToken.to_string` does."""
+    conn.execute(
+        "INSERT INTO instance_map (instance_name) SELECT unnest(%s::text[])"
+        " ON CONFLICT (instance_name) DO NOTHING",
+        (list(names),),
+    )
+    found = conn.execute(
+        "SELECT instance_name, instance_id FROM instance_map WHERE instance_name = ANY(%s)",
+        (list(names),),
+    )
+    return {str(name): int(id_) for name, id_ in found}
+
+
+def read_page(
+    conn: psycopg.Connection[Any],
+    table: TableSpec,
+    backwards: bool,
+    ranges: Sequence[WriterRange],
+    limit: int,
+    *,
+    newest_first: bool,
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """`page_query`'s rows: the names of the columns after the ID, and the rows (the
+    stored ID first)."""
+    with conn.cursor() as cur:
+        cur.execute(page_query(table, backwards, ranges, limit, newest_first=newest_first))
+        names = [c.name for c in cur.description or []][1:]  # after the ID
+        return names, cur.fetchall()
