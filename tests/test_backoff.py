@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,9 +53,16 @@ def test_a_failing_catch_up_keeps_backing_off() -> None:
     assert backoff.next_delay() == 0.1
 
 
+class Settings(TypedDict, total=False):
+    initial: float
+    cap: float
+    factor: float
+    jitter: float
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"initial": 0.0}, {"initial": 5.0, "cap": 1.0}, {"factor": 0.5}, {"jitter": 1.0}]
 )
-def test_nonsense_settings_are_refused(kwargs: dict[str, float]) -> None:
+def test_nonsense_settings_are_refused(kwargs: Settings) -> None:
     with pytest.raises(ValueError, match="backoff"):
         Backoff(**kwargs)

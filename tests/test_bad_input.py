@@ -147,7 +147,7 @@ async def test_bad_specs() -> None:
     with pytest.raises(ConfigError, match="not a valid SQL"):
         StreamSpec("s", tables=[TableSpec("bad name")])
     with pytest.raises(ConfigError, match="writers must be a list"):
-        StreamSpec("s", tables=[TableSpec("t")], writers="first")  # type: ignore[arg-type]
+        StreamSpec("s", tables=[TableSpec("t")], writers="first")  # a str passes as a Sequence[str]
     with pytest.raises(ConfigError, match="lists a writer twice"):
         StreamSpec("s", tables=[TableSpec("t")], writers=["a", "a"])
     with pytest.raises(ConfigError, match="must differ"):

@@ -19,7 +19,7 @@ from plait.caches.cleanup import InvalidationCleanup
 from plait.caches.invalidations import CACHES_STREAM
 from plait.instance import Instance
 from redis_server import RedisServer
-from replication_helpers import Cluster, cluster_of, connected
+from replication_helpers import Cluster, cluster_of, connected, metric
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,7 +152,7 @@ async def test_single_bulk_all_and_pseudo_invalidations_reach_the_other_instance
         cur = await conn.execute(
             "SELECT cache_name, count(*) FROM cache_invalidations GROUP BY 1 ORDER BY 1"
         )
-        rows = dict(await cur.fetchall())
+        rows: dict[str, int] = dict(await cur.fetchall())
     assert rows["value"] == 4
     assert 1 <= rows["room_changed"] <= 3  # one row per part, not one per member
     sent = a.metrics.registry.get_sample_value
@@ -360,12 +360,7 @@ async def test_a_reader_catches_up_invalidations_it_missed_while_disconnected(
         assert app_b.loads["k10"] == 1  # never invalidated: never reloaded
         assert len(app_b.rooms_for) == 0
         assert set(app_b.members.keys()) == {("!r0",), ("!r1",)}
-        assert (
-            b.metrics.registry.get_sample_value(
-                "plait_catch_up_rows_total", {"stream": CACHES_STREAM}
-            )
-            >= 130
-        )
+        assert metric(b, "plait_catch_up_rows_total", stream=CACHES_STREAM) >= 130
 
 
 async def test_cleanup_deletes_only_old_rows_in_batches_and_a_lagging_reader_keeps_its_rows(

@@ -169,7 +169,7 @@ async def test_a_stopped_check_leaves_no_server_or_process_behind(how: str) -> N
         start_new_session=True,
     )  # fmt: skip
     assert process.stdout is not None
-    output = []
+    output: list[str] = []
     # The server's initdb and every role's start.
     async with pace.within(120, "plait check to say it is running"):
         while not output or not output[-1].startswith("running"):

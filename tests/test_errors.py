@@ -4,6 +4,7 @@ says what the caller can do about it, and is exported from `plait`."""
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 
@@ -61,13 +62,17 @@ async def test_an_instance_used_in_the_wrong_state_is_a_state_error(dsn: str) ->
         "replication": {"transport": "tcp", "tcp": {"hub": "w", "port": free_port()}},
     }
     instance = Instance(config)
+
+    async def handler(args: Any) -> None:
+        return None
+
     with pytest.raises(StateError, match="is not started"):
         instance.db  # noqa: B018 - the property is what raises
     async with instance:
         with pytest.raises(StateError, match="started already"):
             await instance.start()
         with pytest.raises(StateError, match="before start"):
-            instance.register_endpoint("late", lambda *args: None)
+            instance.register_endpoint("late", handler)
 
 
 async def test_a_failed_remote_call_says_its_http_status(

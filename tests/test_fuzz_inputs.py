@@ -362,7 +362,7 @@ CONFIG_KEYS = [
 
 def valid_configs() -> st.SearchStrategy[dict[str, Any]]:
     table = st.fixed_dictionaries({"name": sql_names}, optional={"id_column": st.just("id")})
-    stored = st.fixed_dictionaries(
+    stored: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
         {
             "name": sql_names,
             "tables": st.lists(table, min_size=1, max_size=2, unique_by=lambda t: t["name"]),

@@ -298,9 +298,9 @@ async def test_token_round_trip_through_instance_map(db: Database) -> None:
     assert text.startswith("m1~")
     assert await StreamToken.parse(db, text) == token
     assert await StreamToken.parse(db, "s7") == StreamToken(7)
-    ids = await db.get_instance_ids(["first", "second", "first"])
-    assert set(ids) == {"first", "second"}
-    assert ids["first"] != ids["second"]
+    instance_ids = await db.get_instance_ids(["first", "second", "first"])
+    assert set(instance_ids) == {"first", "second"}
+    assert instance_ids["first"] != instance_ids["second"]
     # Known names are never inserted again: the serial is not burnt.
     async with db.connection() as conn:
         row = await (await conn.execute("SELECT max(instance_id) FROM instance_map")).fetchone()

@@ -105,6 +105,7 @@ class Reader:
             seen = (list(self.got[writer]), current)
             self.departures[writer] += [seen] * command.count
         else:
+            assert isinstance(command, Resync), f"the scripts send no FENCED: {command}"
             self.follow(self.inbound.resync(command, current))
 
     def follow(self, plan: Plan | None) -> None:

@@ -4,6 +4,8 @@ start is a reset carrying its whole state (pure, no I/O)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,8 +15,11 @@ from plait.streams.memory import MemoryStream
 keys = st.sampled_from("abcdef")
 
 
-def page_through(stream: MemoryStream, low: int, high: int, limit: int) -> tuple[list, bool]:
-    rows, reset, first = [], False, True
+def page_through(
+    stream: MemoryStream, low: int, high: int, limit: int
+) -> tuple[list[tuple[int, Any]], bool]:
+    rows: list[tuple[int, Any]] = []
+    reset, first = False, True
     while low < high:
         page = stream.read(low, high, limit)
         assert page.upto > low or not page.limited
@@ -27,7 +32,9 @@ def page_through(stream: MemoryStream, low: int, high: int, limit: int) -> tuple
 
 
 @given(st.lists(keys, max_size=40), st.data())
-def test_paging_yields_the_latest_row_of_each_key_once(writes: list[str], data: st.DataObject):
+def test_paging_yields_the_latest_row_of_each_key_once(
+    writes: list[str], data: st.DataObject
+) -> None:
     stream = MemoryStream("typing", clock=lambda: 0, start=1000)
     history = [(stream.write(key, f"{key}{i}"), key) for i, key in enumerate(writes)]
     end = stream.position

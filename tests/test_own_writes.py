@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,7 +22,7 @@ ops = st.lists(
 
 
 @given(ops)
-def test_matches_a_model(steps: list[tuple]) -> None:
+def test_matches_a_model(steps: list[tuple[Any, ...]]) -> None:
     writes: OwnWrites[str] = OwnWrites()
     model: dict[int, list[str] | None] = {}
     unknown: set[int] = set()  # IDs in a range marked unknown, not sent yet

@@ -8,11 +8,13 @@ fetch in flight and the start of the fetch that took the lowest unfinished ID.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.core.pending_ages import PendingAges
-from plait.core.positions import PositionTracker
+from plait.core.positions import FetchTicket, PositionTracker
 
 # (kind, argument): begin a fetch; end the k-th open fetch with n IDs; finish the k-th
 # pending ID; ask.
@@ -28,11 +30,11 @@ _OPS = st.lists(
 
 
 @given(_OPS)
-def test_answers_when_the_work_holding_the_position_began(ops: list[tuple[str, object]]) -> None:
+def test_answers_when_the_work_holding_the_position_began(ops: list[tuple[str, Any]]) -> None:
     ages = PendingAges()
     tracker = PositionTracker("w", writers=["w"], floor=1)
     now = 0.0
-    open_fetches: list[tuple[object, float]] = []  # (ticket, began), in begin order
+    open_fetches: list[tuple[FetchTicket, float]] = []  # (ticket, began), in begin order
     pending: dict[int, float] = {}  # ID -> when its fetch began
     taken: list[int] = []  # the last ID of each batch taken
 
@@ -43,16 +45,16 @@ def test_answers_when_the_work_holding_the_position_began(ops: list[tuple[str, o
             ages.began(ticket.serial, now)
             open_fetches.append((ticket, now))
         elif kind == "end" and open_fetches:
-            k, n = arg  # type: ignore[misc]
+            k, n = arg
             ticket, began = open_fetches.pop(k % len(open_fetches))
             first = tracker.max_seen + 1  # the sequence hands out fresh IDs in a run
             ids = list(range(first, first + n))
-            tracker.end_fetch(ticket, ids)  # type: ignore[arg-type]
-            ages.ended(ticket.serial, ids, tracker.lowest_unfinished)  # type: ignore[attr-defined]
+            tracker.end_fetch(ticket, ids)
+            ages.ended(ticket.serial, ids, tracker.lowest_unfinished)
             pending.update(dict.fromkeys(ids, began))
             taken.extend(ids[-1:])
         elif kind == "finish" and pending:
-            stream_id = sorted(pending)[int(arg) % len(pending)]  # type: ignore[call-overload]
+            stream_id = sorted(pending)[arg % len(pending)]
             del pending[stream_id]
             tracker.complete([stream_id])
         lowest = tracker.lowest_unfinished

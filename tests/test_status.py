@@ -85,6 +85,12 @@ def status(dsn: str, *args: str) -> tuple[int, list[dict[str, Any]]]:
     return code, out
 
 
+async def one_stream(dsn: str, *args: str) -> tuple[int, dict[str, Any]]:
+    """`plait status` of a database with one stream: the exit code and its report."""
+    code, [report] = await asyncio.to_thread(status, dsn, *args)
+    return code, report
+
+
 def status_run(args: list[str]) -> tuple[int, list[dict[str, Any]], str]:
     result = CliRunner().invoke(main, ["status", "--json", *args])
     return (
@@ -103,7 +109,7 @@ async def test_status_reports_positions_and_a_stall_by_a_held_transaction(db: Da
         await w2.insert(INSERT, ("w2", 2))
         await w1.flush_position()
         await w2.flush_position()
-        code, [events] = await asyncio.to_thread(status, db.dsn)
+        code, events = await one_stream(db.dsn)
         assert code == 0
         assert events["name"] == "events"
         assert [w["writer"] for w in events["writers"]] == ["w1", "w2"]
@@ -124,7 +130,7 @@ async def test_status_reports_positions_and_a_stall_by_a_held_transaction(db: Da
                     )
             await w2.flush_position()
             await asyncio.sleep(1.2)
-            code, [events] = await asyncio.to_thread(status, db.dsn, "--stall-after", "1")
+            code, events = await one_stream(db.dsn, "--stall-after", "1")
             assert code == 1
             assert events["stalled_by"] == "w1"
             assert events["persisted_up_to"] < held <= events["head"]
@@ -133,7 +139,7 @@ async def test_status_reports_positions_and_a_stall_by_a_held_transaction(db: Da
             assert by_writer["w1"]["age"] >= 1.0
             assert by_writer["w2"]["position"] > held
         await w1.flush_position()  # committed: w1 moves on, the stall is over
-        code, [events] = await asyncio.to_thread(status, db.dsn, "--stall-after", "1")
+        code, events = await one_stream(db.dsn, "--stall-after", "1")
         assert code == 0
         assert events["gap"] == 0
     finally:

@@ -159,7 +159,7 @@ async def under_attack(
     loop is held (the hostile peer runs in it too: it must yield as another process
     would); then check replication."""
     stop = asyncio.Event()
-    peak = 0
+    peak = 0.0  # bytes, read from a gauge
     stall = 0.0  # the longest the event loop was held, past the watcher's own pause
 
     async def watch() -> None:

@@ -100,7 +100,7 @@ async def test_settings_left_unset_stay_as_the_server_has_them(dsn: str) -> None
         cursor = await conn.execute(
             "SELECT name, setting FROM pg_settings WHERE name = ANY(%s)", (list(SERVER),)
         )
-        before = dict(await cursor.fetchall())
+        before: dict[str, str] = dict(await cursor.fetchall())
     off = DatabaseTimeouts(
         keepalives=False, tcp_user_timeout=None, idle_in_transaction_session_timeout=None
     )
