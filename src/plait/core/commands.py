@@ -26,6 +26,7 @@ holds a raw line break. Nonces and proofs (the TCP handshake's) are lowercase he
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -441,3 +442,17 @@ def _dump(row: Any) -> str:
 
 def _shorten(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def with_sign(command: Command, sign: int) -> Command:
+    """A command of the internal domain as it goes on the wire (or the reverse)."""
+    if sign == 1:
+        return command
+    if isinstance(command, Rdata):
+        token = None if command.token is None else sign * command.token
+        return dataclasses.replace(command, token=token)
+    if isinstance(command, Position):
+        return dataclasses.replace(command, prev=sign * command.prev, new=sign * command.new)
+    if isinstance(command, Fenced):
+        return dataclasses.replace(command, position=sign * command.position)
+    return command

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
@@ -61,6 +60,7 @@ from plait.core.commands import (
     Server,
     rows_of,
     to_line,
+    with_sign,
 )
 from plait.core.inbound import (
     DEFAULT_INBOUND_QUEUE,
@@ -71,16 +71,15 @@ from plait.core.inbound import (
     Queued,
     Resync,
 )
-from plait.core.outbound import Outbound
 from plait.core.progress import Progress
 from plait.core.throttle import Throttle
 from plait.errors import CommandParseError
 from plait.replication import defaults
 from plait.replication.link import Link, command_name
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
+from plait.replication.sender import Sender
 from plait.replication.streams import ReplicatedStream
 from plait.replication.waiters import PositionWaiters
-from plait.streams.memory import ReadPage
 from plait.tasks import TaskSet, cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -151,20 +150,6 @@ async def _call(listener: Callable[..., Awaitable[None] | None], *args: Any) -> 
         logger.exception("replication listener %r failed on %r", listener, args[:3])
 
 
-def _signed(command: Command, sign: int) -> Command:
-    """A command of the internal domain as it goes on the wire (or the reverse)."""
-    if sign == 1:
-        return command
-    if isinstance(command, Rdata):
-        token = None if command.token is None else sign * command.token
-        return dataclasses.replace(command, token=token)
-    if isinstance(command, Position):
-        return dataclasses.replace(command, prev=sign * command.prev, new=sign * command.new)
-    if isinstance(command, Fenced):
-        return dataclasses.replace(command, position=sign * command.position)
-    return command
-
-
 class ReplicationHandler:
     """Feeds the streams of one instance from its connections and sends its own rows."""
 
@@ -209,7 +194,7 @@ class ReplicationHandler:
         self._session_tasks = TaskSet("replication sessions")
         self.stopping = False
         self._senders = [
-            _Sender(self, stream)
+            Sender(self, stream)
             for stream in self.streams.values()
             if stream.own_position() is not None
         ]
@@ -336,7 +321,7 @@ class ReplicationHandler:
     def answer_replicate(self, link: Link) -> None:
         """Our position on every stream we write, with nothing in between (R-RP-4)."""
         for sender in self._senders:
-            self._send(link, _signed(sender.outbound.replicate(), sender.stream.sign))
+            self._send(link, with_sign(sender.outbound.replicate(), sender.stream.sign))
 
     async def _announce(self) -> None:
         while True:
@@ -530,102 +515,6 @@ class ReplicationHandler:
             )
             for name, s in self.streams.items()
         ]
-
-
-class _Sender:
-    """Sends this instance's rows of one stream as they complete.
-
-    Rows the stream knows without a query (in-memory streams; writes that returned whole
-    rows) go out synchronously, from the write's completion itself: no task switch
-    between a commit and its RDATA. Anything else wakes the sender's task, which reads
-    the rows back; while it does, later rows wait for it, so the order holds."""
-
-    def __init__(self, handler: ReplicationHandler, stream: ReplicatedStream) -> None:
-        self._handler = handler
-        self.stream = stream
-        position = stream.own_position()
-        assert position is not None
-        self.outbound = Outbound(stream.name, handler.instance_name, position)
-        self._wake = asyncio.Event()
-        self._reading = False  # the task is reading rows back: send nothing meanwhile
-        stream.track_own_writes()
-        stream.add_moved_listener(self._moved)
-
-    def __str__(self) -> str:
-        return self.stream.name
-
-    def wake_if_moved(self) -> None:
-        position = self.stream.own_position()
-        if position is not None and position > self.outbound.sent_upto:
-            self._wake.set()
-
-    def _moved(self) -> None:
-        if self._reading:
-            self._wake.set()
-            return
-        try:
-            if self._send_known():
-                return
-        except Exception as err:  # never into the writer's own code path
-            logger.warning("replication: sending rows of %s failed: %s", self, err)
-        self._wake.set()
-
-    async def run(self) -> None:
-        backoff = Backoff(initial=0.2, cap=5.0)
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                await self.flush()
-                backoff.up()
-            except Exception as err:
-                # Peers catch up by themselves on our next POSITION; retry soon.
-                logger.warning("replication: sending rows of %s failed: %s", self, err)
-                await asyncio.sleep(backoff.next_delay())
-                self._wake.set()
-
-    def _send_known(self) -> bool:
-        """Send what needs no query; False when rows must be read back first."""
-        stream, outbound = self.stream, self.outbound
-        while True:
-            target = stream.own_position()
-            if target is None or target <= outbound.sent_upto:
-                return True
-            page = stream.read_known(outbound.sent_upto, target)
-            if page is None:
-                return False
-            self._send(page)
-
-    async def flush(self) -> None:
-        """Send every row up to our current position, then the position itself."""
-        stream, outbound = self.stream, self.outbound
-        self._reading = True
-        try:
-            while not self._send_known():
-                target = stream.own_position()
-                assert target is not None
-                page = await stream.read_own(outbound.sent_upto, target)
-                self._send(page)
-        finally:
-            self._reading = False
-
-    def _send(self, page: ReadPage) -> None:
-        # Synchronous from building to sending: a REPLICATE answered meanwhile must not
-        # announce a position whose rows were not sent yet.
-        sign, outbound = self.stream.sign, self.outbound
-        try:
-            lines = [to_line(_signed(c, sign)) for c in outbound.page(page.rows, page.upto)]
-        except ValueError as err:
-            # A row that cannot travel (too long, not JSON): claim nothing about the
-            # range, so every reader reads it from the source instead.
-            logger.warning(
-                "replication: rows of %s up to %d cannot be sent (%s); readers will read them back",
-                self,
-                sign * page.upto,
-                err,
-            )
-            lines = [to_line(_signed(outbound.skip(page.upto), sign))]
-        self._handler.send_lines(lines)
 
 
 class _GivenUp(Exception):
@@ -1014,7 +903,7 @@ class _Session:
 
     def _accept(self, stream: ReplicatedStream, command: Rdata) -> tuple[int, list[Any]] | None:
         """What the pure inbound state makes of a row: (token, rows) to deliver, if any."""
-        internal = _signed(command, stream.sign)
+        internal = with_sign(command, stream.sign)
         assert isinstance(internal, Rdata)
         deliver = self._inbound.rdata(internal, stream.seen(command.instance))
         if deliver is None:
@@ -1066,7 +955,7 @@ class _Session:
     async def _position(self, command: Position) -> None:
         handler = self._handler
         stream = handler.streams[command.stream]
-        internal = _signed(command, stream.sign)
+        internal = with_sign(command, stream.sign)
         assert isinstance(internal, Position)
         if self._check_every_claim and not await stream.is_allocated(
             max(internal.prev, internal.new)
@@ -1082,7 +971,7 @@ class _Session:
         wherever this process is, once the database shows the fence (R-ID-14)."""
         handler = self._handler
         stream = handler.streams[command.stream]
-        internal = _signed(command, stream.sign)
+        internal = with_sign(command, stream.sign)
         assert isinstance(internal, Fenced)
         plan = self._inbound.fenced(internal, stream.seen(command.instance))
         if plan is None:
