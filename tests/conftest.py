@@ -27,7 +27,8 @@ from http_api_helpers import MakeClient, StartApi, already_seen, no_streams
 from pace import scaled
 from plait import Database
 from plait.check.postgres import RestartablePostgres
-from plait.replication.http_api import InternalApi, InternalClient
+from plait.replication.http_client import InternalClient
+from plait.replication.http_server import InternalApi
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.search_path import in_schema
 from redis_server import RedisServer, redis_server_binary

@@ -7,7 +7,9 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from plait.replication.http_api import CatchUpPage, InternalApi, InternalClient
+from plait.replication.http_api import CatchUpPage
+from plait.replication.http_client import InternalClient
+from plait.replication.http_server import InternalApi
 
 SECRET = "s3cret-token"
 StartApi = Callable[..., Awaitable[InternalApi]]

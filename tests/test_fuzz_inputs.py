@@ -44,7 +44,8 @@ from plait.demo import api_requests, presence
 from plait.demo import tokens as sync_tokens
 from plait.errors import CommandParseError, TokenParseError
 from plait.ops.status import pending_ages, scrape
-from plait.replication.http_api import PREFIX, InternalApi
+from plait.replication.http_api import PREFIX
+from plait.replication.http_server import InternalApi
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark.options import Options
 from plait.spark.source import Plan

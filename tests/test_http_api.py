@@ -29,7 +29,8 @@ from http_api_helpers import (
 from pace import scaled
 from plait.errors import ConfigError, RemoteCallError
 from plait.ports import free_port
-from plait.replication.http_api import CatchUpPage, InternalApi
+from plait.replication.http_api import CatchUpPage
+from plait.replication.http_server import InternalApi
 from plait.replication.metrics import ReplicationMetrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -603,7 +604,7 @@ async def test_a_failing_handler_gives_a_500_once_and_the_server_keeps_serving(
     api.register("echo", Counter())
     client = make_client({"server": api.url})
     with (
-        caplog.at_level(logging.ERROR, logger="plait.replication.http_api"),
+        caplog.at_level(logging.ERROR, logger="plait.replication.http_server"),
         pytest.raises(RemoteCallError, match=r"HTTP 500: ValueError: boom 1"),
     ):
         await client.call("server", "broken", 1, txn_id="b1")

@@ -42,7 +42,8 @@ from plait.replication.handler import (
     ResetListener,
     RowsListener,
 )
-from plait.replication.http_api import InternalApi, InternalClient
+from plait.replication.http_client import InternalClient
+from plait.replication.http_server import InternalApi
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
 from plait.replication.rows import DictRows, JsonRows, RowCodec
