@@ -1,4 +1,5 @@
-"""The internal HTTP API's server (`InternalApi`): the rules (R-RP-6, R-RP-7) are in `http_api`."""
+"""The internal HTTP API's server (`InternalApi`); its rules (R-RP-6, R-RP-7) are in
+`http_api`."""
 
 from __future__ import annotations
 
