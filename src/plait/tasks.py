@@ -57,8 +57,9 @@ async def let_finish(task: asyncio.Task[None], patience: float = 10.0) -> None:
 
 class TaskSet:
     """Tasks started for one owner, which `aclose()` cancels and waits for. A task
-    leaves the set when it ends; one that fails logs its error (nobody else would see
-    it: an owner that needs the outcome awaits the task itself)."""
+    leaves the set when it ends; one that fails logs its error, since nobody awaits it
+    (a task whose outcome its owner awaits does not belong in a set). `len()` counts
+    the tasks still running, so an empty set is falsy."""
 
     def __init__(self, owner: str) -> None:
         self._owner = owner

@@ -45,7 +45,9 @@ class Kind(StrEnum):
     VIOLATION = "V"
     STATE = "S"
     VIEW = "Q"
-    FAULT = "F"  # faults.journal only: the same letter as FETCH, in a file of its own
+    # faults.journal only, a file of its own: the same letter as FETCH, so an alias of
+    # it in Python (`Kind.FAULT is Kind.FETCH`), named for what it means there.
+    FAULT = "F"
 
 
 @dataclass(frozen=True, slots=True)

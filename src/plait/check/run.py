@@ -83,6 +83,8 @@ CATCH_UP_TIMEOUT = 60.0
 # (for the others to fence the writer), and this long again, at random: the writer comes
 # back after the fence, a fenced live writer.
 PARTITION_AFTER_FENCE = (2.0, 4.0)
+# Journal lines that carry a fetch's IDs: arrived, committed, rolled back, failed.
+_SETTLED_OR_ARRIVED = frozenset({Kind.ARRIVED, Kind.COMMITTED, Kind.ROLLED_BACK, Kind.FAILED})
 
 
 @dataclass
@@ -167,7 +169,8 @@ class _Proc:
         self.stopped = False
         self.restart_delay = 0.0
         self._log = plan.run_dir / f"{name}.log"
-        # Reading each run's standard output until it closes (the checker's stop waits).
+        # Reading each run's standard output until it closes; the checker's stop cancels
+        # and waits for them (a child may keep a pipe open).
         self.listeners = TaskSet(f"check process {name}")
 
     async def spawn(self) -> None:
@@ -776,7 +779,7 @@ class Checker:
                 if line.kind == Kind.FETCH:  # a fetch of IDs began
                     s, fetch = line.fields[0], int(line.fields[1])
                     history.events.setdefault(s, []).append((line.t, w, "F", [fetch]))
-                elif line.kind in "ACRE":
+                elif line.kind in _SETTLED_OR_ARRIVED:
                     s, ids = line.fields[0], journal.id_list(line.fields[1])
                     events = history.events.setdefault(s, [])
                     if line.kind == Kind.ARRIVED:  # the fetch ended; its IDs, if any, are open

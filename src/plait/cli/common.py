@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -131,3 +132,16 @@ def _warnings_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.WARNING)
+
+
+def check_folder(folder: str, flag: str) -> None:
+    """A local folder that is one already or can be made: not a file, nor under one."""
+    if "://" in folder:
+        return  # another file system's: Spark's to reach
+    path = Path(folder).absolute()
+    for place in (path, *path.parents):
+        if place.is_dir():
+            return
+        if place.exists():
+            what = "is a file" if place == path else f"is under {str(place)!r}, a file"
+            raise click.BadParameter(f"{folder!r} {what}, not a folder", param_hint=f"'{flag}'")

@@ -11,7 +11,15 @@ from typing import Any
 
 import click
 
-from plait.cli.common import _DSN, _SCHEMA, _STREAM, _database, _duration_flag, _spark_conf
+from plait.cli.common import (
+    _DSN,
+    _SCHEMA,
+    _STREAM,
+    _database,
+    _duration_flag,
+    _spark_conf,
+    check_folder,
+)
 from plait.cli.group import main
 from plait.errors import ConfigError
 
@@ -217,7 +225,7 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
                 param_hint=f"'{flag}'",
             )
         if folder:
-            _check_folder(folder, flag)
+            check_folder(folder, flag)
     with catalog.connect(options["dsn"]) as conn:
         spec = catalog.load_spec(conn, options["stream"])
         try:
@@ -243,19 +251,6 @@ def _check_before_spark(options: dict[str, Any], columns: dict[str, str | None])
         except ValueError as err:  # worded for the Spark source, which the flag feeds
             reason = str(err).removeprefix("plait source: ")
             raise click.BadParameter(reason, param_hint="'--starting-token'") from None
-
-
-def _check_folder(folder: str, flag: str) -> None:
-    """A local folder that is one already or can be made: not a file, nor under one."""
-    if "://" in folder:
-        return  # another file system's: Spark's to reach
-    path = Path(folder).absolute()
-    for place in (path, *path.parents):
-        if place.is_dir():
-            return
-        if place.exists():
-            what = "is a file" if place == path else f"is under {str(place)!r}, a file"
-            raise click.BadParameter(f"{folder!r} {what}, not a folder", param_hint=f"'{flag}'")
 
 
 def _source(options: dict[str, Any]) -> Any:

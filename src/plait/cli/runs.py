@@ -13,9 +13,8 @@ import click
 
 from plait.check.options import Options as _CHECK  # its defaults are the command's
 from plait.check.plan import FAULT_KINDS
-from plait.cli.common import _ANY_DSN, _SECONDS, _console, _count
+from plait.cli.common import _ANY_DSN, _SECONDS, _console, _count, check_folder
 from plait.cli.group import main
-from plait.cli.pipelines import _check_folder
 from plait.demo import SCHEMA as DEMO_SCHEMA
 from plait.errors import ConfigError
 
@@ -178,7 +177,7 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     from plait.check.table import summary
 
     if options["run_dir"] is not None:
-        _check_folder(str(options["run_dir"]), "--run-dir")
+        check_folder(str(options["run_dir"]), "--run-dir")
     console = _console()
     if dsn and options["pg_faults"]:
         raise click.UsageError(

@@ -1,4 +1,4 @@
-"""Sending this instance's own rows of one stream, as they complete: RDATA for the rows
+"""Sending this instance's own rows of one stream, as they complete (R-RP-4): RDATA for the rows
 and a trailing POSITION, from the write's completion itself when the rows are known,
 else from the sender's task, which reads them back."""
 

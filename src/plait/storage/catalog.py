@@ -1,7 +1,9 @@
-"""What the Spark source learns from the database, on the driver: the stream's spec
-(recorded in `plait_streams` when a writer creates it), its tables' columns, the
-writers' positions (`stream_positions`), its sequence head, and where a read limit cuts.
-Plain psycopg (Spark calls the source synchronously).
+"""What the synchronous readers learn from the database (the Spark source on the
+driver, `plait tail`, the demo): the stream's spec (recorded in `plait_streams` when a
+writer creates it), its tables' columns, the writers' positions (`stream_positions`),
+its sequence head, where a read limit cuts, pages of rows, and the writers' compact ids
+in `instance_map` (registering those without one). Plain psycopg (Spark calls the
+source synchronously).
 
 Offsets and tokens are checked here against the stream they are used on (`check`): no
 position past the sequence head (a token of another database, deployment or an older
