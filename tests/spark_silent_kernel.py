@@ -78,6 +78,11 @@ async def scenario(inside: list[str], local: str, args: dict[str, Any]) -> None:
         *inside, sys.executable, "-c", READER, remote, stdout=asyncio.subprocess.PIPE, env=env
     )
     async with db.connection() as conn, conn.transaction():
+        # plait's connections end a transaction idle for 60 s; on a busy machine the
+        # reader's Spark takes longer than that to reach its queries, and the lock
+        # would go with the transaction (under four CPU hogs it did, and the reader
+        # read everything without waiting). This one waits as long as the test does.
+        await conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
         await conn.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
         start_within = float(args["start_within"])  # at this machine's pace: the test's
         deadline = time.monotonic() + start_within
