@@ -646,9 +646,8 @@ class _Session:
         else:
             logger.debug("replication: no listener for %s", command.NAME)
 
-    def _on_stream_command(self, command: Command) -> None:
+    def _on_stream_command(self, command: Rdata | Position | Fenced) -> None:
         """RDATA, POSITION or FENCED: a writer's rows or word about how far it got."""
-        assert isinstance(command, Rdata | Position | Fenced)
         handler = self._handler
         stream = handler.stream(command.stream)
         if stream is None:
@@ -679,13 +678,11 @@ class _Session:
     def _on_replicate(self, command: Command) -> None:
         self._handler.answer_replicate(self.link)
 
-    def _on_depart(self, command: Command) -> None:
-        assert isinstance(command, Depart)
+    def _on_depart(self, command: Depart) -> None:
         if command.name != self._own_name:  # Redis hands our own back
             self._depart(command.name)
 
-    def _on_error(self, command: Command) -> None:
-        assert isinstance(command, Error)
+    def _on_error(self, command: Error) -> None:
         logger.warning("replication: %s says: %s", self.link.label, command.text)
 
     def _on_transport_command(self, command: Command) -> None:
@@ -1036,7 +1033,8 @@ class _Session:
 
 # What `_Session._dispatch` does with each protocol command (application commands go to
 # their listeners by NAME).
-_DISPATCH: dict[type[Command], Callable[[_Session, Command], None]] = {
+# Each step takes the type it is keyed by (so no isinstance check on the hot path).
+_DISPATCH: dict[type[Command], Callable[[_Session, Any], None]] = {
     Rdata: _Session._on_stream_command,
     Position: _Session._on_stream_command,
     Fenced: _Session._on_stream_command,
