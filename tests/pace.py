@@ -20,8 +20,11 @@ import contextlib
 import inspect
 import os
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
+
+import psutil
 
 T = TypeVar("T")
 
@@ -126,3 +129,73 @@ def _still_running(args: Any, limit: float, *printed: str | bytes | None) -> Ass
     return AssertionError(
         f"waited {limit:.1f} s for {command[:300]} to end; it printed:\n{said or '(nothing)'}"
     )
+
+
+class Contention:
+    """How much of this machine's CPU went elsewhere while a block ran: to processes
+    that were already running when it began (other work on the machine, servers left
+    by earlier tests), and to the hypervisor (steal time). A timing test measured on a
+    machine that is meant to be quiet (CI) uses it to tell a slow plait from a busy
+    machine, by CPU time actually received rather than by the load average, which also
+    counts the test's own processes.
+
+    `slowness` is the machine's capacity over what was left of it: 1.0 when nothing
+    else ran, 2.0 when others took half of it."""
+
+    def __init__(self) -> None:
+        self.others = 0.0  # CPU seconds used by processes that predate the block
+        self.steal = 0.0  # CPU seconds the hypervisor gave to other machines
+        self.wall = 0.0
+        self.cores = psutil.cpu_count() or 1
+        self._began = 0.0
+        self._steal0 = 0.0
+        self._before: dict[int, tuple[float, float]] = {}
+
+    def __enter__(self) -> Contention:
+        self._began = time.monotonic()
+        self._steal0 = _steal()
+        self._before = _process_cpu(exclude=os.getpid())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.monotonic() - self._began
+        self.steal = max(0.0, _steal() - self._steal0)
+        after = _process_cpu(exclude=os.getpid())
+        self.others = sum(
+            max(0.0, cpu - self._before[pid][1])
+            for pid, (created, cpu) in after.items()
+            if pid in self._before and self._before[pid][0] == created
+        )
+
+    @property
+    def slowness(self) -> float:
+        capacity = self.cores * self.wall
+        if capacity <= 0:
+            return 1.0
+        left = max(capacity / MAX_SLOWNESS, capacity - self.others - self.steal)
+        return capacity / left
+
+    def __str__(self) -> str:
+        return (
+            f"others used {self.others:.1f} CPU s and steal took {self.steal:.1f} s of"
+            f" {self.cores} cores x {self.wall:.0f} s (slowness {self.slowness:.2f})"
+        )
+
+
+def _steal() -> float:
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+
+
+def _process_cpu(exclude: int) -> dict[int, tuple[float, float]]:
+    """Every process's (creation time, CPU seconds with its reaped children's)."""
+    found: dict[int, tuple[float, float]] = {}
+    for proc in psutil.process_iter():
+        if proc.pid == exclude:
+            continue
+        with contextlib.suppress(psutil.Error), proc.oneshot():
+            t = proc.cpu_times()
+            found[proc.pid] = (
+                proc.create_time(),
+                t.user + t.system + t.children_user + t.children_system,
+            )
+    return found

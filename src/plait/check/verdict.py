@@ -143,6 +143,8 @@ class ReaderVerdict:
     longest_stall: float = 0.0
     stall_at: str = ""
     held_by: str = ""  # the writers below the stalled ID in the reader's view, if known
+    # When the longest stall began and ended (time.time(); linear readers only, else 0).
+    stall_span: tuple[float, float] = (0.0, 0.0)
     caught_up: bool = True
     examples: list[str] = field(default_factory=list)
     # Whether the stall bound applies: to linear positions. A per-writer token of a
@@ -487,6 +489,7 @@ def judge_reader(
                 verdict.longest_stall, verdict.stall_at = stall, where
                 if not per_writer:
                     start, end = stall_window(steps, reached, at)
+                    verdict.stall_span = (start, end)
                     verdict.held_by = held_by(log.views.get(stream, []), at, start, end)
     return verdict
 
