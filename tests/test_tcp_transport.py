@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pace import scaled, slowness, within
+from plait.core import tcp_protocol
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, CommandSet, Depart, Position, Rdata, rows_of
 from plait.errors import CommandParseError, ConfigError
@@ -885,10 +886,10 @@ def test_the_hub_reads_the_name_of_a_line_as_receivers_parse_it(line: str) -> No
     except CommandParseError:
         return  # refused by every receiver (and by the hub's session: never relayed)
     if isinstance(command, Rdata | Position):
-        assert tcp_transport._field(line, 2) == command.instance
+        assert tcp_protocol.field_of(line, 2) == command.instance
         assert rows_of(line, command.instance)
     elif isinstance(command, Depart):
-        assert tcp_transport._field(line, 1) == command.name
+        assert tcp_protocol.field_of(line, 1) == command.name
 
 
 async def test_a_second_connection_under_a_name_in_use_replaces_the_first() -> None:

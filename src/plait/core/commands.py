@@ -347,6 +347,15 @@ BUILTIN: tuple[type[Command], ...] = (
     Error,
 )
 
+# Commands a transport handles itself and never relays or hands to the handler.
+CONNECTION_COMMANDS = frozenset({Ping.NAME, Name.NAME, Server.NAME, Challenge.NAME, Proof.NAME})
+
+
+def command_name(line: str) -> str:
+    """The command name of a line (cheap: no parsing), for routing in transports."""
+    end = line.find(" ")  # not partition: that would copy the rest (up to 1 MiB)
+    return line if end < 0 else line[:end]
+
 
 # -- argument helpers, for built-in and application commands ---------------------------
 

@@ -58,6 +58,7 @@ from plait.core.commands import (
     Rdata,
     Replicate,
     Server,
+    command_name,
     rows_of,
     to_line,
     with_sign,
@@ -75,7 +76,7 @@ from plait.core.progress import Progress
 from plait.core.throttle import Throttle
 from plait.errors import CommandParseError
 from plait.replication import defaults
-from plait.replication.link import Link, command_name
+from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics, StreamSnapshot
 from plait.replication.sender import Sender
 from plait.replication.streams import ReplicatedStream

@@ -73,16 +73,6 @@ class Handler(Protocol):
         ...
 
 
-# Commands a transport handles itself and never relays or hands to the handler.
-CONNECTION_COMMANDS = frozenset({"PING", "NAME", "SERVER", "CHALLENGE", "PROOF"})
-
-
-def command_name(line: str) -> str:
-    """The command name of a line (cheap: no parsing), for routing in transports."""
-    end = line.find(" ")  # not partition: that would copy the rest (up to 1 MiB)
-    return line if end < 0 else line[:end]
-
-
 async def wait_set(event: asyncio.Event, timeout: float) -> bool:  # noqa: ASYNC109
     """Whether `event` is set within `timeout` seconds (a transport's `wait_open`)."""
     try:

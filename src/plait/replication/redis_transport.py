@@ -54,7 +54,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from plait.core.backoff import Backoff
-from plait.core.commands import MAX_LINE_BYTES, Ping, to_line
+from plait.core.commands import CONNECTION_COMMANDS, MAX_LINE_BYTES, Ping, command_name, to_line
 from plait.core.redact import redact
 from plait.core.signed_messages import (
     BAD_SIGNATURE,
@@ -74,13 +74,7 @@ from plait.core.signed_messages import (
     looks_signed,
 )
 from plait.replication import defaults
-from plait.replication.link import (
-    CONNECTION_COMMANDS,
-    Handler,
-    Session,
-    command_name,
-    wait_set,
-)
+from plait.replication.link import Handler, Session, wait_set
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_options import RedisTls, check_signing, client_options
 from plait.tasks import cancel_and_wait, to_the_end

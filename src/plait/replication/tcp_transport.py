@@ -1,6 +1,9 @@
 """TCP replication transport: a hub on one instance, clients on the others (R-RP-1).
 
-The rules this module keeps:
+This is the asyncio shell: sockets, tasks, timers, queues and logs. What to do with the
+bytes and lines (framing, both handshakes, the hub's rules for a client's lines and its
+bad-line budget, keepalive decisions) is decided by the pure state machines of
+`plait.core.tcp_protocol`. The rules the two keep together:
 - Framing: a command is one UTF-8 line ending in "\\n" ("\\r\\n" is accepted) of at most
   MAX_LINE_BYTES; a longer line is answered with ERROR and the connection closes.
 - Handshake: the client sends NAME; only once it is over does either end call
@@ -34,8 +37,8 @@ The rules this module keeps:
 - A hostile or broken client costs the others a bounded share: the hub's reader yields
   every `_YIELD_EVERY` lines (a flood must not starve the other connections); bad lines
   (those not relayed above, handshake commands again, REPLICATEs past the first few)
-  draw on a budget of `_BAD_LINES_BURST` plus `_BAD_LINES_PER_SECOND`, past which the
-  client gets ERROR and is closed. At most `_MAX_HANDSHAKING_PER_ADDRESS` connections
+  draw on a budget of `BAD_LINES_BURST` plus `BAD_LINES_PER_SECOND` (`tcp_protocol`),
+  past which the client gets ERROR and is closed. At most `_MAX_HANDSHAKING_PER_ADDRESS` connections
   from one address, and `_MAX_HANDSHAKING` in all, wait in the handshake at once; more
   are refused on the spot, so one address cannot lock the others out. Warnings about a
   peer (bad lines, ERRORs, failed handshakes) take at most one log line per
@@ -55,8 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import ipaddress
 import logging
 import secrets
@@ -65,35 +66,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plait.core.backoff import Backoff
-from plait.core.commands import (
-    BUILTIN,
-    COMMAND_NAME,
-    MAX_LINE_BYTES,
-    Challenge,
-    Command,
-    CommandSet,
-    Depart,
-    Error,
-    Name,
-    Ping,
-    Position,
-    Proof,
-    Rdata,
-    Replicate,
-    Server,
-    rows_of,
-    to_line,
+from plait.core.commands import MAX_LINE_BYTES, Error, Ping, command_name, to_line
+from plait.core.tcp_protocol import (
+    LINE_TOO_LONG,
+    TOO_MANY_BAD_LINES,
+    Accepted,
+    Admit,
+    ClientHandshake,
+    ClientLines,
+    HubHandshake,
+    Keepalive,
+    LineFramer,
+    Refused,
+    Route,
+    TellHub,
+    clip,
+    encode,
+    route,
 )
-from plait.errors import CommandParseError, ConfigError
+from plait.errors import ConfigError
 from plait.ports import is_loopback
 from plait.replication import defaults
-from plait.replication.link import (
-    CONNECTION_COMMANDS,
-    Handler,
-    Session,
-    command_name,
-    wait_set,
-)
+from plait.replication.link import Handler, Session, wait_set
 from plait.replication.metrics import ReplicationMetrics
 from plait.tasks import cancel_and_wait
 
@@ -101,22 +95,15 @@ log = logging.getLogger(__name__)
 
 # The stream reader's limit: one byte past the line limit, for the "\r" of "\r\n".
 _READ_LIMIT = MAX_LINE_BYTES + 1
+# Bytes asked of the stream reader at a time; the framer cuts them into lines.
+_CHUNK = 1 << 16
 # How long a closing connection lets the peer read what was sent and hang up itself
 # before the socket is cut (a peer that does not read would otherwise hold it forever).
 _CLOSE_GRACE = 1.0
-_LINE_TOO_LONG = f"line too long: the limit is {MAX_LINE_BYTES} bytes"
-_HANDSHAKE_COMMANDS = CommandSet()
 # The reader lets the other tasks run after this many lines read back to back: a line
 # already buffered is read without yielding, so one peer's flood would otherwise hold
 # the event loop, and every other connection's reader, writer and pinger with it.
 _YIELD_EVERY = 64
-# Bad lines a client may send the hub: this many at once, then this many a second.
-# A well-behaved peer sends none; a mismatched or hostile one is closed once past it.
-_BAD_LINES_BURST = 100
-_BAD_LINES_PER_SECOND = 10.0
-# REPLICATE makes every instance announce every position to everyone: a client sends
-# it once per connection; past this many, each one is dropped and counts as a bad line.
-_REPLICATE_FREE = 3
 # Bytes held for one peer (queued lines and bytes not yet sent) past which it counts as
 # too slow, whatever `send_queue` allows: lines can be up to MAX_LINE_BYTES each.
 _MAX_BUFFERED_BYTES = 64 << 20
@@ -129,42 +116,47 @@ _MAX_HANDSHAKING = 256
 _LOG_INTERVAL = 10.0
 # Peer addresses whose warnings are counted apart; past this many, the rest share one.
 _MAX_LOGGED_ADDRESSES = 1024
-# The longest text of a peer's that goes into a log line.
-_LOGGED_CHARS = 200
 # Random bytes in each nonce of the handshake.
 _NONCE_BYTES = 16
-# Proofs cover this first: another protocol's (or version's) HMAC can never pass.
-_PROOF_LABEL = "plait-tcp-1"
-_SAME_SECRET = "set the same replication.secret on every instance"
 # Connections the kernel may hold for the hub to accept (asyncio's default is 100): a
 # burst past it (every client reconnecting at once, or a flood) leaves connections
 # established for the client but unseen by the hub, for seconds of SYN-ACK retries.
 _BACKLOG = 1024
-# The hub knows these: one its session refuses is bad. Any other well-formed name may be
-# an application's command the hub does not register: relayed for its receivers to
-# check (`CommandSet.register` allows only names of this form).
-_BUILTIN_NAMES = frozenset(command.NAME for command in BUILTIN)
 
 
 class _LineTooLongError(Exception):
     """The peer sent a line over MAX_LINE_BYTES."""
 
 
-async def _read_line(reader: asyncio.StreamReader) -> bytes:
-    """The next line without its terminator. Raises `IncompleteReadError` at EOF,
-    `_LineTooLongError` for a line over the limit, `OSError` when the connection failed."""
-    try:
-        raw = await reader.readuntil(b"\n")
-    except asyncio.LimitOverrunError:
-        raise _LineTooLongError from None
-    line = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
-    if len(line) > MAX_LINE_BYTES:
-        raise _LineTooLongError
-    return line
+class _Lines:
+    """A connection's received lines: bytes from the stream reader, cut by a
+    `LineFramer` (which holds what the handshake read past its last line, too)."""
 
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self._framer = LineFramer()
 
-def _encode(lines: list[str]) -> bytes:
-    return ("\n".join(lines) + "\n").encode()
+    async def next(self) -> bytes:
+        """The next line without its ending. Raises `IncompleteReadError` at EOF,
+        `_LineTooLongError` for a line over the limit, `OSError` when the connection
+        failed."""
+        framer = self._framer
+        while True:
+            line = framer.pop()
+            if line is not None:
+                return line
+            if framer.too_long:
+                raise _LineTooLongError
+            data = await self.reader.read(_CHUNK)
+            if not data:
+                raise asyncio.IncompleteReadError(b"?" if framer.partial else b"", None)
+            framer.feed(data)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not taken as lines yet."""
+        # StreamReader has no public size of what it holds.
+        return self._framer.buffered + len(getattr(self.reader, "_buffer", b""))
 
 
 async def _close_stream(
@@ -210,14 +202,6 @@ def _check_secret(secret: str | None) -> bytes | None:
     return secret.encode()
 
 
-def _proof(key: bytes, role: str, client: str, hub: str, hub_nonce: str, nonce: str) -> str:
-    """What the `role` end ("client" or "hub") of the connection between `client` and
-    `hub` shows to prove it holds the secret `key`. Names hold no spaces, nonces are hex:
-    the message is unambiguous."""
-    message = f"{_PROOF_LABEL} {role} {client} {hub} {hub_nonce} {nonce}"
-    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
-
-
 def _source_of(peer: object) -> str:
     """The address a connection came from, as its handshake slots and warnings are
     counted: the IP address, or for IPv6 its /64 (one host may own all of it)."""
@@ -231,10 +215,6 @@ def _source_of(peer: object) -> str:
             return str(address.ipv4_mapped)
         return str(ipaddress.ip_network(f"{address}/64", strict=False))
     return str(address)
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= _LOGGED_CHARS else text[:_LOGGED_CHARS] + "..."
 
 
 @dataclass(slots=True)
@@ -315,24 +295,6 @@ class _Options:
         )
 
 
-class _Budget:
-    """A token bucket: `take` says yes `burst` times at once, then `rate` times a second."""
-
-    def __init__(self, burst: int, rate: float, now: float) -> None:
-        self._burst = float(burst)
-        self._rate = rate
-        self._tokens = float(burst)
-        self._since = now
-
-    def take(self, now: float) -> bool:
-        self._tokens = min(self._burst, self._tokens + (now - self._since) * self._rate)
-        self._since = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
-
-
 # What a line received is handed to: the session's `received`, or the hub's relay.
 _Deliver = Callable[[str | bytes], None]
 # The hub's hook in `send`: True when it took the line, to send it a moment later.
@@ -350,7 +312,7 @@ class _Connection:
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
+        lines: _Lines,
         writer: asyncio.StreamWriter,
         *,
         name: str,
@@ -359,13 +321,13 @@ class _Connection:
         complain: _Complain,
         hold: _Hold | None = None,
         refused: _Refused | None = None,
+        rules: ClientLines | None = None,
     ) -> None:
         self.name = name  # the peer's instance name (the hub's: "hub")
-        self._reader = reader
+        self._lines = lines
         self._writer = writer
         self._label = label
         self._complain = complain
-        self._ping_interval = options.ping_interval
         self._dead_after = options.dead_after
         self._send_queue = options.send_queue
         self._hold = hold
@@ -377,12 +339,12 @@ class _Connection:
         self._flush = False
         self._linger = False  # the peer should still read what was written (ERROR)
         self._draining = False  # the writer waits for the peer to read
-        self._last_received = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time()
+        self._alive = Keepalive(options.ping_interval, options.dead_after, now)
         # The hub is strict with its clients: it counts their bad lines, and closes them
-        # past the budget.
+        # past the budget (`rules`, the hub's for this client's lines).
         self._refused = refused
-        self._bad_lines = _Budget(_BAD_LINES_BURST, _BAD_LINES_PER_SECOND, self._last_received)
-        self.replicates = 0  # REPLICATEs received (the hub counts them)
+        self.rules = rules
 
     @property
     def label(self) -> str:
@@ -392,8 +354,7 @@ class _Connection:
         """About how many bytes are held for this peer: queued lines, bytes written but
         not sent yet, bytes received but not read as lines yet."""
         unsent = self._writer.transport.get_write_buffer_size()
-        unread = len(getattr(self._reader, "_buffer", b""))  # StreamReader has no public size
-        return self._queued_bytes + unsent + unread
+        return self._queued_bytes + unsent + self._lines.buffered
 
     def send(self, line: str) -> None:
         """Queue a line; never blocks nor raises (see `Link.send`)."""
@@ -406,7 +367,7 @@ class _Connection:
             log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
             return
         if command_name(line) == Error.NAME:  # the answer to a bad line of the peer's
-            self._complain(f"{self._label} sent a bad line: {_clip(line[len(Error.NAME) + 1 :])}")
+            self._complain(f"{self._label} sent a bad line: {clip(line[len(Error.NAME) + 1 :])}")
         size = len(line) + 1
         # Held for this peer: queued here and written but not sent yet.
         held = self._queued_bytes + self._writer.transport.get_write_buffer_size() + size
@@ -433,19 +394,12 @@ class _Connection:
 
     def bad_line(self, reason: str = "bad") -> None:
         """The peer sent a line it should not have. At the hub: counted under `reason`,
-        and one off its budget (a burst of `_BAD_LINES_BURST`, then
-        `_BAD_LINES_PER_SECOND`); past it, ERROR and close."""
-        if self._refused is None:
+        and one off its budget (`ClientLines.bad`); past it, ERROR and close."""
+        if self._refused is not None:
+            self._refused(reason)
+        if self.rules is None or not self.rules.bad(asyncio.get_running_loop().time()):
             return
-        self._refused(reason)
-        if self._bad_lines.take(asyncio.get_running_loop().time()):
-            return
-        text = (
-            f"too many bad lines (over {_BAD_LINES_BURST}, then "
-            f"{_BAD_LINES_PER_SECOND:g} a second): closing; check this peer's version and "
-            "configuration"
-        )
-        self._write_error(text)
+        self._write_error(TOO_MANY_BAD_LINES)
         self._end("sent too many bad lines")
 
     def replace(self) -> None:
@@ -506,7 +460,7 @@ class _Connection:
             self._write_now(self._queue)
         self._queue.clear()
         self._queued_bytes = 0
-        await _close_stream(self._reader, self._writer, linger=self._linger or self._flush)
+        await _close_stream(self._lines.reader, self._writer, linger=self._linger or self._flush)
 
     def _write_error(self, text: str, *, warn: bool = True) -> None:
         """Write ERROR past the queue, just before closing."""
@@ -517,17 +471,17 @@ class _Connection:
 
     def _write_now(self, lines: list[str]) -> None:
         if not self._writer.transport.is_closing():
-            self._writer.write(_encode(lines))
+            self._writer.write(encode(lines))
 
     async def _read_loop(self, deliver: _Deliver) -> None:
         loop = asyncio.get_running_loop()
         count = 0
         try:
             while not self._ended.is_set():  # ended by a line: read no further
-                raw = await _read_line(self._reader)
+                raw = await self._lines.next()
                 if self._ended.is_set():  # ended while we waited: e.g. replaced, take nothing
                     break
-                self._last_received = loop.time()
+                self._alive.received(loop.time())
                 self._dispatch(raw, deliver)
                 count += 1
                 if count % _YIELD_EVERY == 0:
@@ -535,8 +489,8 @@ class _Connection:
         except asyncio.IncompleteReadError as err:
             self._end("the peer hung up" + (" in the middle of a line" if err.partial else ""))
         except _LineTooLongError:
-            self._write_error(_LINE_TOO_LONG)
-            self._end(f"the peer sent a {_LINE_TOO_LONG}")
+            self._write_error(LINE_TOO_LONG)
+            self._end(f"the peer sent a {LINE_TOO_LONG}")
         except Exception as err:  # OSError mostly; whatever it is, the connection is done
             self._end(f"read failed: {err!r}")
 
@@ -548,16 +502,15 @@ class _Connection:
             except UnicodeDecodeError:
                 deliver(raw)  # as bytes: the session answers ERROR
                 return
-            name = command_name(text)
-            if name == Error.NAME:  # it answers one line of ours: for the log only
-                self._complain(f"{self._label} says: {_clip(text[len(name) + 1 :])}")
-                return
-            if name in CONNECTION_COMMANDS:
-                if name != Ping.NAME:  # a ping only proves liveness, noted by the caller
-                    log.debug("%s: ignoring %.80s", self._label, text)
-                    self.bad_line()  # a handshake command again: the handshake is over
-                return
-            deliver(text)
+            where = route(text)
+            if where is Route.SESSION:
+                deliver(text)
+            elif where is Route.PEER_ERROR:  # it answers one line of ours: for the log only
+                self._complain(f"{self._label} says: {clip(text[len(Error.NAME) + 1 :])}")
+            elif where is Route.BAD:  # a handshake command again: the handshake is over
+                log.debug("%s: ignoring %.80s", self._label, text)
+                self.bad_line()
+            # Route.PING only proves liveness, noted by the reader
         except Exception:
             log.exception("%s: handling a received line failed", self._label)
 
@@ -569,7 +522,7 @@ class _Connection:
                 batch, self._queue = self._queue, []
                 self._queued_bytes = 0
                 if batch:
-                    self._writer.write(_encode(batch))
+                    self._writer.write(encode(batch))
                     # A peer that does not read leaves us waiting here (its window and
                     # our buffers full): only then does a full queue mean it is too slow.
                     self._draining = True
@@ -582,19 +535,18 @@ class _Connection:
             self._end(f"write failed: {err!r}")
 
     async def _keepalive(self) -> None:
-        """Ping every `ping_interval`; close once nothing arrived for `dead_after`."""
+        """Ping and close a silent peer as `Keepalive` decides."""
         loop = asyncio.get_running_loop()
-        next_ping = loop.time() + self._ping_interval
+        alive = self._alive
         while True:
             now = loop.time()
-            silent = now - self._last_received
-            if silent >= self._dead_after:
+            ping, silent = alive.due(now)
+            if silent is not None:
                 self._end(f"nothing received for {silent:.1f}s")
                 return
-            if now >= next_ping:
+            if ping:
                 self.send(to_line(Ping(int(time.time() * 1000))))
-                next_ping = now + self._ping_interval
-            await asyncio.sleep(min(next_ping, self._last_received + self._dead_after) - now)
+            await asyncio.sleep(alive.wake_at - now)
 
     async def _watch_up(self, session: Session, on_up: Callable[[], None]) -> None:
         try:
@@ -609,48 +561,6 @@ def _tell_closed(session: Session, label: str) -> None:
         session.closed()
     except Exception:
         log.exception("%s: the session failed to close", label)
-
-
-class _HandshakeFailed(Exception):
-    """The handshake failed: `text` says why (to the peer, in ERROR, and to the log);
-    `reason` is how the hub counts it."""
-
-    def __init__(self, text: str, reason: str = "handshake") -> None:
-        super().__init__(text)
-        self.text = text
-        self.reason = reason
-
-
-class _TellHub(Exception):
-    """The client's handshake failed because the secrets are set differently: `text`
-    for its own log, `to_hub` for the hub's (in ERROR)."""
-
-    def __init__(self, text: str, to_hub: str) -> None:
-        super().__init__(text)
-        self.text = text
-        self.to_hub = to_hub
-
-
-async def _next_command(reader: asyncio.StreamReader, expecting: str) -> Command:
-    """The next handshake line, parsed; `_HandshakeFailed` when it is malformed."""
-    raw = await _read_line(reader)
-    try:
-        return _HANDSHAKE_COMMANDS.parse(raw)
-    except CommandParseError as err:
-        raise _HandshakeFailed(f"expected {expecting}: {err}") from None
-
-
-def _field(line: str, index: int) -> str | None:
-    """The `index`th space-separated field of `line` (0: the command name), found without
-    splitting the rest (a row may be a MiB); None when it is missing or empty."""
-    start = 0
-    for _ in range(index):
-        start = line.find(" ", start) + 1
-        if start == 0:
-            return None
-    end = line.find(" ", start)
-    found = line[start:] if end < 0 else line[start:end]
-    return found or None
 
 
 class TcpHub:
@@ -768,7 +678,7 @@ class TcpHub:
             return
         self._count("busy")
         self._log.warn(source, f"refusing a connection: {text}")
-        writer.write(_encode([to_line(Error(text))]))
+        writer.write(encode([to_line(Error(text))]))
         writer.close()  # after the ERROR is written; no task needed
 
     async def _serve(
@@ -780,9 +690,10 @@ class TcpHub:
     ) -> None:
         conn: _Connection | None = None
         refused = False
+        lines = _Lines(reader)
         try:
             try:
-                name = await self._handshake(reader, writer, source)
+                name = await self._handshake(lines, writer, source)
             finally:
                 self._handshaking -= 1
                 if self._handshaking_from[source] > 1:
@@ -793,7 +704,7 @@ class TcpHub:
                 refused = True
                 return
             conn = _Connection(
-                reader,
+                lines,
                 writer,
                 name=name,
                 label=f"tcp:{name}",
@@ -801,6 +712,9 @@ class TcpHub:
                 complain=functools.partial(self._log.warn, source),
                 hold=self._hold,
                 refused=self._count,
+                rules=ClientLines(
+                    self._handler.instance_name, name, asyncio.get_running_loop().time()
+                ),
             )
             # One connection per name: the newer one is the instance that reconnected
             # (with a secret, it proved it holds it; without one, anyone local could
@@ -837,92 +751,51 @@ class TcpHub:
                 await _close_stream(reader, writer, linger=refused)
 
     async def _handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str
+        self, lines: _Lines, writer: asyncio.StreamWriter, source: str
     ) -> str | None:
-        """The client's name once the handshake succeeded; None once it failed (the
-        client answered ERROR, unless it hung up or gave up itself)."""
-        expecting = "NAME <name>"
-        name: str | None = None
+        """The client's name once the handshake succeeded (`HubHandshake`); None once it
+        failed (the client answered ERROR, unless it hung up or gave up itself)."""
+        nonce = secrets.token_hex(_NONCE_BYTES)
+        shake = HubHandshake(self._handler.instance_name, self._secret, nonce)
+        done: Accepted | Refused | TellHub | None = None
         try:
             async with asyncio.timeout(self._handshake_timeout):
-                command = await _next_command(reader, f"{expecting} first")
-                if not isinstance(command, Name):
-                    raise _HandshakeFailed(f"expected {expecting} first, got {command.NAME}")
-                name = command.name
-                return await self._authenticate(reader, writer, name)
+                while done is None:
+                    step = shake.receive(await lines.next())
+                    if step.send:
+                        writer.write(encode(step.send))
+                    done = step.done
         except TimeoutError:
-            failure = _HandshakeFailed(
-                f"expected {self._expecting(name)} within {self._handshake_timeout:g}s"
-            )
+            done = shake.timed_out(self._handshake_timeout)
         except _LineTooLongError:
-            failure = _HandshakeFailed(_LINE_TOO_LONG)
+            done = shake.too_long()
         except (asyncio.IncompleteReadError, OSError) as err:
             log.debug("tcp hub: %s hung up in the handshake: %r", source, err)
             return None
-        except _HandshakeFailed as err:
-            failure = err
-        challenged = name is not None and self._secret is not None
-        # Once challenged, whatever the client sends but its proof fails to prove it.
-        self._count("auth" if challenged and failure.reason == "handshake" else failure.reason)
-        who = "a connection" if name is None else name
-        self._log.warn(source, f"refusing {who}: {failure.text}")
-        writer.write(_encode([to_line(Error(failure.text))]))
+        if isinstance(done, Accepted):
+            return done.name
+        assert isinstance(done, Refused)  # the hub never tells itself anything
+        self._count(done.reason)
+        who = "a connection" if shake.name is None else shake.name
+        self._log.warn(source, f"refusing {who}: {done.text}")
+        writer.write(encode([to_line(Error(done.text))]))
         return None
 
-    def _expecting(self, name: str | None) -> str:
-        """What a client that said NAME `name` (None: not yet) is to send next."""
-        if name is None or self._secret is None:
-            return "NAME <name>"
-        return "PROOF <nonce> <proof>"
-
-    async def _authenticate(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str
-    ) -> str:
-        """Past NAME: `name` once the client proved it holds the secret (at once when
-        there is none) and got SERVER; else `_HandshakeFailed`."""
-        hub = self._handler.instance_name
-        if name == hub:
-            raise _HandshakeFailed(
-                f"NAME {hub} is the hub's own name: name every instance differently", "name"
-            )
-        if self._secret is None:
-            writer.write(_encode([to_line(Server(hub))]))
-            return name
-        hub_nonce = secrets.token_hex(_NONCE_BYTES)
-        writer.write(_encode([to_line(Challenge(hub, hub_nonce))]))
-        expecting = self._expecting(name)
-        command = await _next_command(reader, expecting)
-        if isinstance(command, Error):  # a client without the secret says so
-            raise _HandshakeFailed(f"it gave up: {_clip(command.text)}", "auth")
-        if not isinstance(command, Proof):
-            raise _HandshakeFailed(f"expected {expecting}, got {command.NAME}")
-        expected = _proof(self._secret, "client", name, hub, hub_nonce, command.nonce)
-        if not hmac.compare_digest(expected, command.proof):
-            raise _HandshakeFailed(
-                "authentication failed: the proof does not match this hub's "
-                f"replication.secret; {_SAME_SECRET}",
-                "auth",
-            )
-        ours = _proof(self._secret, "hub", name, hub, hub_nonce, command.nonce)
-        writer.write(_encode([to_line(Server(hub, ours))]))
-        return name
-
     def _deliver(self, sender: _Connection, session: Session, line: str | bytes) -> None:
-        """Give a client's line to our session, then relay it to every other client unless
-        the session answered it with ERROR; what the handler sent meanwhile goes out after
+        """Give a client's line to our session, then relay it to every other client as
+        the client's `ClientLines` say; what the handler sent meanwhile goes out after
         the relay. Lines in another instance's name are refused before either; they,
         bad lines and surplus REPLICATEs (dropped) draw on the sender's budget."""
-        name = command_name(line) if isinstance(line, str) else ""
-        refusal = self._impersonation(sender, name, line) if isinstance(line, str) else None
-        if refusal is not None:
-            sender.send(to_line(Error(refusal)))
+        rules = sender.rules
+        assert rules is not None  # every client connection of the hub has them
+        admit = rules.admit(line)
+        if admit is Admit.REFUSE:
+            sender.send(to_line(Error(rules.refusal)))
             sender.bad_line("impersonation")
             return
-        if name == Replicate.NAME:
-            sender.replicates += 1
-            if sender.replicates > _REPLICATE_FREE:  # a flood: dropped unanswered
-                sender.bad_line()
-                return
+        if admit is Admit.DROP:
+            sender.bad_line()
+            return
         held: list[tuple[_Connection, str]] = []
         self._held = held
         try:
@@ -931,49 +804,15 @@ class TcpHub:
             log.exception("%s: the session failed on a line", sender.label)
         finally:
             self._held = None
-        if isinstance(line, bytes) or not COMMAND_NAME.fullmatch(name):
-            refused = True  # not UTF-8, or no command could have this name
-        elif name in _BUILTIN_NAMES:
-            refused = any(conn is sender and command_name(out) == Error.NAME for conn, out in held)
-        else:
-            refused = False  # an application's command, maybe unknown here: not ours to judge
-        if refused:
+        answered = any(conn is sender and command_name(out) == Error.NAME for conn, out in held)
+        if not ClientLines.relayed(line, answered):
             sender.bad_line()
-        if isinstance(line, str) and not refused:
+        elif isinstance(line, str):
             for peer in self._peers:
                 if peer is not sender:
                     peer.send(line)
         for conn, out in held:
             conn.send(out)
-
-    def _impersonation(self, sender: _Connection, name: str, line: str) -> str | None:
-        """Why `sender` may not send `line` (a row, position or departure in another
-        instance's name), or None. A line without the name is left to the session."""
-        hub = self._handler.instance_name
-        if rows_of(line, hub):  # our session drops these unread, as its own echoes
-            return f"{name} of {hub} refused: only {hub} sends its own (two instances named so?)"
-        if name in (Rdata.NAME, Position.NAME):
-            writer = _field(line, 2)
-            if writer is None or writer == sender.name:
-                return None
-            if name == Rdata.NAME:
-                return (
-                    f"RDATA of {writer} refused: this connection is {sender.name}, and only "
-                    f"{writer} sends its own rows"
-                )
-            return (
-                f"POSITION of {writer} refused: this connection is {sender.name}, and only "
-                f"{writer} sends its own (a fence of another writer goes as FENCED, which "
-                "receivers check against the database)"
-            )
-        if name == Depart.NAME:
-            departing = _field(line, 1)
-            if departing is not None and departing != sender.name:
-                return (
-                    f"DEPART of {departing} refused: this connection is {sender.name}, and "
-                    f"only {departing} departs"
-                )
-        return None
 
     def _hold(self, conn: _Connection, line: str) -> bool:
         if self._held is None:
@@ -1087,19 +926,21 @@ class TcpClient:
             return f"cannot connect: {err}"
         conn: _Connection | None = None
         told = False  # we sent the hub ERROR: it should read it before we hang up
+        lines = _Lines(reader)
         try:
-            writer.write(_encode([to_line(Name(self._handler.instance_name))]))
-            try:
-                hub = await self._handshake(reader, writer)
-            except _HandshakeFailed as err:
-                return err.text
-            except _TellHub as err:
-                writer.write(_encode([to_line(Error(err.to_hub))]))
+            done = await self._handshake(lines, writer)
+            if isinstance(done, str):
+                return done
+            if isinstance(done, TellHub):
+                writer.write(encode([to_line(Error(done.to_hub))]))
                 told = True
-                return err.text
+                return done.text
+            if isinstance(done, Refused):
+                return done.text
+            hub = done.name
             log.info("tcp client: connected to hub %s at %s:%d", hub, self._host, self._port)
             conn = _Connection(
-                reader,
+                lines,
                 writer,
                 name="hub",
                 label=self.label,
@@ -1128,78 +969,30 @@ class TcpClient:
             else:
                 await _close_stream(reader, writer, linger=told)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
-        """The hub's name once it said SERVER (and, with a secret, proved it holds it).
-        Else `_HandshakeFailed` (the hub's fault or the network's) or `_TellHub` (say
-        why to the hub too: the secrets are set differently)."""
+    async def _handshake(
+        self, lines: _Lines, writer: asyncio.StreamWriter
+    ) -> Accepted | Refused | TellHub | str:
+        """How the handshake (`ClientHandshake`) ended, or why it could not (a string:
+        the hub hung up, timed out, or sent a line over the limit)."""
+        nonce = secrets.token_hex(_NONCE_BYTES)
+        shake = ClientHandshake(self._handler.instance_name, self._secret, nonce)
+        writer.write(encode([shake.start()]))
         try:
             async with asyncio.timeout(self._connect_timeout):
-                command = await self._next(reader, "SERVER or CHALLENGE")
-                if isinstance(command, Challenge):
-                    return await self._prove(reader, writer, command)
-                if not isinstance(command, Server):
-                    raise _HandshakeFailed(
-                        f"expected SERVER or CHALLENGE from the hub, got {command.NAME}"
-                    )
-                if self._secret is not None:
-                    raise _TellHub(
-                        f"the hub {command.name} did not ask for proof of the replication "
-                        "secret: it has none, and this instance has one: "
-                        f"{_SAME_SECRET}",
-                        f"this instance ({self._handler.instance_name}) has a "
-                        "replication.secret, and the hub did not ask for proof of it: "
-                        f"{_SAME_SECRET}",
-                    )
-                if command.proof is not None:
-                    raise _HandshakeFailed("the hub sent SERVER with a proof nobody asked for")
-                return command.name
+                while True:
+                    step = shake.receive(await lines.next())
+                    if step.send:
+                        writer.write(encode(step.send))
+                    if step.done is not None:
+                        return step.done
         except TimeoutError:
-            raise _HandshakeFailed(
-                f"the handshake with the hub did not finish within {self._connect_timeout:g}s"
-            ) from None
+            return f"the handshake with the hub did not finish within {self._connect_timeout:g}s"
         except _LineTooLongError:
-            raise _HandshakeFailed("the hub sent a line over the limit") from None
+            return "the hub sent a line over the limit"
         except asyncio.IncompleteReadError:
-            raise _HandshakeFailed("the hub hung up during the handshake") from None
+            return "the hub hung up during the handshake"
         except OSError as err:
-            raise _HandshakeFailed(f"the handshake failed: {err}") from None
-
-    async def _prove(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, challenge: Challenge
-    ) -> str:
-        """Answer the hub's challenge, then check its proof; the hub's name."""
-        me, hub = self._handler.instance_name, challenge.name
-        if self._secret is None:
-            raise _TellHub(
-                "the hub asks for proof of the replication secret and this instance has "
-                "none: set replication.secret, the same on every instance",
-                f"this instance ({me}) has no replication.secret, and the hub asks for "
-                f"proof of it: {_SAME_SECRET}",
-            )
-        nonce = secrets.token_hex(_NONCE_BYTES)
-        ours = _proof(self._secret, "client", me, hub, challenge.nonce, nonce)
-        writer.write(_encode([to_line(Proof(nonce, ours))]))
-        answer = await self._next(reader, "SERVER")
-        if not isinstance(answer, Server):
-            raise _HandshakeFailed(f"expected SERVER from the hub, got {answer.NAME}")
-        theirs = _proof(self._secret, "hub", me, hub, challenge.nonce, nonce)
-        if (
-            answer.name != hub
-            or answer.proof is None
-            or not hmac.compare_digest(theirs, answer.proof)
-        ):
-            text = (
-                "the hub's proof does not match this instance's replication.secret: the "
-                f"secrets differ, or this is not the hub; {_SAME_SECRET}"
-            )
-            raise _TellHub(text, text)
-        return hub
-
-    async def _next(self, reader: asyncio.StreamReader, expecting: str) -> Command:
-        command = await _next_command(reader, f"{expecting} from the hub")
-        if isinstance(command, Error):
-            raise _HandshakeFailed(f"the hub refused the connection: {command.text}")
-        return command
+            return f"the handshake failed: {err}"
 
     def _connection_up(self) -> None:
         log.info("tcp client: the connection to the hub is up (every stream caught up)")
