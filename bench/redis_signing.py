@@ -17,9 +17,8 @@ import argparse
 import time
 
 from common import emit, log, median, rnd
-from plait.core.commands import rows_of
+from plait.core.commands import command_name, rows_of
 from plait.core.signed_messages import Signer, Verifier, foreign, key_of
-from plait.replication.link import command_name
 
 CHANNEL = "plait.bench"
 KEY = key_of("a long random secret of the deployment, 32+ characters")
