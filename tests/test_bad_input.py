@@ -59,7 +59,7 @@ def test_where_the_server_is_said_with_what_libpq_takes_from_the_environment(
 ) -> None:
     """A DSN that leaves host, port or database out reaches the server PGHOST, PGPORT
     and PGDATABASE name, and the errors say that one, not localhost:5432."""
-    from plait.storage.database import server_address
+    from plait.storage.server_errors import server_address
 
     monkeypatch.setenv("PGHOST", "db.example")
     monkeypatch.setenv("PGPORT", "6543")

@@ -10,7 +10,7 @@ from psycopg import pq
 
 import pace
 from plait import Database
-from plait.storage import database
+from plait.storage import identity, server_errors
 
 IDLE = pq.TransactionStatus.IDLE
 
@@ -118,7 +118,7 @@ async def test_cursor_is_reused_on_the_free_connection_only(db: Database) -> Non
 def test_only_a_server_thatmay_come_up_is_waited_for(message: str, transient: bool) -> None:
     """A refusal no wait can change (a password, SSL settings) fails at once, with its
     own reason, instead of after the patience with advice to wait longer."""
-    assert database.may_come_up(psycopg.OperationalError(message)) is transient
+    assert server_errors.may_come_up(psycopg.OperationalError(message)) is transient
 
 
 async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) -> None:
@@ -130,7 +130,7 @@ async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) 
     from plait import DatabaseUnavailableError, NoConnectionError, PlaitError
 
     db = await Database.connect(dsn, min_size=1, max_size=1)
-    db._pool.timeout = 0.5  # psycopg_pool's own default is 30 s
+    db._conns.pool.timeout = 0.5  # psycopg_pool's own default is 30 s
     try:
         async with db.connection():
             with pytest.raises(NoConnectionError, match=r"within 0.5 s.*\(1 at most\)") as err:
@@ -139,7 +139,7 @@ async def test_no_connection_within_the_pools_timeout_is_plaits_error(dsn: str) 
         assert isinstance(err.value, DatabaseUnavailableError)
         assert isinstance(err.value, PlaitError)
         assert isinstance(err.value, PoolTimeout)
-        assert database.server_address(db.dsn) in str(err.value)
+        assert server_errors.server_address(db.dsn) in str(err.value)
     finally:
         await db.close()
 
@@ -206,7 +206,7 @@ async def test_new_connections_bring_a_sequence_that_went_back_up_to_what_was_ha
     db.note_head("went_back_seq", 25)
     db.note_head("Went_Back_Seq", 12)
     db.note_head("never_called_seq", 7)
-    db.note_head("reset_far_seq", 1 + database.SEQUENCE_CATCH_UP_LIMIT + 1)
+    db.note_head("reset_far_seq", 1 + identity.SEQUENCE_CATCH_UP_LIMIT + 1)
     db.note_head("dropped_since_seq", 7)
 
     async def nested(depth: int) -> None:  # more at once than the pool has: new ones

@@ -95,18 +95,18 @@ async def test_a_get_next_blocks_commit_through_the_database_says_its_ids_are_on
     gen = await create_generator(db, ["master"], "master")
     async with gen.get_next() as stream_id:
         allocated = gen._store.allocated_lsn
-        assert db.wal_flushed < allocated
+        assert db.wal.flushed < allocated
         async with db.transaction() as txn:
             await txn.execute(
                 "INSERT INTO events (stream_id, instance_name) VALUES (%s, 'master')",
                 (stream_id,),
             )
-        assert db.wal_flushed >= allocated  # the exit has nothing left to ask
+        assert db.wal.flushed >= allocated  # the exit has nothing left to ask
     assert gen.get_current_token() == stream_id
-    flushed = db.wal_flushed
+    flushed = db.wal.flushed
     async with db.transaction() as txn:
         await txn.execute("INSERT INTO events (stream_id, instance_name) VALUES (99, 'x')")
-    assert db.wal_flushed == flushed
+    assert db.wal.flushed == flushed
 
 
 async def test_concurrent_get_next_share_round_trips(db: Database) -> None:

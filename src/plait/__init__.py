@@ -33,9 +33,10 @@ from plait.errors import (
     SupersededError,
     TokenParseError,
 )
-from plait.storage.database import Database, Transaction
+from plait.storage.database import Database
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.stream_store import StreamRow
+from plait.storage.transaction import Transaction
 from plait.streams.generator import MultiWriterIdGenerator
 
 if TYPE_CHECKING:

@@ -36,7 +36,8 @@ from plait.caches.invalidations import (
 )
 from plait.errors import CacheKeyError, ConfigError
 from plait.replication.metrics import CacheSnapshot, ReplicationMetrics
-from plait.storage.database import Database, Params, Transaction
+from plait.storage.database import Database
+from plait.storage.transaction import Params, Transaction
 from plait.streams.generator import MultiWriterIdGenerator
 
 logger = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ def status(
 
     from plait.ops import status as ops
     from plait.storage import stream_records as records
-    from plait.storage.database import connect_or_say
+    from plait.storage.server_errors import connect_or_say
     from plait.storage.timeouts import connect_sync
 
     instances: dict[str, str] = {}
@@ -183,7 +183,7 @@ def tail(
     """A stream's rows as JSON lines: {"token", "table", "row"}. Each token resumes
     right after its row (`--from TOKEN`); rows are only ever ones their writer persisted."""
     from plait.ops.tail import Tail
-    from plait.storage.database import connect_or_say
+    from plait.storage.server_errors import connect_or_say
     from plait.storage.timeouts import connect_sync
 
     with _database(dsn, schema) as url, connect_or_say(url, autocommit=True) as conn:

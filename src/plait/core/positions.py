@@ -55,7 +55,7 @@ rollback flushes nothing. So the IDs of a transaction that rolled back, or of a
 is on disk up to them (`MultiWriterIdGenerator._finish_flushed`, `_finish_durable`),
 and every new connection first moves the
 sequences this process took or saw IDs from back up to the largest it knows
-(`storage/database.py`, `_catch_up_sequences`; after a crash every statement runs on a
+(`storage/identity.py`, `_catch_up_sequences`; after a crash every statement runs on a
 new connection; a head another process reports soon after a restart, perhaps said
 before the crash, is caught up before a writer's next statement). `get_next_txn`'s
 IDs finish at COMMIT when the WAL is on disk past them (read in the same round trip),

@@ -19,12 +19,8 @@ import psycopg
 
 from plait.core.backoff import Backoff
 from plait.errors import DatabaseUnavailableError
-from plait.storage.database import (
-    DEFAULT_RETRY_READS_FOR,
-    connection_lost,
-    may_come_up,
-    server_address,
-)
+from plait.storage.database import DEFAULT_RETRY_READS_FOR
+from plait.storage.server_errors import connection_lost, may_come_up, server_address
 
 T = TypeVar("T")
 

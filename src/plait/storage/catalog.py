@@ -23,7 +23,7 @@ from plait.core.offsets import Slice, WriterRange, above_head, not_a_writer
 from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
-from plait.storage.database import CHECK_DSN, connect_or_say
+from plait.storage.server_errors import CHECK_DSN, connect_or_say
 from plait.storage.stream_store import head_of, ident
 
 T = TypeVar("T")

@@ -29,8 +29,10 @@ from plait.errors import (
     SchemaError,
     SequenceBehindError,
 )
-from plait.storage.database import Database, Transaction, regclass_text
+from plait.storage.database import Database
+from plait.storage.identity import regclass_text
 from plait.storage.incarnation import name_prefix
+from plait.storage.transaction import Transaction
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +264,7 @@ class StreamStore:
             tuple[str, ...], Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None
         ] = {}
         # Where PostgreSQL's WAL stood just after the latest `allocate` (an LSN in bytes;
-        # how far it is on disk: `Database.wal_flushed`).
+        # how far it is on disk: `Database.wal`).
         self.allocated_lsn = 0
         self._durable = asyncio.Lock()  # one check or flush at a time serves the others
         # Statements `make_durable` sent; the last failure, and which of them it was.
@@ -880,11 +882,11 @@ class StreamStore:
         safe because every new connection first moves the sequence durably past the IDs
         this process took (`Database`: the catch-up's nextval logs, and its commit
         flushes)."""
-        if self.db.wal_flushed >= lsn:
+        if self.db.wal.flushed >= lsn:
             return
         tries = self._durable_tries
         async with self._durable:
-            if self.db.wal_flushed >= lsn:  # the statement before this one covered it
+            if self.db.wal.flushed >= lsn:  # the statement before this one covered it
                 return
             if self._durable_failure is not None and self._durable_failed_at > tries:
                 raise DatabaseUnavailableError(
@@ -903,7 +905,7 @@ class StreamStore:
             except (psycopg.Error, OSError, PlaitError) as err:
                 self._durable_failure, self._durable_failed_at = err, self._durable_tries
                 raise
-            self.db.wal_flushed = max(self.db.wal_flushed, flushed)
+            self.db.wal.flushed = max(self.db.wal.flushed, flushed)
 
     async def allocate_in(self, txn: Transaction, n: int) -> list[int]:
         """`n` new IDs in the caller's transaction; also learns the transaction's xid,

@@ -31,9 +31,11 @@ from plait.errors import (
     PlaitError,
     StateError,
 )
-from plait.storage.database import Database, Params, Transaction, server_pid
+from plait.storage.database import Database
+from plait.storage.identity import server_pid
 from plait.storage.incarnation import name_prefix
 from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamRow, StreamStore, Survey
+from plait.storage.transaction import Params, Transaction
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
@@ -944,11 +946,11 @@ class _Reservation(Generic[T]):
     async def __aenter__(self) -> T:
         self._ids = await self._gen._allocator.allocate(self._n)
         self._lsn = self._gen._store.allocated_lsn
-        self._gen._db.wal_watchers += 1  # commits meanwhile tell `_finish_durable`
+        self._gen._db.wal.watchers += 1  # commits meanwhile tell `_finish_durable`
         return self._present(self._ids)
 
     async def __aexit__(self, *exc: object) -> None:
-        self._gen._db.wal_watchers -= 1
+        self._gen._db.wal.watchers -= 1
         if exc[0] is None:
             await self._gen._finish_durable(self._ids, self._lsn)
         else:  # the block failed: no row, most likely

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 import psycopg
 
 from plait.core.backoff import Backoff
-from plait.storage.database import connection_lost
+from plait.storage.server_errors import connection_lost
 from plait.tasks import let_finish
 
 logger = logging.getLogger(__name__)
