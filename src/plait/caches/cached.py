@@ -43,7 +43,7 @@ class CachedFunction(Generic[P, V]):
         functools.update_wrapper(self, function)
         self._function = function
         self._signature = signature
-        self._arity = len(signature.parameters)
+        self.arity = len(signature.parameters)
         self._all_positional = all(
             p.kind is not inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values()
         )
@@ -52,7 +52,7 @@ class CachedFunction(Generic[P, V]):
 
     def key(self, *args: Any, **kwargs: Any) -> Key:
         """The cache key of a call with these arguments."""
-        if not kwargs and len(args) == self._arity and self._all_positional:
+        if not kwargs and len(args) == self.arity and self._all_positional:
             return args
         try:
             bound = self._signature.bind(*args, **kwargs)
@@ -62,7 +62,7 @@ class CachedFunction(Generic[P, V]):
         return tuple(bound.arguments.values())
 
     async def __call__(self, *args: P.args, **kwargs: P.kwargs) -> V:
-        if not kwargs and len(args) == self._arity and self._all_positional:
+        if not kwargs and len(args) == self.arity and self._all_positional:
             key: Key = args  # the common case, without binding
         else:
             key = self.key(*args, **kwargs)

@@ -58,8 +58,8 @@ class CacheRegistry:
     """Caches by name, pseudo-cache expanders, and the invalidation API."""
 
     def __init__(self, instance_name: str, metrics: ReplicationMetrics) -> None:
-        self._instance = instance_name
-        self._metrics = metrics
+        self.instance_name = instance_name
+        self.metrics = metrics
         self._caches: dict[str, Cache[Any]] = {}
         self._arity: dict[str, int] = {}
         self._expanders: dict[str, Expander] = {}
@@ -82,7 +82,7 @@ class CacheRegistry:
         def decorate(function: Callable[P, Awaitable[V]]) -> CachedFunction[P, V]:
             cache_name = name or getattr(function, "__qualname__", None) or repr(function)
             cached = CachedFunction(function, Cache[V](cache_name, max_entries))
-            self._add(cached.cache, cached._arity)
+            self._add(cached.cache, cached.arity)
             return cached
 
         return decorate
@@ -268,7 +268,7 @@ class CacheRegistry:
                 self._expand(invalidation)
             else:
                 ignored[name] += 1
-        metrics = self._metrics
+        metrics = self.metrics
         for name, count in applied.items():
             metrics.child(metrics.invalidations_applied, name).inc(count)
         for name, count in ignored.items():
@@ -346,12 +346,12 @@ class _Pending:
 
     def params(self) -> Params:
         self.sent = True
-        return (self._registry._instance, as_rows(self.rows))
+        return (self._registry.instance_name, as_rows(self.rows))
 
     def committed(self) -> None:
         registry = self._registry
         registry.apply(self.rows)
-        metrics = registry._metrics
+        metrics = registry.metrics
         sent = collections.Counter(row.cache_name for row in self.rows)
         for name, count in sent.items():
             metrics.child(metrics.invalidations_sent, name).inc(count)

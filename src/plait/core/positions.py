@@ -92,19 +92,19 @@ class FetchTicket:
 class _MinMultiset:
     """A multiset of ints with O(log n) add, remove and min (a heap with lazy deletion)."""
 
-    __slots__ = ("_counts", "_heap", "_size")
+    __slots__ = ("_counts", "_heap", "size")
 
     def __init__(self) -> None:
         self._heap: list[int] = []
         self._counts: dict[int, int] = {}
-        self._size = 0
+        self.size = 0  # read directly on the hot path, as `len` costs a call
 
     def add(self, value: int) -> None:
         count = self._counts.get(value, 0)
         if count == 0:
             heapq.heappush(self._heap, value)
         self._counts[value] = count + 1
-        self._size += 1
+        self.size += 1
 
     def remove(self, value: int) -> bool:
         count = self._counts.get(value, 0)
@@ -114,14 +114,14 @@ class _MinMultiset:
             del self._counts[value]
         else:
             self._counts[value] = count - 1
-        self._size -= 1
+        self.size -= 1
         return True
 
     def __contains__(self, value: int) -> bool:
         return value in self._counts
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     def min(self) -> int | None:
         heap = self._heap
@@ -142,25 +142,25 @@ class _IdSet:
     order are dropped from the list lazily, when they reach its front.
     """
 
-    __slots__ = ("_live", "_order", "_start")
+    __slots__ = ("_order", "_start", "live")
 
     def __init__(self) -> None:
-        self._live: set[int] = set()
+        self.live: set[int] = set()  # read directly on the hot path
         self._order: list[int] = []  # sorted; may hold completed IDs (lazily dropped)
         self._start = 0
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self.live)
 
     def __contains__(self, value: int) -> bool:
-        return value in self._live
+        return value in self.live
 
     def add_all(self, values: list[int]) -> int | None:
         """Add sorted `values`; if one is already here (or repeated), add nothing and
         return it."""
         if not values:
             return None
-        live = self._live
+        live = self.live
         if not live.isdisjoint(values) or len(set(values)) != len(values):
             return _first_offender(values, live.__contains__)
         live.update(values)
@@ -177,7 +177,7 @@ class _IdSet:
         return it."""
         if not values:
             return None
-        live = self._live
+        live = self.live
         if not live.issuperset(values) or len(set(values)) != len(values):
             return _first_offender(values, lambda value: value not in live)
         live.difference_update(values)
@@ -188,7 +188,7 @@ class _IdSet:
         return None
 
     def min(self) -> int | None:
-        order, live, start = self._order, self._live, self._start
+        order, live, start = self._order, self.live, self._start
         while start < len(order) and order[start] not in live:
             start += 1
         self._start = start
@@ -196,7 +196,7 @@ class _IdSet:
         return order[self._start] if self._start < len(order) else None
 
     def sorted(self) -> list[int]:
-        return sorted(self._live)
+        return sorted(self.live)
 
     def _compact(self) -> None:
         if self._start * 2 > len(self._order):
@@ -476,12 +476,12 @@ class PositionTracker:
     @property
     def holds_ids(self) -> bool:
         """Whether IDs were handed out here and not finished (fetches in flight aside)."""
-        return bool(self._unfinished._live)
+        return bool(self._unfinished.live)
 
     @property
     def is_idle(self) -> bool:
         # The sets' insides, not len(): this runs several times per write.
-        return not self._unfinished._live and not self._in_flight._size
+        return not self._unfinished.live and not self._in_flight.size
 
     def position_of(self, writer: str) -> int:
         """A safe position for `writer`; unknown writers are at persisted-up-to."""

@@ -43,7 +43,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from plait.core.backoff import Backoff
 from plait.core.commands import (
@@ -261,7 +261,7 @@ class ReplicationHandler:
     def open(self, link: Link, *, reply_errors: bool, authenticated: bool = False) -> _Session:
         session = _Session(self, link, reply_errors, authenticated)
         self._sessions.append(session)
-        self._send(link, Replicate())
+        self.send_command(link, Replicate())
         self.answer_replicate(link)
         return session
 
@@ -315,14 +315,15 @@ class ReplicationHandler:
         """Send an application command to every peer."""
         self.broadcast([command])
 
-    def _send(self, link: Link, command: Command) -> None:
+    def send_command(self, link: Link, command: Command) -> None:
+        """Send one command on one link, counted in the metrics."""
         self.metrics.child(self.metrics.commands_out, command.NAME).inc()
         link.send(to_line(command))
 
     def answer_replicate(self, link: Link) -> None:
         """Our position on every stream we write, with nothing in between (R-RP-4)."""
         for sender in self._senders:
-            self._send(link, with_sign(sender.outbound.replicate(), sender.stream.sign))
+            self.send_command(link, with_sign(sender.outbound.replicate(), sender.stream.sign))
 
     async def _announce(self) -> None:
         while True:
@@ -601,7 +602,7 @@ class _Session:
             level = logging.DEBUG if self._reply_errors else logging.WARNING
             logger.log(level, "replication: bad line on %s: %s", self.link.label, err)
             if self._reply_errors:
-                handler._send(self.link, Error(str(err)))
+                handler.send_command(self.link, Error(str(err)))
             return
         handler.metrics.child(handler.metrics.commands_in, command.NAME).inc()
         try:
@@ -639,7 +640,7 @@ class _Session:
     # -- dispatch ---------------------------------------------------------------------------
 
     def _dispatch(self, command: Command) -> None:
-        step = _DISPATCH.get(type(command))
+        step = self._DISPATCH.get(type(command))
         if step is not None:
             step(self, command)
         elif command.NAME in self._handler.listeners.commands:
@@ -1031,18 +1032,17 @@ class _Session:
         # The transport sets the connection gauge and logs it (it owns the connection).
         self._up.set()
 
-
-# What `_Session._dispatch` does with each protocol command (application commands go to
-# their listeners by NAME).
-# Each step takes the type it is keyed by (so no isinstance check on the hot path).
-_DISPATCH: dict[type[Command], Callable[[_Session, Any], None]] = {
-    Rdata: _Session._on_stream_command,
-    Position: _Session._on_stream_command,
-    Fenced: _Session._on_stream_command,
-    Replicate: _Session._on_replicate,
-    Depart: _Session._on_depart,
-    Error: _Session._on_error,
-    Name: _Session._on_transport_command,
-    Server: _Session._on_transport_command,
-    Ping: _Session._on_transport_command,
-}
+    # What `_dispatch` does with each protocol command (application commands go to their
+    # listeners by NAME). Each step takes the type it is keyed by (so no isinstance check
+    # on the hot path).
+    _DISPATCH: ClassVar[dict[type[Command], Callable[[_Session, Any], None]]] = {
+        Rdata: _on_stream_command,
+        Position: _on_stream_command,
+        Fenced: _on_stream_command,
+        Replicate: _on_replicate,
+        Depart: _on_depart,
+        Error: _on_error,
+        Name: _on_transport_command,
+        Server: _on_transport_command,
+        Ping: _on_transport_command,
+    }

@@ -35,7 +35,7 @@ from plait.storage.database import Database
 from plait.storage.identity import server_pid
 from plait.storage.incarnation import name_prefix
 from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamRow, StreamStore, Survey
-from plait.storage.transaction import Params, Transaction
+from plait.storage.transaction import Params, Transaction, WalProgress
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
@@ -132,6 +132,22 @@ class MultiWriterIdGenerator:
         self._unflushed: list[int] = []
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
+        # What the per-write helpers (`_Reservation`, `_InsertAtCommit`) use of this
+        # generator, handed over once rather than reached for.
+        self._parts = _Parts(
+            stream_name=spec.name,
+            allocator=self._allocator,
+            store=store,
+            wal=db.wal,
+            tracker=tracker,
+            fetches=self._fetches,
+            finish_durable=self._finish_durable,
+            finish_flushed=self._finish_flushed,
+            returned_ids=self._returned_ids,
+            lost=self._lost,
+            written=self._written_at_commit,
+            poke_if_moved=self._poke_if_moved,
+        )
         self._fencer: Fencer | None = None
         others = set(spec.writers) - {instance_name}
         if fence_after is not None and others:
@@ -238,13 +254,13 @@ class MultiWriterIdGenerator:
     def get_next(self) -> AbstractAsyncContextManager[int]:
         """`async with gen.get_next() as stream_id:` write rows, then the ID completes."""
         self._check_writer()
-        return _Reservation(self, 1, self._first_signed)
+        return _Reservation(self._parts, 1, self._first_signed)
 
     def get_next_mult(self, n: int) -> AbstractAsyncContextManager[list[int]]:
         """Like `get_next`, for `n` IDs taken in one round trip."""
         self._check_writer()
         _check_count(n)
-        return _Reservation(self, n, self._signed)
+        return _Reservation(self._parts, n, self._signed)
 
     async def get_next_txn(self, txn: Transaction) -> int:
         """An ID inside the caller's transaction; it completes after commit or rollback."""
@@ -340,7 +356,7 @@ class MultiWriterIdGenerator:
         transaction go out in one statement. The IDs complete once COMMIT succeeded;
         they are not known before."""
         self._check_writer()
-        txn.send_with_commit(_InsertAtCommit(self, self._with_ids(query), params))
+        txn.send_with_commit(_InsertAtCommit(self._parts, self._with_ids(query), params))
 
     async def _take_ids(
         self,
@@ -496,6 +512,14 @@ class MultiWriterIdGenerator:
 
     def _first_signed(self, ids: list[int]) -> int:
         return self._sign * ids[0]
+
+    def _written_at_commit(
+        self, ids: list[int], columns: list[str] | None, records: list[TupleRow] | None
+    ) -> None:
+        """A statement sent with COMMIT wrote `ids`: its rows, when it returned them
+        whole, go to the write capture (replication) with the IDs."""
+        if self._capture is not None:
+            self._capture.written(ids, self._rows_of(columns, records))
 
     def _rows_of(
         self, columns: list[str] | None, records: list[Any] | None
@@ -927,46 +951,62 @@ class MultiWriterIdGenerator:
         await self.close()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Parts:
+    """What the per-write helpers below use of their generator."""
+
+    stream_name: str
+    allocator: IdAllocator
+    store: StreamStore
+    wal: WalProgress
+    tracker: PositionTracker
+    fetches: Fetches
+    finish_durable: Callable[[list[int], int], Awaitable[None]]
+    finish_flushed: Callable[[list[int]], None]
+    returned_ids: Callable[[list[Any] | None], list[int]]
+    lost: Callable[[FetchTicket], None]
+    written: Callable[[list[int], list[str] | None, list[TupleRow] | None], None]
+    poke_if_moved: Callable[[int], None]
+
+
 class _Reservation(Generic[T]):
     """`get_next()` / `get_next_mult(n)`: IDs for the block, completed when it exits,
     also on error or cancellation. A class rather than a generator-based context
     manager: it runs on every write."""
 
-    __slots__ = ("_gen", "_ids", "_lsn", "_n", "_present")
+    __slots__ = ("_ids", "_lsn", "_n", "_parts", "_present")
 
-    def __init__(
-        self, gen: MultiWriterIdGenerator, n: int, present: Callable[[list[int]], T]
-    ) -> None:
-        self._gen = gen
+    def __init__(self, parts: _Parts, n: int, present: Callable[[list[int]], T]) -> None:
+        self._parts = parts
         self._n = n
         self._present = present
         self._ids: list[int] = []
         self._lsn = 0
 
     async def __aenter__(self) -> T:
-        self._ids = await self._gen._allocator.allocate(self._n)
-        self._lsn = self._gen._store.allocated_lsn
-        self._gen._db.wal.watchers += 1  # commits meanwhile tell `_finish_durable`
+        parts = self._parts
+        self._ids = await parts.allocator.allocate(self._n)
+        self._lsn = parts.store.allocated_lsn
+        parts.wal.watchers += 1  # commits meanwhile tell `_finish_durable`
         return self._present(self._ids)
 
     async def __aexit__(self, *exc: object) -> None:
-        self._gen._db.wal.watchers -= 1
+        parts = self._parts
+        parts.wal.watchers -= 1
         if exc[0] is None:
-            await self._gen._finish_durable(self._ids, self._lsn)
+            await parts.finish_durable(self._ids, self._lsn)
         else:  # the block failed: no row, most likely
-            self._gen._finish_flushed(self._ids)
+            parts.finish_flushed(self._ids)
 
 
 class _InsertAtCommit:
     """`insert_with_commit`: the statement's IDs are on their way (a fetch ticket holds
     the position) from the moment it is sent until COMMIT answered."""
 
-    __slots__ = ("_before", "_gen", "_params", "_text", "_ticket")
+    __slots__ = ("_before", "_params", "_parts", "_text", "_ticket")
 
-    def __init__(
-        self, gen: MultiWriterIdGenerator, text: str, params: Callable[[], Params] | None
-    ) -> None:
-        self._gen = gen
+    def __init__(self, parts: _Parts, text: str, params: Callable[[], Params] | None) -> None:
+        self._parts = parts
         self._text = text
         self._params = params
         self._ticket: FetchTicket | None = None
@@ -976,35 +1016,35 @@ class _InsertAtCommit:
         return self._text, None if self._params is None else self._params()
 
     def sending(self) -> None:
-        self._before = self._gen._tracker.local_position
-        self._ticket = self._gen._fetches.begin()
+        self._before = self._parts.tracker.local_position
+        self._ticket = self._parts.fetches.begin()
 
     def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
-        gen, ticket = self._gen, self._ticket
+        parts, ticket = self._parts, self._ticket
         if ticket is None:
             return
         self._ticket = None
         try:
-            ids = gen._returned_ids(None if records is None else [r[0] for r in records])
+            ids = parts.returned_ids(None if records is None else [r[0] for r in records])
         except _IdsNotReturned as err:
             # Committed, but plait cannot tell which IDs it took: as for a lost answer.
-            logger.error("stream %s: %s", gen.stream_name, err)
-            gen._lost(ticket)
+            logger.error("stream %s: %s", parts.stream_name, err)
+            parts.lost(ticket)
             return
-        if ids and gen._capture is not None:
-            gen._capture.written(ids, gen._rows_of(columns, records))
+        if ids:
+            parts.written(ids, columns, records)
         try:
-            gen._fetches.end(ticket, ids, completed=True)
+            parts.fetches.end(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
-            logger.error("stream %s: %s", gen.stream_name, err)
-        gen._poke_if_moved(self._before)
+            logger.error("stream %s: %s", parts.stream_name, err)
+        parts.poke_if_moved(self._before)
 
     def failed(self) -> None:
         # The transaction waited until its COMMIT's outcome was final; which IDs the
         # statement took, if it committed, is lost with the answer.
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
-            self._gen._lost(ticket)
+            self._parts.lost(ticket)
 
 
 class _IdsNotReturned(ConfigError):
