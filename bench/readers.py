@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> None:
                 "psycopg_copy_raw": psycopg_copy_raw,
             }
             try:
-                import connectorx as _  # type: ignore[import-not-found]  # noqa: F401
+                import connectorx as _  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
 
                 candidates["connectorx"] = connectorx
             except ImportError:
