@@ -15,7 +15,7 @@ import pace
 from plait import Database
 from plait.instance import Instance
 from plait.ports import free_port
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 
 EVENTS = {
     "name": "events",

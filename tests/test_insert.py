@@ -12,7 +12,7 @@ from pg_proxy import answer_losing_proxy
 from plait import ConfigError, Database, MultiWriterIdGenerator, StateError
 from plait.replication.rows import DictRows
 from plait.replication.streams import DatabaseStream
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 from stream_helpers import create_generator, create_table
 
 ONE = "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, %s, %s)"

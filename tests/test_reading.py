@@ -95,7 +95,7 @@ async def scan_all(
     pages cut between IDs, each page's rows within (previous upto, upto]."""
     got: list[StreamRow] = []
     previous = low
-    async for page in gen.store.scan(writer, low, high, first, most):
+    async for page in gen.store.rows.scan(writer, low, high, first, most):
         ids = [gen.spec.sign * r.stream_id for r in page.rows]
         assert ids == sorted(ids)
         assert all(previous < i <= page.upto for i in ids)

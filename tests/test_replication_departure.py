@@ -16,7 +16,7 @@ import pace
 from plait import Database
 from plait.instance import Instance
 from plait.replication import handler as handler_module
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 from replication_helpers import (
     Cluster,
     Seen,

@@ -8,7 +8,7 @@ import json
 import uuid
 
 from plait.replication.rows import DictRows, jsonable
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 
 
 def test_database_values_become_json_values() -> None:

@@ -35,7 +35,7 @@ from plait.errors import (
 )
 from plait.storage.database import Database
 from plait.storage.embedded import EmbeddedPostgres
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 from plait.storage.transaction import Transaction
 from plait.streams.generator import MultiWriterIdGenerator
 

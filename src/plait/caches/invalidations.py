@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from plait.core.commands import MAX_LINE_BYTES
 from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import CacheKeyError
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 
 Key = tuple[Any, ...]
 # The JSON text of one row's keys is kept under this, far below the wire line limit,

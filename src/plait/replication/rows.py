@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 
 R = TypeVar("R")
 _JSON_SCALARS = frozenset({str, int, bool})

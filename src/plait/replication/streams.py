@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from plait.core.own_writes import OwnWrites
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.rows import BatchRowCodec, RowCodec
-from plait.storage.stream_store import StreamRow
+from plait.storage.stream_tables import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
 
@@ -288,7 +288,7 @@ class DatabaseStream:
         single = len(self._gen.spec.tables) == 1
         maker = codec.row_maker if single and isinstance(codec, BatchRowCodec) else None
         # The store reads in the internal domain, like this class.
-        pages = self._gen.store.scan(writer, from_exclusive, to_inclusive, first, most, maker)
+        pages = self._gen.store.rows.scan(writer, from_exclusive, to_inclusive, first, most, maker)
         async with contextlib.aclosing(pages):
             async for page in pages:
                 rows = page.rows if maker is not None else list(map(codec.from_db, page.rows))

@@ -25,7 +25,7 @@ from psycopg import sql
 import plait.spark
 from plait.errors import ConfigError
 from plait.spark.delta import DeltaBatches
-from plait.storage.stream_store import ident
+from plait.storage.stream_tables import ident
 from plait.storage.timeouts import connect_sync
 
 

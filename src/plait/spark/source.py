@@ -66,7 +66,7 @@ from plait.spark.options import METADATA, Options
 from plait.spark.read_connections import ReadConnections
 from plait.spark.schema import infer, text_columns
 from plait.storage import catalog
-from plait.storage.stream_store import ident
+from plait.storage.stream_tables import ident
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
 
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
 from plait.storage.server_errors import CHECK_DSN, connect_or_say
-from plait.storage.stream_store import head_of, ident
+from plait.storage.stream_tables import head_of, ident
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from plait.core.offsets import WriterRange
 from plait.core.spec import StreamSpec
 from plait.errors import SchemaError
 from plait.storage.catalog import range_condition
-from plait.storage.stream_store import head_of, ident
+from plait.storage.stream_tables import head_of, ident
 
 
 @dataclass(frozen=True, slots=True)

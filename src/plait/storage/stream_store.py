@@ -1,7 +1,9 @@
-"""All SQL about one stream: its sequence, its rows in `stream_positions`, its tables.
+"""The SQL about one stream: its sequence, its rows in `stream_positions`, registration
+and fences, and the start-up survey; reads of its rows are `stream_rows.py` (`rows`),
+each table's queries `stream_tables.py`.
 
-Values cross this module's boundary in the *internal* domain (always growing); a
-backwards stream's stored IDs and positions are negated here and nowhere else. Reads
+Values cross these modules' boundary in the *internal* domain (always growing); a
+backwards stream's stored IDs and positions are negated in them and nowhere else. Reads
 that look for rows by ID go through the required (instance, id) index one writer at a
 time (a loose index scan), so start-up never scans a whole table.
 """
@@ -12,16 +14,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.rows import TupleRow
 
-from plait.core.pages import Page, TablePage, merge_pages, needs_whole_id
-from plait.core.spec import StreamSpec, TableSpec
+from plait.core.spec import StreamSpec
 from plait.errors import (
     DatabaseUnavailableError,
     PlaitError,
@@ -32,6 +33,8 @@ from plait.errors import (
 from plait.storage.database import Database
 from plait.storage.identity import regclass_text
 from plait.storage.incarnation import name_prefix
+from plait.storage.stream_rows import StreamRows
+from plait.storage.stream_tables import StreamRow, StreamTable, head_of, ident
 from plait.storage.transaction import Transaction
 
 logger = logging.getLogger(__name__)
@@ -46,51 +49,6 @@ STARTUP_PAGE = 10_000
 ROW_LOCK_IDLE_LIMIT = "2s"
 _INTEGER_TYPES = {"bigint", "integer", "smallint"}
 _TEXT_TYPES = {"text", "character varying", "character", "name"}
-
-
-# Builds rows of one table from its columns, a batch at a time:
-# (table, [(name, type oid)]) -> (list of tuples -> list of rows).
-RowMaker = Callable[[str, list[tuple[str, int]]], Callable[[list[tuple[Any, ...]]], list[Any]]]
-
-
-async def _open_scan(
-    cur: AsyncCursor[Any], table: _Table, writer: str, from_exclusive: int, to_inclusive: int
-) -> list[tuple[str, int]]:
-    """Start `writer`'s rows of (from, to] on a server-side cursor; its columns (name,
-    type oid)."""
-    params = {
-        "writer": writer,
-        "lo": table.stored(from_exclusive),
-        "hi": table.stored(to_inclusive),
-    }
-    await cur.execute(table.range_query(True, limited=False), params)
-    return [(column.name, column.type_code) for column in cur.description or ()]
-
-
-def _safe_bound(reached: list[int | None]) -> int | None:
-    """The largest ID whose rows every table has returned in full: just below the
-    lowest ID a still-open table has reached (its rows of that ID may go on). None
-    when every table was read to the end."""
-    open_ = [last for last in reached if last is not None]
-    return min(open_) - 1 if open_ else None
-
-
-class StreamRow(NamedTuple):
-    """One row of a stream table. `stream_id` is as stored (negative when backwards).
-    A named tuple: catch-up builds millions of them."""
-
-    stream_id: int
-    instance_name: str
-    table: str
-    data: dict[str, Any]
-
-
-def ident(name: str) -> sql.Identifier:
-    """A table or sequence name, schema-qualified or not, as an SQL identifier."""
-    return sql.Identifier(*name.split("."))
-
-
-_FLOOR = sql.SQL("%(floor)s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,115 +67,6 @@ class Survey:
     cutoff: int
     more: bool
     own_max: int | None
-
-
-def head_of(row: tuple[Any, ...]) -> int:
-    """The largest ID handed out, from a sequence's (last_value, is_called)."""
-    last, called = row
-    return int(last) if called else int(last) - 1
-
-
-class _Table:
-    """SQL fragments for one table of a stream."""
-
-    def __init__(self, spec: TableSpec, backwards: bool) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.table = ident(spec.name)
-        self.id = sql.Identifier(spec.id_column)
-        self.inst = sql.Identifier(spec.instance_column)
-        self.backwards = backwards
-        # Forwards: internal = stored, "above x" is `> x`, ascending order.
-        # Backwards: internal = -stored, "above x" is `< -x`, descending order.
-        self.above = sql.SQL("<" if backwards else ">")
-        self.at_most = sql.SQL(">=" if backwards else "<=")
-        self.order = sql.SQL("DESC" if backwards else "ASC")
-        self.extreme = sql.SQL("MIN" if backwards else "MAX")
-        self.indexed = True  # an index on (instance, id): per-writer reads, start-up
-        self.id_indexed = True  # an index led by the id: reads across writers
-        self.warned_scan = False
-        self.columns: frozenset[str] = frozenset()  # all of them, from check_tables
-
-    def stored(self, internal: int) -> int:
-        return -internal if self.backwards else internal
-
-    def _writers_cte(self) -> sql.Composed:
-        # Distinct writer names through the (instance, id) index, one probe per name.
-        return sql.SQL(
-            "WITH RECURSIVE w(name) AS ("
-            " (SELECT {inst} FROM {t} ORDER BY {inst} LIMIT 1)"
-            " UNION ALL"
-            " SELECT (SELECT {inst} FROM {t} WHERE {inst} > w.name ORDER BY {inst} LIMIT 1)"
-            " FROM w WHERE w.name IS NOT NULL) "
-        ).format(inst=self.inst, t=self.table)
-
-    def max_query(self) -> sql.Composed:
-        if not self.indexed:
-            return sql.SQL("SELECT {agg}({id}) FROM {t}").format(
-                agg=self.extreme, id=self.id, t=self.table
-            )
-        return self._writers_cte() + sql.SQL(
-            "SELECT {agg}(x.m) FROM w CROSS JOIN LATERAL"
-            " (SELECT {agg}({id}) AS m FROM {t} WHERE {inst} = w.name) x"
-            " WHERE w.name IS NOT NULL"
-        ).format(agg=self.extreme, id=self.id, t=self.table, inst=self.inst)
-
-    def ids_above_query(self, floor: sql.Composable = _FLOOR) -> sql.Composed:
-        """IDs above `floor` (stored form), lowest first, at most %(n)s."""
-        if not self.indexed:
-            return sql.SQL(
-                "SELECT {id} FROM {t} WHERE {id} {above} {floor} ORDER BY {id} {order} LIMIT %(n)s"
-            ).format(id=self.id, t=self.table, above=self.above, order=self.order, floor=floor)
-        return self._writers_cte() + sql.SQL(
-            "SELECT x.id FROM w CROSS JOIN LATERAL"
-            " (SELECT {id} AS id FROM {t} WHERE {inst} = w.name AND {id} {above} {floor}"
-            "  ORDER BY {id} {order} LIMIT %(n)s) x"
-            " WHERE w.name IS NOT NULL ORDER BY x.id {order} LIMIT %(n)s"
-        ).format(
-            id=self.id,
-            inst=self.inst,
-            t=self.table,
-            above=self.above,
-            order=self.order,
-            floor=floor,
-        )
-
-    def own_max_above_query(self, floor: sql.Composable) -> sql.Composed:
-        """The largest ID of writer %(inst)s above `floor` (stored form)."""
-        return sql.SQL(
-            "SELECT {agg}({id}) FROM {t} WHERE {inst} = %(inst)s AND {id} {above} {floor}"
-        ).format(
-            agg=self.extreme,
-            id=self.id,
-            t=self.table,
-            inst=self.inst,
-            above=self.above,
-            floor=floor,
-        )
-
-    def range_query(self, by_writer: bool, *, limited: bool = True) -> sql.Composed:
-        writer = (
-            sql.SQL("{inst} = %(writer)s AND ").format(inst=self.inst) if by_writer else sql.SQL("")
-        )
-        return sql.SQL(
-            "SELECT * FROM {t} WHERE {writer}{id} {above} %(lo)s AND {id} {at_most} %(hi)s"
-            " ORDER BY {id} {order}" + (" LIMIT %(n)s" if limited else "")
-        ).format(
-            t=self.table,
-            writer=writer,
-            id=self.id,
-            above=self.above,
-            at_most=self.at_most,
-            order=self.order,
-        )
-
-    def whole_id_query(self, by_writer: bool) -> sql.Composed:
-        writer = (
-            sql.SQL("{inst} = %(writer)s AND ").format(inst=self.inst) if by_writer else sql.SQL("")
-        )
-        return sql.SQL("SELECT * FROM {t} WHERE {writer}{id} = %(id)s").format(
-            t=self.table, writer=writer, id=self.id
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +108,9 @@ class StreamStore:
         self._seq = ident(spec.sequence)
         self._seq_regclass = regclass_text(spec.sequence)
         self._head_query = sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
-        self._tables = [_Table(t, spec.backwards) for t in spec.tables]
+        self._tables = [StreamTable(t, spec.backwards) for t in spec.tables]
+        # Its rows: read at start-up, by range, and scanned for catch-up.
+        self.rows = StreamRows(db, spec, self._tables)
         self._row_builders: dict[
             tuple[str, ...], Callable[[list[tuple[Any, ...]]], list[StreamRow]] | None
         ] = {}
@@ -316,7 +167,7 @@ class StreamStore:
 
     def _check_table(
         self,
-        table: _Table,
+        table: StreamTable,
         oid: int | None,
         columns: dict[str, tuple[int, str]],
         indexes: set[tuple[int, int]],
@@ -385,7 +236,7 @@ class StreamStore:
             and set(names) == table.columns
             and len(names) == len(table.columns)
         ):
-            build = self._stream_rows(table)(table.name, [(name, 0) for name in names])
+            build = StreamRows.stream_rows(table)(table.name, [(name, 0) for name in names])
         if len(self._row_builders) >= 64:
             self._row_builders.clear()
         self._row_builders[key] = build
@@ -538,7 +389,7 @@ class StreamStore:
             loaded = await self._positions_from(positions) if positions is not None else {}
             lowest = min(loaded.values(), default=0)
             ids, cutoff, more = (
-                await self._ids_from(pages, lowest, STARTUP_PAGE)
+                await self.rows.ids_from(pages, lowest, STARTUP_PAGE)
                 if pages is not None and loaded
                 else ([], lowest, False)
             )
@@ -803,43 +654,6 @@ class StreamStore:
             )
         return FenceResult(epoch, 0, moved)
 
-    # -- rows seen at start-up ---------------------------------------------------------------
-
-    async def ids_above(self, floor: int, limit: int) -> tuple[list[int], int, bool]:
-        """Committed IDs above `floor`, lowest first, complete up to a cutoff.
-
-        Returns (ids, cutoff, more): every committed ID in (floor, cutoff] is in `ids`,
-        and `more` says whether there may be IDs above the cutoff. One round trip for all
-        tables (a pipeline). Outlasts a server restart (`Database.retry_read`).
-        """
-
-        async def read() -> tuple[list[int], int, bool]:
-            async with self.db.connection() as conn:
-                async with conn.pipeline():
-                    pages = [
-                        await conn.execute(
-                            t.ids_above_query(), {"floor": t.stored(floor), "n": limit}
-                        )
-                        for t in self._tables
-                    ]
-                return await self._ids_from(pages, floor, limit)
-
-        return await self.db.retry_read(f"the IDs of stream {self.spec.name}", read)
-
-    async def _ids_from(
-        self, pages: list[AsyncCursor[TupleRow]], floor: int, limit: int
-    ) -> tuple[list[int], int, bool]:
-        found: list[int] = []
-        cutoff: int | None = None
-        for cursor in pages:
-            ids = [self._sign * int(r[0]) for r in await cursor.fetchall()]
-            found.extend(ids)
-            if len(ids) >= limit:
-                cutoff = ids[-1] if cutoff is None else min(cutoff, ids[-1])
-        if cutoff is None:
-            return sorted(found), max(found, default=floor), False
-        return sorted(i for i in found if i <= cutoff), cutoff, True
-
     async def _largest(self, cursors: list[AsyncCursor[TupleRow]]) -> int | None:
         """The largest of one-value answers (one per table), internal domain; None if
         every answer is NULL."""
@@ -923,213 +737,6 @@ class StreamStore:
             txn.xid = rows[0][1]
             txn.allocated_lsn = max(txn.allocated_lsn, *(int(r[2]) for r in rows))
         return sorted(int(r[0]) for r in rows)
-
-    # -- range reads -----------------------------------------------------------------------
-
-    async def read_page(
-        self, writer: str | None, from_exclusive: int, to_inclusive: int, limit: int
-    ) -> Page[StreamRow]:
-        """Rows with IDs in (from, to] (internal domain), of one writer or of all.
-        Outlasts a server restart (`Database.retry_read`)."""
-        return await self.db.retry_read(
-            f"rows of stream {self.spec.name}",
-            lambda: self._read_page(writer, from_exclusive, to_inclusive, limit),
-        )
-
-    async def _read_page(
-        self, writer: str | None, from_exclusive: int, to_inclusive: int, limit: int
-    ) -> Page[StreamRow]:
-        by_writer = writer is not None
-        sign = self._sign
-        pages: list[TablePage[StreamRow]] = []
-        complete: set[int] = set()
-        async with self.db.connection() as conn:
-            for table in self._tables:
-                if not by_writer and not table.id_indexed:
-                    self._warn_scan(table)
-                params: dict[str, Any] = {
-                    "writer": writer,
-                    "lo": table.stored(from_exclusive),
-                    "hi": table.stored(to_inclusive),
-                    "n": limit,
-                }
-                rows = await self._fetch_rows(conn, table.range_query(by_writer), params, table)
-                page = TablePage(ids=[sign * r[0] for r in rows], rows=rows, limit=limit)
-                whole = needs_whole_id(page)
-                if whole is not None:
-                    rows = await self._fetch_rows(
-                        conn,
-                        table.whole_id_query(by_writer),
-                        {"writer": writer, "id": table.stored(whole)},
-                        table,
-                    )
-                    page = TablePage(ids=[whole] * len(rows), rows=rows, limit=limit)
-                    complete.add(whole)
-                pages.append(page)
-        return merge_pages(pages, to_inclusive, limit, frozenset(complete))
-
-    async def scan(
-        self,
-        writer: str,
-        from_exclusive: int,
-        to_inclusive: int,
-        first: int,
-        most: int,
-        make_row: RowMaker | None = None,
-    ) -> AsyncGenerator[Page[Any], None]:
-        """Every row of `writer` in (from, to] (internal domain), in pages of `first` rows
-        doubling up to `most`, each cut between IDs, with the page's `upto`; the last
-        page ends at `to`. Rows are `StreamRow`s, or (for a stream of one table) what
-        `make_row` builds from the tuples, so that a catch-up of a million rows
-        allocates one object per row, not three.
-
-        One query streamed through a server-side cursor: paging with LIMIT would plan a
-        query per page, and on a freshly loaded table without statistics each of those
-        sorts everything above its start. A stream of several tables gets one cursor per
-        table, merged (`_merged`)."""
-        if len(self._tables) != 1:
-            if make_row is not None:
-                raise ValueError("make_row needs a stream of one table")
-            async for page in self._merged(writer, from_exclusive, to_inclusive, first, most):
-                yield page
-            return
-        table, sign = self._tables[0], self._sign
-        async with (
-            self.db.connection() as conn,
-            conn.transaction(),
-            conn.cursor(name="plait_scan") as cur,
-        ):
-            columns = await _open_scan(cur, table, writer, from_exclusive, to_inclusive)
-            id_at = [name for name, _ in columns].index(table.spec.id_column)
-            make = (make_row or self._stream_rows(table))(table.name, columns)
-            held: list[tuple[Any, ...]] = []  # rows of an ID that may go on in the next batch
-            size = first
-            # The next batch is on its way while this one is turned into rows.
-            fetching = asyncio.ensure_future(cur.fetchmany(size))
-            try:
-                while True:
-                    records = await fetching
-                    done = len(records) < size
-                    size = min(2 * size, most)
-                    if not done:
-                        fetching = asyncio.ensure_future(cur.fetchmany(size))
-                    if held:
-                        records = held + records
-                    if done:
-                        yield Page(make(records), to_inclusive, False)
-                        return
-                    last = records[-1][id_at]
-                    cut = len(records) - 1
-                    while cut > 0 and records[cut - 1][id_at] == last:
-                        cut -= 1
-                    held = records[cut:]
-                    if cut:
-                        yield Page(make(records[:cut]), sign * records[cut - 1][id_at], True)
-            finally:
-                if not fetching.done():
-                    fetching.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await fetching
-
-    @staticmethod
-    def _stream_rows(table: _Table) -> RowMaker:
-        """`StreamRow`s of the table's tuples (the default row maker)."""
-        spec = table.spec
-
-        def maker(
-            name: str, columns: list[tuple[str, int]]
-        ) -> Callable[[list[tuple[Any, ...]]], list[Any]]:
-            names = [column for column, _ in columns]
-            id_at, inst_at = names.index(spec.id_column), names.index(spec.instance_column)
-            return lambda records: [
-                StreamRow(r[id_at], r[inst_at], name, dict(zip(names, r, strict=False)))
-                for r in records
-            ]
-
-        return maker
-
-    async def _merged(
-        self, writer: str, from_exclusive: int, to_inclusive: int, first: int, most: int
-    ) -> AsyncGenerator[Page[StreamRow], None]:
-        """`scan` for a stream of several tables: one server-side cursor per table, in
-        one transaction, merged in ID order (ties in table order). A row goes out once
-        every table has been read past its ID, so each page ends between IDs."""
-        sign, tables = self._sign, self._tables
-        async with self.db.connection() as conn, conn.transaction():
-            cursors = []
-            makers = []
-            for n, table in enumerate(tables):
-                cur = conn.cursor(name=f"plait_scan_{n}")
-                columns = await _open_scan(cur, table, writer, from_exclusive, to_inclusive)
-                cursors.append(cur)
-                makers.append(self._stream_rows(table)(table.name, columns))
-            # Per table: rows fetched and not yet sent (internal ID, row), and the
-            # largest ID fetched; None once the table is read to the end.
-            buffers: list[list[tuple[int, StreamRow]]] = [[] for _ in tables]
-            reached: list[int | None] = [from_exclusive] * len(tables)
-            size = first
-            try:
-                while True:
-                    # Read on in the tables that hold the next page back (the lowest
-                    # reached); the others are ahead already.
-                    lowest = min(last for last in reached if last is not None)
-                    for n, cur in enumerate(cursors):
-                        if reached[n] != lowest:
-                            continue
-                        records = await cur.fetchmany(size)
-                        rows = makers[n](records)
-                        buffers[n].extend((sign * row.stream_id, row) for row in rows)
-                        reached[n] = None if len(records) < size else buffers[n][-1][0]
-                    size = min(2 * size, most)
-                    bound = _safe_bound(reached)
-                    done = bound is None
-                    upto = to_inclusive if bound is None else bound
-                    out: list[tuple[int, int, int, StreamRow]] = []
-                    for n, buffer in enumerate(buffers):
-                        cut = 0
-                        while cut < len(buffer) and buffer[cut][0] <= upto:
-                            out.append((buffer[cut][0], n, cut, buffer[cut][1]))
-                            cut += 1
-                        del buffer[:cut]
-                    out.sort(key=lambda item: item[:3])
-                    if done:
-                        yield Page([item[3] for item in out], to_inclusive, False)
-                        return
-                    if out:
-                        yield Page([item[3] for item in out], upto, True)
-            finally:
-                for cur in cursors:
-                    await cur.close()
-
-    def _warn_scan(self, table: _Table) -> None:
-        """Once per table: reads across writers scan a table without an id index."""
-        if table.warned_scan:
-            return
-        table.warned_scan = True
-        logger.warning(
-            "stream %s: reading all writers' rows by ID from table %s, which has no index "
-            "led by %s, so every such read scans the table; create one with: "
-            "CREATE INDEX CONCURRENTLY ON %s (%s)",
-            self.spec.name,
-            table.name,
-            table.spec.id_column,
-            table.name,
-            table.spec.id_column,
-        )
-
-    async def _fetch_rows(
-        self,
-        conn: AsyncConnection[TupleRow],
-        query: sql.Composed,
-        params: dict[str, Any],
-        table: _Table,
-    ) -> list[StreamRow]:
-        async with conn.cursor() as cur:
-            await cur.execute(query, params)
-            records = await cur.fetchall()
-            columns = [(column.name, column.type_code) for column in cur.description or ()]
-        rows: list[StreamRow] = self._stream_rows(table)(table.name, columns)(records)
-        return rows
 
 
 async def _connections_of(txn: Transaction | AsyncConnection[TupleRow], epoch: int) -> int:

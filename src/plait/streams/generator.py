@@ -34,7 +34,8 @@ from plait.errors import (
 from plait.storage.database import Database
 from plait.storage.identity import server_pid
 from plait.storage.incarnation import name_prefix
-from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamRow, StreamStore, Survey
+from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamStore, Survey
+from plait.storage.stream_tables import StreamRow
 from plait.storage.transaction import Params, Transaction, WalProgress
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
@@ -822,7 +823,7 @@ class MultiWriterIdGenerator:
         stood_still, self._passed_from = persisted == self._passed_from, persisted
         if not stood_still or max(tracker.positions().values(), default=0) <= persisted:
             return
-        first = await self._store.ids_above(persisted, PASS_PAGE)
+        first = await self._store.rows.ids_above(persisted, PASS_PAGE)
         await _observe_committed(self._store, tracker, first, PASS_PAGE)
         self._passed_from = tracker.persisted_upto
 
@@ -867,7 +868,7 @@ class MultiWriterIdGenerator:
         low, high = self._sign * from_exclusive, self._sign * to_inclusive
         if high <= low:
             return [], to_inclusive, False
-        page = await self._store.read_page(writer, low, high, limit)
+        page = await self._store.rows.read_page(writer, low, high, limit)
         return page.rows, self._sign * page.upto, page.limited
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -1157,4 +1158,4 @@ async def _observe_committed(
         tracker.observe_completed(ids)
         if not more or tracker.persisted_upto < cutoff:
             return
-        ids, cutoff, more = await store.ids_above(cutoff, page)
+        ids, cutoff, more = await store.rows.ids_above(cutoff, page)
