@@ -25,7 +25,7 @@ from plait.core import tcp_protocol
 from plait.core.backoff import Backoff
 from plait.core.commands import MAX_LINE_BYTES, CommandSet, Depart, Position, Rdata, rows_of
 from plait.errors import CommandParseError, ConfigError
-from plait.replication import tcp_transport
+from plait.replication import tcp_connection, tcp_transport
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.tcp_transport import TcpClient, TcpHub
@@ -756,7 +756,7 @@ async def test_bad_lines_past_the_budget_close_the_peer_and_only_it(
     bad: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # "At once" is under half the close grace: on a busy machine both stretch.
-    monkeypatch.setattr(tcp_transport, "_CLOSE_GRACE", scaled(tcp_transport._CLOSE_GRACE))
+    monkeypatch.setattr(tcp_connection, "CLOSE_GRACE", scaled(tcp_connection.CLOSE_GRACE))
     hub_handler, other = RecordingHandler("hub"), RecordingHandler("other")
     async with running_hub(hub_handler) as hub, running_client(other, hub.port) as client:
         assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
@@ -771,7 +771,7 @@ async def test_bad_lines_past_the_budget_close_the_peer_and_only_it(
         rest = await peer.rest()
         assert rest[-1].startswith("ERROR too many bad lines (over 100"), rest[-1]
         # hung up at once, not at the end of the hub's close grace
-        assert time.monotonic() - started < tcp_transport._CLOSE_GRACE / 2
+        assert time.monotonic() - started < tcp_connection.CLOSE_GRACE / 2
         await eventually(lambda: at_hub.closed_calls == 1, "closed at the hub")
         relayed = other.sessions[0].lines[1:].count(bad.decode().strip())  # past the hub's
         assert relayed == (3 if bad.startswith(b"REPLICATE") else 0)  # a few are free
@@ -808,7 +808,7 @@ async def test_a_slow_peer_is_closed_at_the_byte_limit_before_the_line_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Lines may be up to a MiB each: `send_queue` lines of them could be gigabytes."""
-    monkeypatch.setattr(tcp_transport, "_MAX_BUFFERED_BYTES", 1 << 20)
+    monkeypatch.setattr(tcp_connection, "MAX_BUFFERED_BYTES", 1 << 20)
     hub_handler = RecordingHandler("hub")
     async with running_hub(hub_handler, send_queue=10_000) as hub:
         peer = StuckPeer(hub, hub_handler)
@@ -1169,7 +1169,7 @@ async def test_warnings_about_a_peer_are_one_line_per_interval_with_a_count(
     """A peer reconnecting with a bad handshake, or sending bad lines, costs the log one
     line per interval per address: the first at once, then a count."""
     interval = 1.0
-    monkeypatch.setattr(tcp_transport, "_LOG_INTERVAL", interval)
+    monkeypatch.setattr(tcp_connection, "LOG_INTERVAL", interval)
     caplog.set_level(logging.DEBUG, logger="plait")
     hub_handler = RecordingHandler("hub")
     async with running_hub(hub_handler) as hub:

@@ -1,9 +1,10 @@
 """TCP replication transport: a hub on one instance, clients on the others (R-RP-1).
 
-This is the asyncio shell: sockets, tasks, timers, queues and logs. What to do with the
-bytes and lines (framing, both handshakes, the hub's rules for a client's lines and its
-bad-line budget, keepalive decisions) is decided by the pure state machines of
-`plait.core.tcp_protocol`. The rules the two keep together:
+This module is the asyncio shell of the hub and the client (accepting, connecting,
+handshakes, relaying); one established connection is `tcp_connection.Connection`. What
+to do with the bytes and lines (framing, both handshakes, the hub's rules for a client's
+lines and its bad-line budget, keepalive decisions) is decided by the pure state
+machines of `plait.core.tcp_protocol`. The rules the three keep together:
 - Framing: a command is one UTF-8 line ending in "\\n" ("\\r\\n" is accepted) of at most
   MAX_LINE_BYTES; a longer line is answered with ERROR and the connection closes.
 - Handshake: the client sends NAME; only once it is over does either end call
@@ -35,16 +36,16 @@ bad-line budget, keepalive decisions) is decided by the pure state machines of
   relay goes out before anything the hub's handler sent while taking the line, so all
   of them see the hub's order.
 - A hostile or broken client costs the others a bounded share: the hub's reader yields
-  every `_YIELD_EVERY` lines (a flood must not starve the other connections); bad lines
+  every `tcp_connection` `_YIELD_EVERY` lines (a flood must not starve the other connections); bad lines
   (those not relayed above, handshake commands again, REPLICATEs past the first few)
   draw on a budget of `BAD_LINES_BURST` plus `BAD_LINES_PER_SECOND` (`tcp_protocol`),
   past which the client gets ERROR and is closed. At most `_MAX_HANDSHAKING_PER_ADDRESS` connections
   from one address, and `_MAX_HANDSHAKING` in all, wait in the handshake at once; more
   are refused on the spot, so one address cannot lock the others out. Warnings about a
   peer (bad lines, ERRORs, failed handshakes) take at most one log line per
-  `_LOG_INTERVAL` per address: the first at once, then a count.
+  `LOG_INTERVAL` per address: the first at once, then a count.
 - `Link.send` never waits: a connection queues at most `send_queue` lines (and
-  `_MAX_BUFFERED_BYTES`) for its writer task. A peer too slow to keep up gets ERROR and
+  `MAX_BUFFERED_BYTES`) for its writer task. A peer too slow to keep up gets ERROR and
   is closed (it catches up after reconnecting); lines sent to a closed connection are
   dropped. With the reader's limit of two lines, what the hub holds for one peer stays
   bounded whatever it sends or fails to read.
@@ -61,134 +62,50 @@ import functools
 import ipaddress
 import logging
 import secrets
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from plait.core.backoff import Backoff
-from plait.core.commands import MAX_LINE_BYTES, Error, Ping, command_name, to_line
+from plait.core.commands import Error, command_name, to_line
 from plait.core.tcp_protocol import (
-    LINE_TOO_LONG,
-    TOO_MANY_BAD_LINES,
     Accepted,
     Admit,
     ClientHandshake,
     ClientLines,
     HubHandshake,
-    Keepalive,
-    LineFramer,
     Refused,
-    Route,
     TellHub,
-    clip,
     encode,
-    route,
 )
 from plait.errors import ConfigError
 from plait.ports import is_loopback
 from plait.replication import defaults
 from plait.replication.link import Handler, Session, wait_set
 from plait.replication.metrics import ReplicationMetrics
+from plait.replication.tcp_connection import (
+    READ_LIMIT,
+    Connection,
+    ConnectionOptions,
+    Lines,
+    LineTooLongError,
+    PeerLog,
+    check_positive,
+    close_stream,
+    tell_closed,
+)
 from plait.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-# The stream reader's limit: one byte past the line limit, for the "\r" of "\r\n".
-_READ_LIMIT = MAX_LINE_BYTES + 1
-# Bytes asked of the stream reader at a time; the framer cuts them into lines.
-_CHUNK = 1 << 16
-# How long a closing connection lets the peer read what was sent and hang up itself
-# before the socket is cut (a peer that does not read would otherwise hold it forever).
-_CLOSE_GRACE = 1.0
-# The reader lets the other tasks run after this many lines read back to back: a line
-# already buffered is read without yielding, so one peer's flood would otherwise hold
-# the event loop, and every other connection's reader, writer and pinger with it.
-_YIELD_EVERY = 64
-# Bytes held for one peer (queued lines and bytes not yet sent) past which it counts as
-# too slow, whatever `send_queue` allows: lines can be up to MAX_LINE_BYTES each.
-_MAX_BUFFERED_BYTES = 64 << 20
 # Connections in the handshake at once, from one address and from all; more are refused
 # on the spot, so that sockets that never finish the handshake cannot pile up (each is
 # also cut at the handshake timeout), and one address cannot take every slot.
 _MAX_HANDSHAKING_PER_ADDRESS = 8
 _MAX_HANDSHAKING = 256
-# Warnings about one peer address: one log line per this many seconds at most.
-_LOG_INTERVAL = 10.0
-# Peer addresses whose warnings are counted apart; past this many, the rest share one.
-_MAX_LOGGED_ADDRESSES = 1024
 # Random bytes in each nonce of the handshake.
 _NONCE_BYTES = 16
 # Connections the kernel may hold for the hub to accept (asyncio's default is 100): a
 # burst past it (every client reconnecting at once, or a flood) leaves connections
 # established for the client but unseen by the hub, for seconds of SYN-ACK retries.
 _BACKLOG = 1024
-
-
-class _LineTooLongError(Exception):
-    """The peer sent a line over MAX_LINE_BYTES."""
-
-
-class _Lines:
-    """A connection's received lines: bytes from the stream reader, cut by a
-    `LineFramer` (which holds what the handshake read past its last line, too)."""
-
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
-        self._framer = LineFramer()
-
-    async def next(self) -> bytes:
-        """The next line without its ending. Raises `IncompleteReadError` at EOF,
-        `_LineTooLongError` for a line over the limit, `OSError` when the connection
-        failed."""
-        framer = self._framer
-        while True:
-            line = framer.pop()
-            if line is not None:
-                return line
-            if framer.too_long:
-                raise _LineTooLongError
-            data = await self.reader.read(_CHUNK)
-            if not data:
-                raise asyncio.IncompleteReadError(b"?" if framer.partial else b"", None)
-            framer.feed(data)
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received and not taken as lines yet."""
-        # StreamReader has no public size of what it holds.
-        return self._framer.buffered + len(getattr(self.reader, "_buffer", b""))
-
-
-async def _close_stream(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, linger: bool
-) -> None:
-    """Hang up, flushing what was written; a peer that does not read is cut off after
-    `_CLOSE_GRACE`. `linger` when the peer should still read something (an ERROR, lines
-    flushed on stop): half-close and wait for it to hang up too, discarding what it
-    still sends, because closing with unread input resets the connection, which can
-    destroy our last lines before the peer reads them. Never raises."""
-    transport = writer.transport
-    try:
-        if not transport.is_closing():
-            async with asyncio.timeout(_CLOSE_GRACE):
-                if writer.can_write_eof():
-                    writer.write_eof()
-                if linger:
-                    while await reader.read(1 << 16):
-                        pass
-                writer.close()
-                await writer.wait_closed()
-    except Exception as err:  # a timeout, or the connection failed: either way it is over
-        log.debug("tcp: closing a connection: %r", err)
-    finally:
-        writer.close()
-        transport.abort()  # a no-op once the connection is closed
-
-
-def _check_options(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ConfigError(f"tcp transport: {name} must be positive, got {value!r}")
 
 
 def _check_secret(secret: str | None) -> bytes | None:
@@ -217,352 +134,6 @@ def _source_of(peer: object) -> str:
     return str(address)
 
 
-@dataclass(slots=True)
-class _Window:
-    """Warnings about one address since the first one was logged."""
-
-    timer: asyncio.TimerHandle
-    since: float
-    count: int = 0  # not logged yet
-    last: str = ""
-
-
-@dataclass
-class _PeerLog:
-    """Warnings about peers, one log line per `_LOG_INTERVAL` per peer address at most:
-    the first at once; those after it within the interval are counted (each logged at
-    DEBUG only) and summed up in one line when it ends. A peer that floods bad lines,
-    or reconnects to fail its handshake over and over, cannot flood the log."""
-
-    what: str  # "tcp hub", "tcp client"
-    _windows: dict[str, _Window] = field(default_factory=dict)
-
-    def warn(self, address: str, text: str) -> None:
-        if address not in self._windows and len(self._windows) >= _MAX_LOGGED_ADDRESSES:
-            address = "other addresses"
-        window = self._windows.get(address)
-        if window is None:
-            log.warning("%s: %s: %s", self.what, address, text)
-            self._open(address)
-            return
-        window.count += 1
-        window.last = text
-        log.debug("%s: %s: %s", self.what, address, text)
-
-    def close(self) -> None:
-        """Stop every timer, logging the counts not logged yet."""
-        windows, self._windows = self._windows, {}
-        for address, window in windows.items():
-            window.timer.cancel()
-            self._summary(address, window)
-
-    def _open(self, address: str) -> None:
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(_LOG_INTERVAL, self._end, address)
-        self._windows[address] = _Window(timer, loop.time())
-
-    def _end(self, address: str) -> None:
-        window = self._windows.pop(address)
-        if window.count:
-            self._summary(address, window)
-            self._open(address)  # the next line waits for the end of this window too
-
-    def _summary(self, address: str, window: _Window) -> None:
-        if window.count:
-            log.warning(
-                "%s: %s: %d more in the last %.1fs; the last: %s",
-                self.what,
-                address,
-                window.count,
-                asyncio.get_running_loop().time() - window.since,
-                window.last,
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class _Options:
-    """What every connection of the hub and of a client is run with."""
-
-    ping_interval: float
-    dead_after: float
-    send_queue: int
-
-    def __post_init__(self) -> None:
-        _check_options(
-            ping_interval=self.ping_interval,
-            dead_after=self.dead_after,
-            send_queue=self.send_queue,
-        )
-
-
-# What a line received is handed to: the session's `received`, or the hub's relay.
-_Deliver = Callable[[str | bytes], None]
-# The hub's hook in `send`: True when it took the line, to send it a moment later.
-_Hold = Callable[["_Connection", str], bool]
-# Where warnings about a peer go (a `_PeerLog`, with the peer's address).
-_Complain = Callable[[str], None]
-# Counts what the hub refused, by reason (the `plait_tcp_hub_refused` metric).
-_Refused = Callable[[str], None]
-
-
-class _Connection:
-    """One established connection, and the `Link` the handler sends through: reads lines,
-    drains a bounded send queue with a writer task, pings, and closes a silent peer.
-    `run` serves it until it ends; the owner then tells its session and calls `aclose`."""
-
-    def __init__(
-        self,
-        lines: _Lines,
-        writer: asyncio.StreamWriter,
-        *,
-        name: str,
-        label: str,
-        options: _Options,
-        complain: _Complain,
-        hold: _Hold | None = None,
-        refused: _Refused | None = None,
-        rules: ClientLines | None = None,
-    ) -> None:
-        self.name = name  # the peer's instance name (the hub's: "hub")
-        self._lines = lines
-        self._writer = writer
-        self._label = label
-        self._complain = complain
-        self._dead_after = options.dead_after
-        self._send_queue = options.send_queue
-        self._hold = hold
-        self._queue: list[str] = []
-        self._queued_bytes = 0  # about: characters, plus one per line break
-        self._queued = asyncio.Event()
-        self._ended = asyncio.Event()
-        self._reason = ""
-        self._flush = False
-        self._linger = False  # the peer should still read what was written (ERROR)
-        self._draining = False  # the writer waits for the peer to read
-        now = asyncio.get_running_loop().time()
-        self._alive = Keepalive(options.ping_interval, options.dead_after, now)
-        # The hub is strict with its clients: it counts their bad lines, and closes them
-        # past the budget (`rules`, the hub's for this client's lines).
-        self._refused = refused
-        self.rules = rules
-
-    @property
-    def label(self) -> str:
-        return self._label
-
-    def buffered_bytes(self) -> int:
-        """About how many bytes are held for this peer: queued lines, bytes written but
-        not sent yet, bytes received but not read as lines yet."""
-        unsent = self._writer.transport.get_write_buffer_size()
-        return self._queued_bytes + unsent + self._lines.buffered
-
-    def send(self, line: str) -> None:
-        """Queue a line; never blocks nor raises (see `Link.send`)."""
-        if self._ended.is_set():
-            return
-        if self._hold is not None and self._hold(self, line):
-            return
-        if "\n" in line or "\r" in line:
-            # A caller's bug; sent as is it would split into two commands on the wire.
-            log.error("%s: not sending a line with a line break in it: %.80r", self._label, line)
-            return
-        if command_name(line) == Error.NAME:  # the answer to a bad line of the peer's
-            self._complain(f"{self._label} sent a bad line: {clip(line[len(Error.NAME) + 1 :])}")
-        size = len(line) + 1
-        # Held for this peer: queued here and written but not sent yet.
-        held = self._queued_bytes + self._writer.transport.get_write_buffer_size() + size
-        over_bytes = held > _MAX_BUFFERED_BYTES
-        if over_bytes or len(self._queue) >= self._send_queue:
-            if not over_bytes and not self._draining:
-                # The peer keeps up; only our writer task has not run yet (a burst sent
-                # in one go). Hand the lines to the socket now rather than drop the peer.
-                self._queue.append(line)
-                self._write_now(self._queue)
-                self._queue.clear()
-                self._queued_bytes = 0
-                return
-            limit = (
-                f"{_MAX_BUFFERED_BYTES >> 20} MiB" if over_bytes else f"{self._send_queue} lines"
-            )
-            text = f"send queue full ({limit}): closing; reconnect and catch up"
-            self._write_error(text)
-            self._end("send queue full")
-            return
-        self._queue.append(line)
-        self._queued_bytes += size
-        self._queued.set()
-
-    def bad_line(self, reason: str = "bad") -> None:
-        """The peer sent a line it should not have. At the hub: counted under `reason`,
-        and one off its budget (`ClientLines.bad`); past it, ERROR and close."""
-        if self._refused is not None:
-            self._refused(reason)
-        if self.rules is None or not self.rules.bad(asyncio.get_running_loop().time()):
-            return
-        self._write_error(TOO_MANY_BAD_LINES)
-        self._end("sent too many bad lines")
-
-    def replace(self) -> None:
-        """A newer connection took this one's name: ERROR, and close."""
-        self._write_error(f"replaced by a newer connection named {self.name}", warn=False)
-        self._end("replaced by a newer connection")
-
-    def close(self) -> None:
-        """Drop the connection at the handler's request (see `Link.close`)."""
-        self._end("closed by the handler")
-
-    def _end(self, reason: str, *, flush: bool = False) -> None:
-        """End the connection (only the first call counts). Queued lines are dropped
-        unless `flush`, when `aclose` still writes them."""
-        if self._ended.is_set():
-            return
-        self._reason = reason
-        self._flush = flush
-        if not flush:
-            self._queue.clear()
-            self._queued_bytes = 0
-        self._ended.set()
-
-    async def run(
-        self,
-        session: Session,
-        *,
-        deliver: _Deliver | None = None,
-        on_up: Callable[[], None] | None = None,
-    ) -> str:
-        """Serve until the connection ends, and return why. Every line received that is
-        not the transport's own goes to `deliver` (default: `session.received`); `on_up`
-        is called once `session.wait_up()` returns. Every task started here has ended on
-        return; being cancelled (stop) closes the connection, keeping queued lines."""
-        loop = asyncio.get_running_loop()
-        to = session.received if deliver is None else deliver
-        tasks = [
-            loop.create_task(self._read_loop(to), name=f"{self._label} reader"),
-            loop.create_task(self._write_loop(), name=f"{self._label} writer"),
-            loop.create_task(self._keepalive(), name=f"{self._label} pings"),
-        ]
-        if on_up is not None:
-            tasks.append(loop.create_task(self._watch_up(session, on_up), name=f"{self._label} up"))
-        try:
-            await self._ended.wait()
-        except asyncio.CancelledError:
-            self._end("stopping", flush=True)
-            raise
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return self._reason
-
-    async def aclose(self) -> None:
-        """Write what is left to flush, then hang up (see `_close_stream`)."""
-        if self._flush and self._queue:
-            self._write_now(self._queue)
-        self._queue.clear()
-        self._queued_bytes = 0
-        await _close_stream(self._lines.reader, self._writer, linger=self._linger or self._flush)
-
-    def _write_error(self, text: str, *, warn: bool = True) -> None:
-        """Write ERROR past the queue, just before closing."""
-        if warn:
-            self._complain(f"{self._label}: {text}")
-        self._linger = True
-        self._write_now([to_line(Error(text))])
-
-    def _write_now(self, lines: list[str]) -> None:
-        if not self._writer.transport.is_closing():
-            self._writer.write(encode(lines))
-
-    async def _read_loop(self, deliver: _Deliver) -> None:
-        loop = asyncio.get_running_loop()
-        count = 0
-        try:
-            while not self._ended.is_set():  # ended by a line: read no further
-                raw = await self._lines.next()
-                if self._ended.is_set():  # ended while we waited: e.g. replaced, take nothing
-                    break
-                self._alive.received(loop.time())
-                self._dispatch(raw, deliver)
-                count += 1
-                if count % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-        except asyncio.IncompleteReadError as err:
-            self._end("the peer hung up" + (" in the middle of a line" if err.partial else ""))
-        except _LineTooLongError:
-            self._write_error(LINE_TOO_LONG)
-            self._end(f"the peer sent a {LINE_TOO_LONG}")
-        except Exception as err:  # OSError mostly; whatever it is, the connection is done
-            self._end(f"read failed: {err!r}")
-
-    def _dispatch(self, raw: bytes, deliver: _Deliver) -> None:
-        """Route one received line. Never raises: one bad line must not end the loop."""
-        try:
-            try:
-                text = raw.decode()
-            except UnicodeDecodeError:
-                deliver(raw)  # as bytes: the session answers ERROR
-                return
-            where = route(text)
-            if where is Route.SESSION:
-                deliver(text)
-            elif where is Route.PEER_ERROR:  # it answers one line of ours: for the log only
-                self._complain(f"{self._label} says: {clip(text[len(Error.NAME) + 1 :])}")
-            elif where is Route.BAD:  # a handshake command again: the handshake is over
-                log.debug("%s: ignoring %.80s", self._label, text)
-                self.bad_line()
-            # Route.PING only proves liveness, noted by the reader
-        except Exception:
-            log.exception("%s: handling a received line failed", self._label)
-
-    async def _write_loop(self) -> None:
-        try:
-            while True:
-                await self._queued.wait()
-                self._queued.clear()
-                batch, self._queue = self._queue, []
-                self._queued_bytes = 0
-                if batch:
-                    self._writer.write(encode(batch))
-                    # A peer that does not read leaves us waiting here (its window and
-                    # our buffers full): only then does a full queue mean it is too slow.
-                    self._draining = True
-                    try:
-                        async with asyncio.timeout(self._dead_after):
-                            await self._writer.drain()
-                    finally:
-                        self._draining = False
-        except Exception as err:  # the connection failed under us
-            self._end(f"write failed: {err!r}")
-
-    async def _keepalive(self) -> None:
-        """Ping and close a silent peer as `Keepalive` decides."""
-        loop = asyncio.get_running_loop()
-        alive = self._alive
-        while True:
-            now = loop.time()
-            ping, silent = alive.due(now)
-            if silent is not None:
-                self._end(f"nothing received for {silent:.1f}s")
-                return
-            if ping:
-                self.send(to_line(Ping(int(time.time() * 1000))))
-            await asyncio.sleep(alive.wake_at - now)
-
-    async def _watch_up(self, session: Session, on_up: Callable[[], None]) -> None:
-        try:
-            await session.wait_up()
-            on_up()
-        except Exception:
-            log.exception("%s: waiting for the connection to come up failed", self._label)
-
-
-def _tell_closed(session: Session, label: str) -> None:
-    try:
-        session.closed()
-    except Exception:
-        log.exception("%s: the session failed to close", label)
-
-
 class TcpHub:
     """Accepts clients and relays commands between them; this instance's handler serves
     each client connection as it would any other. With a `secret`, clients must prove
@@ -583,8 +154,8 @@ class TcpHub:
         secret: str | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        self._options = _Options(ping_interval, dead_after, send_queue)
-        _check_options(handshake_timeout=handshake_timeout)
+        self._options = ConnectionOptions(ping_interval, dead_after, send_queue)
+        check_positive(handshake_timeout=handshake_timeout)
         self._handler = handler
         self._host = host
         self._port = port
@@ -594,13 +165,13 @@ class TcpHub:
         self._server: asyncio.Server | None = None
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()  # one per accepted connection
-        self._peers: set[_Connection] = set()  # past the handshake: the relay set
+        self._peers: set[Connection] = set()  # past the handshake: the relay set
         self._handshaking = 0  # connections accepted and not past the handshake yet
         self._handshaking_from: dict[str, int] = {}  # the same, by source address
-        self._log = _PeerLog("tcp hub")
+        self._log = PeerLog("tcp hub")
         # While our session takes a client's line: what the handler sends meanwhile,
         # to go out after the relay of that line (see `_deliver`).
-        self._held: list[tuple[_Connection, str]] | None = None
+        self._held: list[tuple[Connection, str]] | None = None
 
     @property
     def port(self) -> int:
@@ -611,7 +182,7 @@ class TcpHub:
         return port
 
     def buffered_bytes(self) -> int:
-        """Bytes held for the connected peers (see `_Connection.buffered_bytes`)."""
+        """Bytes held for the connected peers (see `Connection.buffered_bytes`)."""
         return sum(peer.buffered_bytes() for peer in self._peers)
 
     async def start(self) -> None:
@@ -632,7 +203,7 @@ class TcpHub:
         self._handshaking = 0
         self._handshaking_from.clear()
         self._server = await asyncio.start_server(
-            self._accept, self._host, self._port, limit=_READ_LIMIT, backlog=_BACKLOG
+            self._accept, self._host, self._port, limit=READ_LIMIT, backlog=_BACKLOG
         )
         if self._metrics is not None:
             self._metrics.hub_buffered_bytes.set_function(self.buffered_bytes)
@@ -642,7 +213,7 @@ class TcpHub:
 
     async def stop(self) -> None:
         """Stop listening, close every connection (flushing what is queued, each given at
-        most `_CLOSE_GRACE` seconds) and end every task; sessions see `closed()`."""
+        most `CLOSE_GRACE` seconds) and end every task; sessions see `closed()`."""
         self._stopping = True
         server, self._server = self._server, None
         if server is not None:
@@ -688,9 +259,9 @@ class TcpHub:
         peer: object,
         source: str,
     ) -> None:
-        conn: _Connection | None = None
+        conn: Connection | None = None
         refused = False
-        lines = _Lines(reader)
+        lines = Lines(reader)
         try:
             try:
                 name = await self._handshake(lines, writer, source)
@@ -703,7 +274,7 @@ class TcpHub:
             if name is None:
                 refused = True
                 return
-            conn = _Connection(
+            conn = Connection(
                 lines,
                 writer,
                 name=name,
@@ -740,7 +311,7 @@ class TcpHub:
                 log.info("tcp hub: %s disconnected: %s", name, reason)
             finally:
                 self._peers.discard(conn)
-                _tell_closed(session, conn.label)
+                tell_closed(session, conn.label)
                 self._connection_down(conn)
         except Exception:
             log.exception("tcp hub: the connection from %s failed", peer)
@@ -748,10 +319,10 @@ class TcpHub:
             if conn is not None:
                 await conn.aclose()
             else:  # a refused peer should still read its ERROR
-                await _close_stream(reader, writer, linger=refused)
+                await close_stream(reader, writer, linger=refused)
 
     async def _handshake(
-        self, lines: _Lines, writer: asyncio.StreamWriter, source: str
+        self, lines: Lines, writer: asyncio.StreamWriter, source: str
     ) -> str | None:
         """The client's name once the handshake succeeded (`HubHandshake`); None once it
         failed (the client answered ERROR, unless it hung up or gave up itself)."""
@@ -767,7 +338,7 @@ class TcpHub:
                     done = step.done
         except TimeoutError:
             done = shake.timed_out(self._handshake_timeout)
-        except _LineTooLongError:
+        except LineTooLongError:
             done = shake.too_long()
         except (asyncio.IncompleteReadError, OSError) as err:
             log.debug("tcp hub: %s hung up in the handshake: %r", source, err)
@@ -781,7 +352,7 @@ class TcpHub:
         writer.write(encode([to_line(Error(done.text))]))
         return None
 
-    def _deliver(self, sender: _Connection, session: Session, line: str | bytes) -> None:
+    def _deliver(self, sender: Connection, session: Session, line: str | bytes) -> None:
         """Give a client's line to our session, then relay it to every other client as
         the client's `ClientLines` say; what the handler sent meanwhile goes out after
         the relay. Lines in another instance's name are refused before either; they,
@@ -796,7 +367,7 @@ class TcpHub:
         if admit is Admit.DROP:
             sender.bad_line()
             return
-        held: list[tuple[_Connection, str]] = []
+        held: list[tuple[Connection, str]] = []
         self._held = held
         try:
             session.received(line)
@@ -814,7 +385,7 @@ class TcpHub:
         for conn, out in held:
             conn.send(out)
 
-    def _hold(self, conn: _Connection, line: str) -> bool:
+    def _hold(self, conn: Connection, line: str) -> bool:
         if self._held is None:
             return False
         self._held.append((conn, line))
@@ -824,12 +395,12 @@ class TcpHub:
         if self._metrics is not None:
             self._metrics.child(self._metrics.tcp_hub_refused, reason).inc()
 
-    def _connection_up(self, conn: _Connection) -> None:
+    def _connection_up(self, conn: Connection) -> None:
         log.info("tcp hub: %s is up (every stream caught up)", conn.label)
         if self._metrics is not None:
             self._metrics.connection_up.labels(link=conn.label).set(1)
 
-    def _connection_down(self, conn: _Connection) -> None:
+    def _connection_down(self, conn: Connection) -> None:
         # A client that reconnected before its old connection was found dead has the
         # same label: its gauge belongs to the newer connection.
         if self._metrics is not None and all(p.label != conn.label for p in self._peers):
@@ -856,8 +427,8 @@ class TcpClient:
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        self._options = _Options(ping_interval, dead_after, send_queue)
-        _check_options(connect_timeout=connect_timeout)
+        self._options = ConnectionOptions(ping_interval, dead_after, send_queue)
+        check_positive(connect_timeout=connect_timeout)
         self._handler = handler
         self._host = host
         self._port = port
@@ -867,7 +438,7 @@ class TcpClient:
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
-        self._log = _PeerLog("tcp client")
+        self._log = PeerLog("tcp client")
 
     @property
     def label(self) -> str:
@@ -918,15 +489,15 @@ class TcpClient:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 reader, writer = await asyncio.open_connection(
-                    self._host, self._port, limit=_READ_LIMIT
+                    self._host, self._port, limit=READ_LIMIT
                 )
         except TimeoutError:
             return f"no connection within {self._connect_timeout:g}s"
         except OSError as err:
             return f"cannot connect: {err}"
-        conn: _Connection | None = None
+        conn: Connection | None = None
         told = False  # we sent the hub ERROR: it should read it before we hang up
-        lines = _Lines(reader)
+        lines = Lines(reader)
         try:
             done = await self._handshake(lines, writer)
             if isinstance(done, str):
@@ -939,7 +510,7 @@ class TcpClient:
                 return done.text
             hub = done.name
             log.info("tcp client: connected to hub %s at %s:%d", hub, self._host, self._port)
-            conn = _Connection(
+            conn = Connection(
                 lines,
                 writer,
                 name="hub",
@@ -957,7 +528,7 @@ class TcpClient:
                 return await conn.run(session, on_up=self._connection_up)
             finally:
                 self._open.clear()
-                _tell_closed(session, self.label)
+                tell_closed(session, self.label)
                 if self._metrics is not None:
                     self._metrics.connection_up.labels(link=self.label).set(0)
         except Exception as err:
@@ -967,10 +538,10 @@ class TcpClient:
             if conn is not None:
                 await conn.aclose()
             else:
-                await _close_stream(reader, writer, linger=told)
+                await close_stream(reader, writer, linger=told)
 
     async def _handshake(
-        self, lines: _Lines, writer: asyncio.StreamWriter
+        self, lines: Lines, writer: asyncio.StreamWriter
     ) -> Accepted | Refused | TellHub | str:
         """How the handshake (`ClientHandshake`) ended, or why it could not (a string:
         the hub hung up, timed out, or sent a line over the limit)."""
@@ -987,7 +558,7 @@ class TcpClient:
                         return step.done
         except TimeoutError:
             return f"the handshake with the hub did not finish within {self._connect_timeout:g}s"
-        except _LineTooLongError:
+        except LineTooLongError:
             return "the hub sent a line over the limit"
         except asyncio.IncompleteReadError:
             return "the hub hung up during the handshake"
