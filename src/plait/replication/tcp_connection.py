@@ -279,9 +279,7 @@ class Connection:
                 self._queue.clear()
                 self._queued_bytes = 0
                 return
-            limit = (
-                f"{MAX_BUFFERED_BYTES >> 20} MiB" if over_bytes else f"{self._send_queue} lines"
-            )
+            limit = f"{MAX_BUFFERED_BYTES >> 20} MiB" if over_bytes else f"{self._send_queue} lines"
             text = f"send queue full ({limit}): closing; reconnect and catch up"
             self._write_error(text)
             self._end("send queue full")

@@ -36,10 +36,11 @@ machines of `plait.core.tcp_protocol`. The rules the three keep together:
   relay goes out before anything the hub's handler sent while taking the line, so all
   of them see the hub's order.
 - A hostile or broken client costs the others a bounded share: the hub's reader yields
-  every `tcp_connection` `_YIELD_EVERY` lines (a flood must not starve the other connections); bad lines
-  (those not relayed above, handshake commands again, REPLICATEs past the first few)
-  draw on a budget of `BAD_LINES_BURST` plus `BAD_LINES_PER_SECOND` (`tcp_protocol`),
-  past which the client gets ERROR and is closed. At most `_MAX_HANDSHAKING_PER_ADDRESS` connections
+  every `_YIELD_EVERY` lines (`tcp_connection`: a flood must not starve the other
+  connections); bad lines (those not relayed above, handshake commands again,
+  REPLICATEs past the first few) draw on a budget of `BAD_LINES_BURST` plus
+  `BAD_LINES_PER_SECOND` (`tcp_protocol`), past which the client gets ERROR and is
+  closed. At most `_MAX_HANDSHAKING_PER_ADDRESS` connections
   from one address, and `_MAX_HANDSHAKING` in all, wait in the handshake at once; more
   are refused on the spot, so one address cannot lock the others out. Warnings about a
   peer (bad lines, ERRORs, failed handshakes) take at most one log line per
