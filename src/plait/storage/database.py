@@ -31,7 +31,7 @@ from plait.storage.identity import HEARD_AFTER_RESTART, Identity
 from plait.storage.incarnation import (
     Incarnation,
 )
-from plait.storage.leases import RECONNECT_CHAIN, Connections
+from plait.storage.leases import RECONNECT_CHAIN, Connections, CursorLease, Lease
 from plait.storage.migrations import LATEST, MIGRATION_LOCK, MIGRATIONS
 from plait.storage.outages import Outage, outlast
 from plait.storage.probe import probe
@@ -198,13 +198,13 @@ class Database:
 
     def connection(self) -> AbstractAsyncContextManager[AsyncConnection[TupleRow]]:
         """A pooled connection in autocommit mode."""
-        return self._conns.lease()
+        return Lease(self._conns)
 
     def scalar_cursor(self) -> AbstractAsyncContextManager[AsyncCursor[Any]]:
         """A cursor on a pooled connection in autocommit mode, for plait's own hot
         statements: its rows are the first column's values (`scalar_row`); read them
         inside the block (the next user reuses the cursor)."""
-        return self._conns.cursor_lease()
+        return CursorLease(self._conns)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:

@@ -72,12 +72,6 @@ class Connections:
         self.lost_count = 0
         self._replacing: asyncio.Task[None] | None = None
 
-    def lease(self) -> Lease:
-        return Lease(self)
-
-    def cursor_lease(self) -> CursorLease:
-        return CursorLease(self)
-
     def lost(self) -> None:
         """A connection died (under a statement, or while idle): its idle neighbours
         most likely did too (`replace_lost` tests them before the next lease)."""
@@ -141,10 +135,6 @@ class Lease:
         self._conns = conns
         self.hot: AsyncConnection[TupleRow] | None = None  # the hot one, when it is lent
         self.pooled: AbstractAsyncContextManager[AsyncConnection[TupleRow]] | None = None
-
-    @property
-    def connections(self) -> Connections:
-        return self._conns
 
     async def __aenter__(self) -> AsyncConnection[TupleRow]:
         identity = self._conns.identity
@@ -329,9 +319,10 @@ class CursorLease:
     psycopg cursor per statement costs more client CPU than the rest of a small write);
     on a pooled connection, a new one. Rows are scalars (the first column)."""
 
-    __slots__ = ("_lease",)
+    __slots__ = ("_conns", "_lease")
 
     def __init__(self, conns: Connections) -> None:
+        self._conns = conns
         self._lease = Lease(conns)
 
     async def __aenter__(self) -> AsyncCursor[Any]:
@@ -339,7 +330,7 @@ class CursorLease:
         conn = await lease.__aenter__()
         if lease.hot is None:
             return conn.cursor(row_factory=scalar_row)
-        conns = lease.connections
+        conns = self._conns
         cursor = conns.hot_cursor
         if cursor is None or cursor.connection is not conn:
             cursor = conns.hot_cursor = conn.cursor(row_factory=scalar_row)
