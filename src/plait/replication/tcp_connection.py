@@ -133,6 +133,8 @@ class PeerLog:
     or reconnects to fail its handshake over and over, cannot flood the log."""
 
     what: str  # "tcp hub", "tcp client"
+    # Where the lines go: the hub's and the client's own logger (`tcp_transport`).
+    logger: logging.Logger = log
     _windows: dict[str, _Window] = field(default_factory=dict)
 
     def warn(self, address: str, text: str) -> None:
@@ -140,12 +142,12 @@ class PeerLog:
             address = "other addresses"
         window = self._windows.get(address)
         if window is None:
-            log.warning("%s: %s: %s", self.what, address, text)
+            self.logger.warning("%s: %s: %s", self.what, address, text)
             self._open(address)
             return
         window.count += 1
         window.last = text
-        log.debug("%s: %s: %s", self.what, address, text)
+        self.logger.debug("%s: %s: %s", self.what, address, text)
 
     def close(self) -> None:
         """Stop every timer, logging the counts not logged yet."""
@@ -167,7 +169,7 @@ class PeerLog:
 
     def _summary(self, address: str, window: _Window) -> None:
         if window.count:
-            log.warning(
+            self.logger.warning(
                 "%s: %s: %d more in the last %.1fs; the last: %s",
                 self.what,
                 address,

@@ -169,7 +169,7 @@ class TcpHub:
         self._peers: set[Connection] = set()  # past the handshake: the relay set
         self._handshaking = 0  # connections accepted and not past the handshake yet
         self._handshaking_from: dict[str, int] = {}  # the same, by source address
-        self._log = PeerLog("tcp hub")
+        self._log = PeerLog("tcp hub", log)
         # While our session takes a client's line: what the handler sends meanwhile,
         # to go out after the relay of that line (see `_deliver`).
         self._held: list[tuple[Connection, str]] | None = None
@@ -439,7 +439,7 @@ class TcpClient:
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
-        self._log = PeerLog("tcp client")
+        self._log = PeerLog("tcp client", log)
 
     @property
     def label(self) -> str:
