@@ -9,37 +9,44 @@ stream shows negative IDs and positions, and `advance` takes them that way too.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
 from plait.core.backoff import Backoff
-from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
+from plait.core.positions import FetchTicket, PositionTracker
 from plait.core.spec import StreamSpec
 from plait.core.throttle import Throttle
 from plait.errors import (
     ConfigError,
     FencedError,
-    InstanceRunningError,
     NotAWriterError,
     PlaitError,
     StateError,
 )
 from plait.storage.database import Database
 from plait.storage.identity import server_pid
-from plait.storage.incarnation import name_prefix
-from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamStore, Survey
+from plait.storage.stream_store import StreamStore
 from plait.storage.stream_tables import StreamRow
-from plait.storage.transaction import Params, Transaction, WalProgress
+from plait.storage.transaction import Params, Transaction
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
 from plait.streams.position_writer import PositionWriter
+from plait.streams.startup import load, observe_committed
+from plait.streams.write_helpers import (
+    IDS_UNKNOWN,
+    IdsNotReturned,
+    InsertAtCommit,
+    Parts,
+    Reservation,
+    check_count,
+    column_names,
+)
 from plait.tasks import TaskSet, cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -133,9 +140,9 @@ class MultiWriterIdGenerator:
         self._unflushed: list[int] = []
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
-        # What the per-write helpers (`_Reservation`, `_InsertAtCommit`) use of this
+        # What the per-write helpers (`Reservation`, `InsertAtCommit`) use of this
         # generator, handed over once rather than reached for.
-        self._parts = _Parts(
+        self._parts = Parts(
             stream_name=spec.name,
             allocator=self._allocator,
             store=store,
@@ -201,7 +208,7 @@ class MultiWriterIdGenerator:
         # sequence checks first, repairing it and registering only move forwards.
         survey, tracker = await db.retry_idempotent(
             f"start stream {spec.name} as {instance_name}",
-            lambda: _load(db, store, spec, instance_name),
+            lambda: load(db, store, spec, instance_name),
         )
         gen = cls(
             db,
@@ -255,13 +262,13 @@ class MultiWriterIdGenerator:
     def get_next(self) -> AbstractAsyncContextManager[int]:
         """`async with gen.get_next() as stream_id:` write rows, then the ID completes."""
         self._check_writer()
-        return _Reservation(self._parts, 1, self._first_signed)
+        return Reservation(self._parts, 1, self._first_signed)
 
     def get_next_mult(self, n: int) -> AbstractAsyncContextManager[list[int]]:
         """Like `get_next`, for `n` IDs taken in one round trip."""
         self._check_writer()
-        _check_count(n)
-        return _Reservation(self._parts, n, self._signed)
+        check_count(n)
+        return Reservation(self._parts, n, self._signed)
 
     async def get_next_txn(self, txn: Transaction) -> int:
         """An ID inside the caller's transaction; it completes after commit or rollback."""
@@ -269,7 +276,7 @@ class MultiWriterIdGenerator:
 
     async def get_next_mult_txn(self, txn: Transaction, n: int) -> list[int]:
         self._check_writer()
-        _check_count(n)
+        check_count(n)
         ids = await self._take_ids(lambda: self._store.allocate_in(txn, n))
         # Finished once the WAL is on disk past them: at once when the commit wrote
         # something (it flushed), else after a flush (see `_finish_flushed`).
@@ -303,7 +310,7 @@ class MultiWriterIdGenerator:
                 try:
                     await cursor.execute(text, params)
                     records = await cursor.fetchall() if cursor.description else None
-                    rows = self._rows_of(_names(cursor), records)
+                    rows = self._rows_of(column_names(cursor), records)
                 finally:
                     cursor.row_factory = scalar_row
             ids = self._returned_ids(None if records is None else [r[0] for r in records])
@@ -316,7 +323,7 @@ class MultiWriterIdGenerator:
             run,
             completed=True,
             unsettled=lambda ticket, error: (
-                isinstance(error, _IDS_UNKNOWN) and self._unsettled(ticket, backend_pid)
+                isinstance(error, IDS_UNKNOWN) and self._unsettled(ticket, backend_pid)
             ),
         )
         return self._signed(ids)
@@ -341,7 +348,7 @@ class MultiWriterIdGenerator:
                 return self._returned_ids(None)
             records = await cursor.fetchall()
             if self._capture is not None:
-                rows = self._rows_of(_names(cursor), records)
+                rows = self._rows_of(column_names(cursor), records)
             return self._returned_ids([row[0] for row in records])
 
         ids = await self._take_ids(run)
@@ -357,7 +364,7 @@ class MultiWriterIdGenerator:
         transaction go out in one statement. The IDs complete once COMMIT succeeded;
         they are not known before."""
         self._check_writer()
-        txn.send_with_commit(_InsertAtCommit(self._parts, self._with_ids(query), params))
+        txn.send_with_commit(InsertAtCommit(self._parts, self._with_ids(query), params))
 
     async def _take_ids(
         self,
@@ -495,14 +502,14 @@ class MultiWriterIdGenerator:
     def _returned_ids(self, values: list[Any] | None) -> list[int]:
         """The IDs a statement returned (its first column), internal domain, sorted."""
         if values is None:
-            raise _IdsNotReturned(
+            raise IdsNotReturned(
                 "the statement returned nothing: end it with RETURNING <id column> so "
                 "plait learns which stream IDs it took"
             )
         # One column has one type, so the first value tells; `type(...) is int` also
         # refuses bool, a subclass of int.
         if values and (type(values[0]) is not int or None in values):
-            raise _IdsNotReturned(
+            raise IdsNotReturned(
                 "the statement must return the new stream IDs as its first column "
                 "(RETURNING <id column>)"
             )
@@ -824,7 +831,7 @@ class MultiWriterIdGenerator:
         if not stood_still or max(tracker.positions().values(), default=0) <= persisted:
             return
         first = await self._store.rows.ids_above(persisted, PASS_PAGE)
-        await _observe_committed(self._store, tracker, first, PASS_PAGE)
+        await observe_committed(self._store, tracker, first, PASS_PAGE)
         self._passed_from = tracker.persisted_upto
 
     async def _learn_stored_positions(self) -> None:
@@ -864,7 +871,7 @@ class MultiWriterIdGenerator:
         Returns (rows sorted by ID, upto, limited). When limited, every row with ID <= upto
         is included and reading on from upto skips nothing.
         """
-        _check_count(limit)
+        check_count(limit)
         low, high = self._sign * from_exclusive, self._sign * to_inclusive
         if high <= low:
             return [], to_inclusive, False
@@ -950,212 +957,3 @@ class MultiWriterIdGenerator:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Parts:
-    """What the per-write helpers below use of their generator."""
-
-    stream_name: str
-    allocator: IdAllocator
-    store: StreamStore
-    wal: WalProgress
-    tracker: PositionTracker
-    fetches: Fetches
-    finish_durable: Callable[[list[int], int], Awaitable[None]]
-    finish_flushed: Callable[[list[int]], None]
-    returned_ids: Callable[[list[Any] | None], list[int]]
-    lost: Callable[[FetchTicket], None]
-    written: Callable[[list[int], list[str] | None, list[TupleRow] | None], None]
-    poke_if_moved: Callable[[int], None]
-
-
-class _Reservation(Generic[T]):
-    """`get_next()` / `get_next_mult(n)`: IDs for the block, completed when it exits,
-    also on error or cancellation. A class rather than a generator-based context
-    manager: it runs on every write."""
-
-    __slots__ = ("_ids", "_lsn", "_n", "_parts", "_present")
-
-    def __init__(self, parts: _Parts, n: int, present: Callable[[list[int]], T]) -> None:
-        self._parts = parts
-        self._n = n
-        self._present = present
-        self._ids: list[int] = []
-        self._lsn = 0
-
-    async def __aenter__(self) -> T:
-        parts = self._parts
-        self._ids = await parts.allocator.allocate(self._n)
-        self._lsn = parts.store.allocated_lsn
-        parts.wal.watchers += 1  # commits meanwhile tell `_finish_durable`
-        return self._present(self._ids)
-
-    async def __aexit__(self, *exc: object) -> None:
-        parts = self._parts
-        parts.wal.watchers -= 1
-        if exc[0] is None:
-            await parts.finish_durable(self._ids, self._lsn)
-        else:  # the block failed: no row, most likely
-            parts.finish_flushed(self._ids)
-
-
-class _InsertAtCommit:
-    """`insert_with_commit`: the statement's IDs are on their way (a fetch ticket holds
-    the position) from the moment it is sent until COMMIT answered."""
-
-    __slots__ = ("_before", "_params", "_parts", "_text", "_ticket")
-
-    def __init__(self, parts: _Parts, text: str, params: Callable[[], Params] | None) -> None:
-        self._parts = parts
-        self._text = text
-        self._params = params
-        self._ticket: FetchTicket | None = None
-        self._before = 0
-
-    def statement(self) -> tuple[str, Params]:
-        return self._text, None if self._params is None else self._params()
-
-    def sending(self) -> None:
-        self._before = self._parts.tracker.local_position
-        self._ticket = self._parts.fetches.begin()
-
-    def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
-        parts, ticket = self._parts, self._ticket
-        if ticket is None:
-            return
-        self._ticket = None
-        try:
-            ids = parts.returned_ids(None if records is None else [r[0] for r in records])
-        except _IdsNotReturned as err:
-            # Committed, but plait cannot tell which IDs it took: as for a lost answer.
-            logger.error("stream %s: %s", parts.stream_name, err)
-            parts.lost(ticket)
-            return
-        if ids:
-            parts.written(ids, columns, records)
-        try:
-            parts.fetches.end(ticket, ids, completed=True)
-        except SequenceWentBackwardsError as err:
-            logger.error("stream %s: %s", parts.stream_name, err)
-        parts.poke_if_moved(self._before)
-
-    def failed(self) -> None:
-        # The transaction waited until its COMMIT's outcome was final; which IDs the
-        # statement took, if it committed, is lost with the answer.
-        ticket, self._ticket = self._ticket, None
-        if ticket is not None:
-            self._parts.lost(ticket)
-
-
-class _IdsNotReturned(ConfigError):
-    """A statement ran (and may have committed) without returning its IDs as its first
-    column: the statement is wrong, and which IDs it took is unknown."""
-
-
-# A statement that failed with these may have committed all the same: its connection
-# broke, it was cancelled, or it committed without returning its IDs.
-_IDS_UNKNOWN = (psycopg.OperationalError, asyncio.CancelledError, _IdsNotReturned)
-
-
-def _names(cursor: Any) -> list[str] | None:
-    """The column names of a cursor's result, None when it returned no rows."""
-    description = cursor.description
-    return None if description is None else [column.name for column in description]
-
-
-def _check_count(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"expected a positive number of IDs or rows, not {n!r}")
-
-
-async def _load(
-    db: Database, store: StreamStore, spec: StreamSpec, instance: str
-) -> tuple[Survey, PositionTracker]:
-    """Check the tables and sequence, load the positions, register this writer.
-
-    A writer's own committed rows count as final at start-up (`_load_tracker`), which
-    holds once its previous run is over: registration waits until that run has no
-    server process left (up to the database's patience), loading again each time."""
-    if not await store.check_tables():
-        await store.ensure_sequence()
-    # Own latest row: only a configured writer of a stream with position rows.
-    own = instance if spec.writers and instance in spec.writers else None
-
-    loop = asyncio.get_running_loop()
-    backoff = Backoff(initial=0.05, cap=1.0)
-    waiting_since: float | None = None
-    while True:
-        survey = await store.survey(own)
-        await store.check_sequence(survey)
-        tracker = await _load_tracker(store, spec, instance, survey)
-        if not (spec.writers and tracker.is_writer):
-            return survey, tracker
-        # Registered before the first allocation, so database-only readers know
-        # every live writer, and a fence of an earlier run cannot claim new IDs.
-        previous = await store.register(instance, tracker.local_position)
-        if isinstance(previous, Registered):
-            if previous.taken is None:
-                return survey, tracker
-            # Taken and given back unused: this run's first ID, finished already.
-            tracker.end_fetch(tracker.begin_fetch(), [previous.taken], completed=True)
-            return dataclasses.replace(survey, head=previous.taken), tracker
-        if waiting_since is None:
-            waiting_since = loop.time()
-            logger.warning(
-                "stream %s: the previous run of %s (epoch %d) still has %d connection(s) "
-                "to PostgreSQL; waiting up to %.0f s for them to end before it starts",
-                spec.name,
-                instance,
-                previous.epoch,
-                previous.alive,
-                db.patience,
-            )
-        # Then wait with a cheap count, no lock (fences need the row), and survey and
-        # register again only once the previous run is gone.
-        while (alive := await store.connections_of(previous.epoch)) > 0:
-            waited = loop.time() - waiting_since
-            if waited >= db.patience:
-                raise InstanceRunningError(
-                    f"stream {spec.name!r}: cannot start {instance!r}: its previous run "
-                    f"(epoch {previous.epoch}) still has {alive} server process(es) in "
-                    f"PostgreSQL after {waited:.0f} s, so IDs it holds may still commit. "
-                    f"Stop the process named {instance!r} if it still runs (two processes "
-                    "must never write under one name); server processes it left behind "
-                    "(pg_stat_activity rows whose application_name starts with "
-                    f"{name_prefix(previous.epoch)!r}) end with pg_terminate_backend"
-                )
-            await asyncio.sleep(backoff.next_delay())
-
-
-async def _load_tracker(
-    store: StreamStore, spec: StreamSpec, instance: str, survey: Survey
-) -> PositionTracker:
-    """Positions from `stream_positions` plus rows above them, without scanning (R-ID-9)."""
-    positions = dict(survey.positions)
-    writers = spec.writers or None
-    if not positions:
-        floor = max(1, survey.table_max or 1)
-        return PositionTracker(instance, writers=writers, floor=floor)
-    floor = min(positions.values())
-    if survey.own_max is not None:
-        positions[instance] = max(positions.get(instance, survey.own_max), survey.own_max)
-    tracker = PositionTracker(
-        instance, writers=writers, floor=floor, positions=positions, seat=False
-    )
-    await _observe_committed(store, tracker, (survey.ids, survey.cutoff, survey.more), STARTUP_PAGE)
-    tracker.seat_writers()
-    return tracker
-
-
-async def _observe_committed(
-    store: StreamStore, tracker: PositionTracker, first: tuple[list[int], int, bool], page: int
-) -> None:
-    """Feed `tracker` committed IDs (completed ones) from `first`, an `ids_above` answer,
-    then page by page, until past the first gap: more rows cannot move persisted-up-to."""
-    ids, cutoff, more = first
-    while True:
-        tracker.observe_completed(ids)
-        if not more or tracker.persisted_upto < cutoff:
-            return
-        ids, cutoff, more = await store.rows.ids_above(cutoff, page)
