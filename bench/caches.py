@@ -32,8 +32,8 @@ from typing import Any
 import common
 from plait import Database
 from plait.caches.invalidations import CACHES_STREAM, Invalidation, as_rows
-from plait.caches.registry import INSERT_ROWS
 from plait.instance import Instance
+from plait.storage.cache_rows import INSERT_ROWS
 
 REDIS_URL = os.environ.get("PLAIT_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 KEYS = 1000

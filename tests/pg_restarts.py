@@ -21,11 +21,12 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 import pace
-from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
+from plait.caches.invalidations import CACHES_STREAM
 from plait.check.journal import Line, read
 from plait.check.plan import Plan, write_control
 from plait.check.postgres import RestartablePostgres
 from plait.check.run import create_schema
+from plait.storage.cache_rows import CACHES_TABLE
 
 __all__ = ["RestartablePostgres", "Role", "control", "prepare_plan", "targets"]
 

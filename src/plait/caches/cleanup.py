@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from plait.caches.invalidations import CACHES_TABLE
 from plait.errors import DatabaseUnavailableError
+from plait.storage.cache_rows import delete_old_rows
 from plait.storage.database import Database
 
 logger = logging.getLogger(__name__)
@@ -27,21 +27,6 @@ DEFAULT_RETENTION = 7 * 24 * 3600.0  # seconds
 DEFAULT_BATCH = 1000
 DEFAULT_INTERVAL = 3600.0  # seconds between runs when there is no backlog
 DEFAULT_PAUSE = 0.1  # seconds between batches while there is one
-_LOCK = 0x706C616974_02  # "plait", 2: one cleaner at a time
-
-# The oldest `batch` rows by ID (the primary key: reads just them), of which those
-# older than the retention go. IDs grow with time, so old rows are at the head.
-DELETE_BATCH = f"""
-WITH head AS (
-    SELECT stream_id, invalidation_ts FROM {CACHES_TABLE} ORDER BY stream_id LIMIT %(batch)s
-), gone AS (
-    DELETE FROM {CACHES_TABLE} WHERE stream_id IN (
-        SELECT stream_id FROM head
-        WHERE invalidation_ts < statement_timestamp() - make_interval(secs => %(retention)s)
-    ) RETURNING 1
-)
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM head)
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +68,10 @@ class InvalidationCleanup:
     async def clean_once(self) -> Batch | None:
         """Delete one batch; None when another instance is cleaning right now."""
         async with self._db.transaction() as txn:
-            cursor = await txn.execute("SELECT pg_try_advisory_xact_lock(%s)", (_LOCK,))
-            locked = await cursor.fetchone()
-            if not locked or not locked[0]:
-                return None
-            cursor = await txn.execute(
-                DELETE_BATCH, {"batch": self.batch, "retention": self.retention}
-            )
-            row = await cursor.fetchone()
-        assert row is not None
-        deleted, seen = int(row[0]), int(row[1])
+            done = await delete_old_rows(txn, self.batch, self.retention)
+        if done is None:
+            return None
+        deleted, seen = done
         if deleted:
             logger.info("caches: deleted %d invalidation rows older than the retention", deleted)
             if self._on_deleted is not None:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from plait.core.commands import MAX_LINE_BYTES
 from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import CacheKeyError
+from plait.storage.cache_rows import CACHES_SEQUENCE, CACHES_TABLE
 from plait.storage.stream_tables import StreamRow
 
 Key = tuple[Any, ...]
@@ -28,8 +29,6 @@ Key = tuple[Any, ...]
 # so an invalidation always travels live and a Redis message stays small.
 MAX_ROW_BYTES = min(64 * 1024, MAX_LINE_BYTES // 8)
 CACHES_STREAM = "caches"
-CACHES_TABLE = "cache_invalidations"
-CACHES_SEQUENCE = "cache_invalidations_seq"
 
 
 def caches_stream_spec() -> StreamSpec:

@@ -25,7 +25,6 @@ from typing import Any, ParamSpec, TypeVar
 from plait.caches.cache import DEFAULT_MAX_ENTRIES, Cache
 from plait.caches.cached import CachedFunction
 from plait.caches.invalidations import (
-    CACHES_TABLE,
     MAX_ROW_BYTES,
     Invalidation,
     Key,
@@ -36,6 +35,7 @@ from plait.caches.invalidations import (
 )
 from plait.errors import CacheKeyError, ConfigError
 from plait.replication.metrics import CacheSnapshot, ReplicationMetrics
+from plait.storage.cache_rows import INSERT_ROWS
 from plait.storage.database import Database
 from plait.storage.transaction import Params, Transaction
 from plait.streams.generator import MultiWriterIdGenerator
@@ -45,13 +45,6 @@ P = ParamSpec("P")
 V = TypeVar("V")
 # expander(*shared, items) -> the real invalidations: (cache name, key or None) pairs.
 Expander = Callable[..., Iterable[tuple[str, Key | None]]]
-
-# All rows of a transaction in one statement; `{id}` takes one ID per row.
-INSERT_ROWS = (
-    f"INSERT INTO {CACHES_TABLE} (stream_id, instance_name, cache_name, keys, invalidation_ts)"
-    " SELECT {id}, %s, r->>0, NULLIF(r->1, 'null'::jsonb), statement_timestamp()"
-    " FROM jsonb_array_elements(%s::jsonb) AS r RETURNING *"
-)
 
 
 class CacheRegistry:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import psycopg
 
-from plait.caches.invalidations import CACHES_TABLE
+from plait.storage.cache_rows import hold_back_writers
 from plait.storage.database import Database
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,7 @@ async def fenced(db: Database, start: Callable[[], Awaitable[T]]) -> T:
     after `LOCK_TIMEOUT` of waiting, warn and run it anyway."""
     try:
         async with db.transaction() as txn:
-            await txn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-            await txn.execute(f"LOCK TABLE {CACHES_TABLE} IN SHARE MODE")
+            await hold_back_writers(txn, LOCK_TIMEOUT)
             return await start()
     except psycopg.errors.LockNotAvailable:
         logger.warning(

@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 from redis.asyncio import Redis
 
-from plait.caches.invalidations import CACHES_STREAM, CACHES_TABLE
+from plait.caches.invalidations import CACHES_STREAM
 from plait.check import journal
 from plait.check.faults import FaultLog, Partition, schedule
 from plait.check.journal import Kind
@@ -68,6 +68,7 @@ from plait.check.verdict import (
 from plait.config import InstanceConfig
 from plait.errors import PlaitError
 from plait.ports import free_port
+from plait.storage.cache_rows import CACHES_TABLE
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
 from plait.storage.search_path import in_schema
