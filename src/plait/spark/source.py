@@ -66,7 +66,6 @@ from plait.spark.options import METADATA, Options
 from plait.spark.read_connections import ReadConnections
 from plait.spark.schema import infer, text_columns
 from plait.storage import catalog
-from plait.storage.stream_tables import ident
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
 
 T = TypeVar("T")
@@ -160,25 +159,14 @@ class Plan:
         self, schema: StructType, as_text: set[str], piece: offsets.Slice, where: str | None
     ) -> str:
         added = {METADATA[name]: name for name in self.options.metadata}
-
-        def column(name: str) -> sql.Composable:
-            if added.get(name) == "stream":
-                return sql.SQL("{}::text AS {}").format(
-                    sql.Literal(self.spec.name), sql.Identifier(name)
-                )
-            if added.get(name) == "commitTimestamp":
-                return sql.SQL("pg_xact_commit_timestamp(xmin) AS {}").format(sql.Identifier(name))
-            template = "{c}::text AS {c}" if name in as_text else "{c}"
-            return sql.SQL(template).format(c=sql.Identifier(name))
-
-        select = sql.SQL(", ").join(column(f.name) for f in schema.fields)
-        condition = catalog.slice_condition(self.table, self.spec.backwards, piece)
-        if where is not None:
-            condition = sql.SQL("{} AND {}").format(condition, sql.SQL(where))
-        return (
-            sql.SQL("SELECT {} FROM {} WHERE {}")
-            .format(select, ident(self.table.name), condition)
-            .as_string(None)
+        return catalog.slice_query(
+            self.spec,
+            self.table,
+            [f.name for f in schema.fields],
+            as_text,
+            added,
+            piece,
+            where,
         )
 
 

@@ -12,7 +12,7 @@ the stream does not have. Every caller checks before it plans any work by them."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -350,6 +350,39 @@ def page_query(
     # By position: with every column picked, the ID column's name comes twice.
     return sql.SQL("SELECT * FROM ({}) AS page ORDER BY 1 {} LIMIT {}").format(
         sql.SQL(" UNION ALL ").join(parts), order, sql.Literal(limit)
+    )
+
+
+def slice_query(
+    spec: StreamSpec,
+    table: TableSpec,
+    fields: Sequence[str],
+    as_text: set[str],
+    added: Mapping[str, str],
+    piece: Slice,
+    where: str | None,
+) -> str:
+    """The SELECT of one Spark task: `fields` of `table` for the IDs of `piece`, those in
+    `as_text` read as text (types Arrow has no match for), those in `added` the
+    metadata they name ("stream", "commitTimestamp"); `where` (SQL from pushed filters)
+    narrows it. Plain text: the task runs it on a connection of its own."""
+
+    def column(name: str) -> sql.Composable:
+        if added.get(name) == "stream":
+            return sql.SQL("{}::text AS {}").format(sql.Literal(spec.name), sql.Identifier(name))
+        if added.get(name) == "commitTimestamp":
+            return sql.SQL("pg_xact_commit_timestamp(xmin) AS {}").format(sql.Identifier(name))
+        template = "{c}::text AS {c}" if name in as_text else "{c}"
+        return sql.SQL(template).format(c=sql.Identifier(name))
+
+    select = sql.SQL(", ").join(column(name) for name in fields)
+    condition = slice_condition(table, spec.backwards, piece)
+    if where is not None:
+        condition = sql.SQL("{} AND {}").format(condition, sql.SQL(where))
+    return (
+        sql.SQL("SELECT {} FROM {} WHERE {}")
+        .format(select, ident(table.name), condition)
+        .as_string(None)
     )
 
 
