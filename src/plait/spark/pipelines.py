@@ -20,13 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
-from psycopg import sql
-
 import plait.spark
 from plait.errors import ConfigError
 from plait.spark.delta import DeltaBatches
-from plait.storage.stream_tables import ident
-from plait.storage.timeouts import connect_sync
+from plait.storage import derived_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +135,6 @@ def export(
 # -- derived tables --------------------------------------------------------------------------
 
 
-MARKERS = "plait_spark_batches"
-
-
 @dataclass(frozen=True, slots=True)
 class Derived:
     """A table kept from a stream: `latest` (the last row of each key, as JSON, with
@@ -158,24 +152,7 @@ class Derived:
         return self.job or f"derive:{self.table}"
 
     def create(self) -> None:
-        name = ident(self.table)
-        if self.kind == "latest":
-            ddl = sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (key TEXT PRIMARY KEY, stream_id BIGINT NOT NULL,"
-                " instance_name TEXT NOT NULL, row JSONB NOT NULL)"
-            ).format(name)
-        else:
-            ddl = sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (key TEXT NOT NULL, hour TIMESTAMPTZ NOT NULL,"
-                " count BIGINT NOT NULL, PRIMARY KEY (key, hour))"
-            ).format(name)
-        with connect_sync(self.dsn, autocommit=True) as conn:
-            conn.execute(ddl)
-            conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {MARKERS} (job TEXT NOT NULL,"
-                " batch_id BIGINT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now(),"
-                " PRIMARY KEY (job, batch_id))"
-            )
+        derived_tables.create(self.dsn, self.table, self.kind)
 
     def batch_rows(self, frame: Any) -> list[tuple[Any, ...]]:
         """What this batch changes, computed by Spark: (key, stream_id, instance, json)
@@ -205,39 +182,7 @@ class Derived:
     def apply(self, rows: list[tuple[Any, ...]], batch_id: int) -> bool:
         """Apply one batch's rows with its marker, in one transaction; False when the
         marker was there already (a replayed batch)."""
-        name = ident(self.table)
-        with connect_sync(self.dsn) as conn, conn.transaction():
-            fresh = conn.execute(
-                f"INSERT INTO {MARKERS} (job, batch_id) VALUES (%s, %s)"
-                " ON CONFLICT DO NOTHING RETURNING 1",
-                (self.job_name, batch_id),
-            ).fetchone()
-            if fresh is None:
-                return False
-            if not rows:
-                return True
-            with conn.cursor() as cursor:
-                if self.kind == "latest":
-                    cursor.executemany(
-                        sql.SQL(
-                            "INSERT INTO {} (key, stream_id, instance_name, row)"
-                            " VALUES (%s, %s, %s, %s::jsonb) ON CONFLICT (key) DO UPDATE SET"
-                            " stream_id = EXCLUDED.stream_id,"
-                            " instance_name = EXCLUDED.instance_name, row = EXCLUDED.row"
-                            " WHERE {}.stream_id < EXCLUDED.stream_id"
-                        ).format(name, name),
-                        rows,
-                    )
-                else:
-                    cursor.executemany(
-                        sql.SQL(
-                            "INSERT INTO {} (key, hour, count) VALUES (%s, %s, %s)"
-                            " ON CONFLICT (key, hour) DO UPDATE"
-                            " SET count = {}.count + EXCLUDED.count"
-                        ).format(name, name),
-                        rows,
-                    )
-        return True
+        return derived_tables.apply(self.dsn, self.table, self.kind, self.job_name, rows, batch_id)
 
     def __call__(self, frame: Any, batch_id: int) -> None:
         self.apply(self.batch_rows(frame), batch_id)
