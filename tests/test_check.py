@@ -23,7 +23,8 @@ from plait.check import journal
 from plait.check.faults import kinds_for
 from plait.check.options import Options
 from plait.check.redis_server import redis_server_binary
-from plait.check.run import Checker, Report
+from plait.check.report import Report
+from plait.check.run import Checker
 from plait.check.table import summary
 from plait.check.verdict import ReaderVerdict
 

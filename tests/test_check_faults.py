@@ -25,7 +25,9 @@ from pg_proxy import proxy_in_front
 from plait.check import journal
 from plait.check.options import Options
 from plait.check.plan import Plan, keepalive_bound
-from plait.check.run import Checker, Report, _Proc
+from plait.check.process import CheckedProcess
+from plait.check.report import Report
+from plait.check.run import Checker
 from plait.check.table import summary
 from plait.ports import free_port
 from plait.storage.timeouts import DatabaseTimeouts
@@ -34,13 +36,13 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def live_writer(tmp_path: Path) -> AsyncIterator[_Proc]:
+async def live_writer(tmp_path: Path) -> AsyncIterator[CheckedProcess]:
     """A process the checker takes for a live writer (it only needs a target)."""
     refusing = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?connect_timeout=2"
     plan = Plan(
         dsn=refusing, transport="tcp", run_dir=tmp_path, writers=("w0",), streams=1, fence_after=1.0
     )
-    proc = _Proc("writer", "w0", plan)
+    proc = CheckedProcess("writer", "w0", plan)
     proc.proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", "import time; time.sleep(60)"
     )
@@ -53,7 +55,7 @@ async def live_writer(tmp_path: Path) -> AsyncIterator[_Proc]:
 
 
 async def test_a_terminate_fault_against_a_server_that_refuses_is_counted_not_raised(
-    live_writer: _Proc,
+    live_writer: CheckedProcess,
 ) -> None:
     checker = Checker(Options(dsn=live_writer._plan.dsn, seed=1))
     checker.plan = live_writer._plan
@@ -86,7 +88,7 @@ async def test_a_process_that_did_not_start_or_died_says_why(tmp_path: Path) -> 
     """Before: "spark did not start:" came with an empty log, and a reader that died
     showed only as rows lost; the cause was in its own files alone."""
     plan = Plan(dsn="", transport="tcp", run_dir=tmp_path, writers=(), streams=1, fence_after=1.0)
-    reader = _Proc("no-such-role", "spark", plan)  # exits at once: an unknown role
+    reader = CheckedProcess("no-such-role", "spark", plan)  # exits at once: an unknown role
     await reader.spawn()
     assert not await reader.until("started", 30)
     why = await reader.why_not("started", 30)

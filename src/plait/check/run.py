@@ -20,12 +20,11 @@ import json
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +52,14 @@ from plait.check.plan import (
     write_control,
 )
 from plait.check.postgres import RestartablePostgres
+from plait.check.process import CheckedProcess
 from plait.check.proxy import CutProxy
 from plait.check.redis_server import RedisServer
+from plait.check.report import Report
 from plait.check.roles import FENCED_EXIT, UNAVAILABLE_EXIT
 from plait.check.verdict import (
     History,
     ReaderLog,
-    ReaderVerdict,
     allowed_positions,
     judge_reader,
     last_error,
@@ -72,7 +72,6 @@ from plait.storage.cache_rows import CACHES_TABLE
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
 from plait.storage.search_path import in_schema
-from plait.tasks import TaskSet
 
 START_TIMEOUT = 60.0
 # How far before a stall a failed run's report looks for the faults that may explain it.
@@ -88,178 +87,6 @@ CATCH_UP_TIMEOUT = 60.0
 PARTITION_AFTER_FENCE = (2.0, 4.0)
 # Journal lines that carry a fetch's IDs: arrived, committed, rolled back, failed.
 _SETTLED_OR_ARRIVED = frozenset({Kind.ARRIVED, Kind.COMMITTED, Kind.ROLLED_BACK, Kind.FAILED})
-
-
-@dataclass
-class Report:
-    options: Options
-    seed: int
-    run_dir: Path
-    elapsed: float
-    committed: int
-    rolled_back: int
-    failed: int
-    faults: FaultLog
-    readers: list[ReaderVerdict]
-    own_regressions: list[str]
-    problems: list[str] = field(default_factory=list)
-    run_dir_kept: bool = True  # False: all held, and the folder plait made is gone
-    # Writers that found themselves fenced when a partition healed and went on as a new
-    # incarnation (the others exited with FENCED_EXIT: `faults.fenced_alive`).
-    renewed: int = 0
-    keepalive_bound: float = 0.0  # when a partition drops the connections it holds
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "seed": self.seed,
-            "transport": self.options.transport,
-            "duration": self.options.duration,
-            "elapsed": round(self.elapsed, 1),
-            "rows": self.committed,
-            "rolled_back": self.rolled_back,
-            "failed": self.failed,
-            "faults": dict(self.faults.counts),
-            "fenced_alive": self.faults.fenced_alive,
-            "renewed": self.renewed,
-            "partitions": sum(len(p) for p in self.faults.partitions.values()),
-            "restarts": self.faults.restarts,
-            "crashes": self.faults.crashes,
-            "transport_down": round(self.faults.transport_down(), 1),
-            "postgres_down": round(self.faults.db_down(), 1),
-            "could_not_inject": dict(self.faults.failed),
-            "spark_queries_revived": len(self.faults.revived),
-            "stall_bound": self.options.stall_bound,
-            "spark_stall_bound": self.options.spark_stall_bound if self.options.spark else None,
-            "readers": {
-                r.name: {
-                    "delivered": r.delivered,
-                    "lost": r.lost,
-                    "duplicated": r.duplicated,
-                    "phantom": r.phantom,
-                    "regressions": r.regressions,
-                    "stale": r.stale,
-                    "replays": r.replays,
-                    "longest_stall": round(r.longest_stall, 3),
-                    "stall_at": r.stall_at,
-                    "held_by": r.held_by or None,
-                    "caught_up": r.caught_up,
-                    "died": r.died or None,
-                }
-                for r in self.readers
-            },
-            "problems": self.problems,
-            "run_dir": str(self.run_dir),
-        }
-
-
-class _Proc:
-    """One checker process, and what its standard output said."""
-
-    def __init__(self, role: str, name: str, plan: Plan) -> None:
-        self.role, self.name, self._plan = role, name, plan
-        # A writer is restarted whenever it exits (`Checker._supervise`): waiting for
-        # what it says goes on across its exits.
-        self.supervised = role == "writer"
-        self.proc: asyncio.subprocess.Process | None = None
-        self.said: set[str] = set()
-        self.heard = asyncio.Event()
-        self.killed = False
-        self.stopped = False
-        self.restart_delay = 0.0
-        self._log = plan.run_dir / f"{name}.log"
-        # Reading each run's standard output until it closes; the checker's stop cancels
-        # and waits for them (a child may keep a pipe open).
-        self.listeners = TaskSet(f"check process {name}")
-
-    async def spawn(self) -> None:
-        self.said.clear()
-        with self._log.open("ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "plait.check.roles",
-                self.role,
-                self.name,
-                self._plan.to_json(),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-            )
-        self.listeners.start(self._listen(self.proc), name=f"plait-check-listen-{self.name}")
-
-    async def _listen(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            if proc is self.proc:
-                self.said.add(line.decode().strip())
-                self.heard.set()
-                self.heard = asyncio.Event()
-        if proc is self.proc and self.supervised:
-            self.said.clear()  # what a dead run said is not what its restart will say
-
-    async def until(self, word: str, timeout: float) -> bool:  # noqa: ASYNC109
-        deadline = time.monotonic() + timeout
-        while word not in self.said:
-            exited = self.proc is not None and self.proc.returncode is not None
-            if exited and not self.killed and not self.supervised:
-                return False
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(left, 0.5)):
-                    await self.heard.wait()
-        return True
-
-    @property
-    def live(self) -> bool:
-        """Running, started and not paused: a fault may target it."""
-        return (
-            self.proc is not None
-            and self.proc.returncode is None
-            and "started" in self.said
-            and not self.killed
-            and not self.stopped
-        )
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def log_text(self) -> str:
-        try:
-            return self._log.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    async def why_not(self, word: str, timeout: float) -> str:  # noqa: ASYNC109
-        """Why it did not say `word`: exited (with what) or still running, and the tail
-        of its standard error and of its journal. A process still running is asked to
-        log where its tasks wait first (`roles.dump_tasks`)."""
-        proc = self.proc
-        if proc is None:
-            state = "never started"
-        elif proc.returncode is not None:
-            state = f"exited with {proc.returncode}"
-        else:
-            state = f"still running {timeout:g} s later"
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGUSR1)
-            await asyncio.sleep(1.0)  # for the dump to reach the log
-        tail = self.log_tail(40) or "(nothing on its standard error)"
-        lines = list(journal.read(self._plan.journal(self.name)))[-5:]
-        said = "\n".join(f"{line.kind} {line.t:.3f} {' '.join(line.fields)}" for line in lines)
-        return (
-            f"{self.name} did not say {word!r}: {state}.\n"
-            f"its standard error ({self._log}) ends:\n{tail}\n"
-            f"its journal ends:\n{said or '(empty)'}"
-        )
 
 
 class Checker:
@@ -305,8 +132,8 @@ class Checker:
         self.plan = plan
         self.faults.journal = journal.Journal(run_dir / "faults.journal")
         self._write_control(phase="run")
-        writers = [_Proc("writer", w, plan) for w in plan.writers]
-        readers = [_Proc(r, r, plan) for r in options.readers]
+        writers = [CheckedProcess("writer", w, plan) for w in plan.writers]
+        readers = [CheckedProcess(r, r, plan) for r in options.readers]
         self.writers, self.readers = writers, readers
         problems: list[str] = []
         try:
@@ -408,7 +235,7 @@ class Checker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _supervise(self, w: _Proc) -> None:
+    async def _supervise(self, w: CheckedProcess) -> None:
         """Keep writer `w` running: restart it after a kill, a fence or a crash."""
         while not self._stopping:  # also after each wait below: nothing new once stopping
             await w.spawn()
@@ -485,7 +312,7 @@ class Checker:
 
     async def _try_fault(self, kind: str) -> bool:
         rng = self.rng
-        target: _Proc | None = None
+        target: CheckedProcess | None = None
         if kind in WRITER_FAULTS or kind == PG_PARTITION:
             # One partition of a writer at a time (other faults may hit it meanwhile).
             live = [w for w in self.writers if w.live and not self._partitioned(kind, w)]
@@ -537,7 +364,7 @@ class Checker:
         self.faults.injected(kind, name)
         return True
 
-    def _partitioned(self, kind: str, w: _Proc) -> bool:
+    def _partitioned(self, kind: str, w: CheckedProcess) -> bool:
         return kind == PG_PARTITION and self.faults.partitioned_now(w.name)
 
     def _partition_length(self, after_fence: float) -> float:
@@ -588,7 +415,7 @@ class Checker:
             windows[-1][1] = up
             self._write_control()
 
-    async def _pause(self, w: _Proc, seconds: float) -> None:
+    async def _pause(self, w: CheckedProcess, seconds: float) -> None:
         assert w.proc is not None
         proc = w.proc
         w.stopped = True

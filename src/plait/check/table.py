@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from plait.check.run import Report
+from plait.check.report import Report
 
 
 def summary(report: Report) -> list[Table]:
