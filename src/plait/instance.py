@@ -33,17 +33,17 @@ from plait.core.backoff import Backoff
 from plait.core.commands import Command, CommandSet
 from plait.core.throttle import Throttle
 from plait.errors import ConfigError, StateError
-from plait.replication.handler import ReplicationHandler
-from plait.replication.http_client import InternalClient
-from plait.replication.http_server import InternalApi
-from plait.replication.listeners import (
+from plait.replication.handler import (
     CommandListener,
     DepartureListener,
     Listeners,
     PositionListener,
+    ReplicationHandler,
     ResetListener,
     RowsListener,
 )
+from plait.replication.http_client import InternalClient
+from plait.replication.http_server import InternalApi
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
 from plait.replication.rows import DictRows, JsonRows, RowCodec
