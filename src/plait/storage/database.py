@@ -8,7 +8,6 @@ stream, `stream_store.py`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,7 +72,7 @@ class Database:
         self._outage = Outage()  # one warning per outage, not per reader
         # How far PostgreSQL's WAL is known to be on disk, and who wants to know (R-ID-14).
         self.wal = WalProgress()
-        self._conns = Connections(pool, self._identity, self._server, self._lost)
+        self._conns = Connections(pool, self._identity, server_address(dsn), self._lost)
         self._guard = asyncio.create_task(self._close_on_shutdown(), name="plait-pool-guard")
 
     @classmethod
@@ -273,21 +272,17 @@ class Database:
         return await outlast(
             step,
             patience=self._retry_reads_for,
-            server=self._server,
+            server=self._conns.server,
             doing=what,
             transient=connection_lost,
             giving_up=lambda seconds, reason: DatabaseUnavailableError(
-                f"could not {what}: PostgreSQL at {self._server} has been unreachable for "
+                f"could not {what}: PostgreSQL at {self._conns.server} has been unreachable for "
                 f"{seconds:.0f} s ({reason}). Check that the server is up and reachable at "
                 "that address (host, port), or give it longer (database_patience in the "
                 "configuration; retry_reads_for of Database.connect)"
             ),
             outage=self._outage,
         )
-
-    @functools.cached_property
-    def _server(self) -> str:
-        return server_address(self._dsn)
 
     def _lost(self) -> None:
         """A connection died: perhaps another server's WAL next (a failover)."""
@@ -305,8 +300,12 @@ class Database:
         try:
             await asyncio.get_running_loop().create_future()
         finally:
-            if not self._conns.closed:
-                await self._conns.close()
+            conns = self._conns
+            if not conns.closed:
+                # Only the pool: its workers' stop messages are what shutdown needs; the
+                # event loop is ending, so nothing is handed back or waited out.
+                conns.closed = True
+                await conns.pool.close()
 
     async def run_schema(self, statements: str) -> None:
         """An application's own idempotent DDL (`CREATE TABLE IF NOT EXISTS ...`), under
