@@ -142,7 +142,7 @@ def _beyond(report: Report, contention: pace.Contention) -> list[str]:
     fits = {
         v.name
         for v in report.readers
-        if v.longest_stall <= report.options.bound(v.name) * contention.slowness
+        if not v.past(report.options.bound(v.name) * contention.slowness)
     }
     stall_lines = tuple(f"{name}: {what}" for name in fits for what in ("stall ", "the stall "))
     left = [p for p in report.problems if not p.startswith(stall_lines)]

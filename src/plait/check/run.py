@@ -671,7 +671,7 @@ class Checker:
         problems += [
             f"{v.name}: {self._faults_around(plan, v.stall_span)}"
             for v in verdicts
-            if v.bounded and v.longest_stall > bound(v.name) and v.stall_span[1] > 0
+            if v.past(bound(v.name)) and v.stall_span[1] > 0
         ]
         problems += [f"{v.name}: e.g. {e}" for v in verdicts for e in v.examples]
         problems += [f"own position went back: {r}" for r in regressions]

@@ -154,6 +154,10 @@ class ReaderVerdict:
     # Why the reader stopped reading before the end (its last error), when it did.
     died: str = ""
 
+    def past(self, bound: float) -> bool:
+        """Whether its longest stall breaks `bound` (a bounded reader's only)."""
+        return self.bounded and self.longest_stall > bound
+
     def violations(self, bound: float) -> list[str]:
         found = [
             f"{what}: {n}"
@@ -169,7 +173,7 @@ class ReaderVerdict:
         ]
         if self.died:  # next to the losses it explains
             found.append(f"stopped reading: {self.died}")
-        if self.bounded and self.longest_stall > bound:
+        if self.past(bound):
             held = f" ({self.held_by})" if self.held_by else ""
             found.append(f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}{held}")
         if not self.caught_up:
