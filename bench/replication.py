@@ -387,8 +387,9 @@ async def catchup(db: Database, dsn: str, rows: int) -> None:
         # The writer sends RDATA for its rows into the void meanwhile; let it finish, so
         # that the reader's catch-up alone is timed (in production they are processes
         # of their own).
-        sender = writer._handler._senders[0]  # type: ignore[union-attr]
-        await until(lambda: sender.outbound.sent_upto >= high, within=600)
+        outbound = writer._handler._senders[0].outbound  # type: ignore[union-attr]
+        assert outbound is not None
+        await until(lambda: outbound.sent_upto >= high, within=600)
         reader_gen = reader.generator("events")
         server.start()
         began = time.perf_counter()

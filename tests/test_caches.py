@@ -18,6 +18,7 @@ from plait import Database, StateError
 from plait.caches.cleanup import InvalidationCleanup
 from plait.caches.invalidations import CACHES_STREAM
 from plait.instance import Instance
+from plait.streams.outbox import Outbox
 from redis_server import RedisServer
 from replication_helpers import Cluster, cluster_of, connected, metric
 
@@ -234,7 +235,7 @@ async def test_rollback_writes_and_invalidates_nothing(db: Database, redis_url: 
 
 
 async def test_local_caches_are_invalidated_before_the_transactions_ids_complete(
-    db: Database, redis_url: str
+    db: Database, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another stream written in the same transaction: by the time its position moves
     here, the cache entry is gone already (R-CA-3 on the writer itself)."""
@@ -244,7 +245,15 @@ async def test_local_caches_are_invalidated_before_the_transactions_ids_complete
         assert await app_a.value("k5") == 0
         observed: list[bool] = []
         events = a.generator("events")
-        events.add_moved_listener(lambda: observed.append(("k5",) in app_a.value.cache))
+        # The moment its position moves is the moment it posts that to its outbox.
+        post = Outbox.moved
+
+        def moved(outbox: Outbox) -> None:
+            if outbox is events.outbox:
+                observed.append(("k5",) in app_a.value.cache)
+            post(outbox)
+
+        monkeypatch.setattr(Outbox, "moved", moved)
         async with a.db.transaction() as txn:
             stream_id = await events.get_next_txn(txn)
             await txn.execute("INSERT INTO events VALUES (%s, 'w1', 'x')", (stream_id,))

@@ -122,6 +122,9 @@ async def test_an_in_memory_stream_past_its_bound_catches_up_from_its_writer(
         room = f"room{i % 7}"
         token = typing.write(room, {"room": room, "n": i})
         latest[room] = i
+        # Let the sender send each row: writes made with no await between them are sent
+        # in one pass, as the latest row of each key only.
+        await asyncio.sleep(0)
     await pace.until(
         lambda: metric(r, "plait_commands_received_total", command="RDATA") >= 20 * BOUND,
         10,

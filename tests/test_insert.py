@@ -12,24 +12,9 @@ from pg_proxy import answer_losing_proxy
 from plait import ConfigError, Database, MultiWriterIdGenerator, StateError
 from plait.replication.rows import DictRows
 from plait.replication.streams import DatabaseStream
-from plait.storage.stream_tables import StreamRow
 from stream_helpers import create_generator, create_table
 
 ONE = "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, %s, %s)"
-
-
-class Capture:
-    """A generator's write capture that keeps what it heard."""
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[list[int], int]] = []
-        self.unknowns: list[tuple[int, int]] = []
-
-    def written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
-        self.writes.append((ids, len(rows or [])))
-
-    def unknown(self, low: int, high: int) -> None:
-        self.unknowns.append((low, high))
 
 
 async def test_insert_one_and_many(db: Database) -> None:
@@ -114,15 +99,21 @@ async def test_insert_with_commit_travels_with_commit_and_completes_after_it(
         " SELECT {id}, 'w', p FROM unnest(%s::text[]) AS p RETURNING *"
     )
     payloads: list[str] = []
-    capture = Capture()
-    gen.capture_writes(capture)
+    outbox = gen.open_outbox()
     async with db.transaction() as txn:
         await txn.execute("SELECT 1")
         gen.insert_with_commit(txn, many, lambda: (payloads,))
         payloads += ["a", "b"]  # read when COMMIT is sent
         assert gen._tracker.fetches_in_flight() == 0  # nothing sent yet
         payloads.append("c")
-    assert capture.writes == [([2, 3, 4], 3)]  # whole rows came back with the IDs
+    # Whole rows came back with the IDs: the outbox holds them for replication.
+    known = outbox.known(1, 4)
+    assert known is not None
+    assert [(stream_id, [r.data["payload"] for r in rows]) for stream_id, rows in known] == [
+        (2, ["a"]),
+        (3, ["b"]),
+        (4, ["c"]),
+    ]
     assert gen.get_current_token() == 4
     assert gen.get_last_completed_token() == 4
     # Without any other statement, the transaction is BEGIN, the insert, COMMIT.
@@ -196,7 +187,7 @@ async def test_a_write_whose_answer_was_lost_is_read_back_not_skipped(dsn: str, 
             await create_table(db)
             gen = await create_generator(db, ["w"], "w")
             stream = DatabaseStream(gen, DictRows())
-            stream.track_own_writes()
+            stream.open_outbox()
             start = stream.own_position()
             assert start is not None
 

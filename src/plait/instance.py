@@ -433,7 +433,7 @@ class Instance:
         self._generators[gen.stream_name] = gen
         stream = DatabaseStream(gen, codec, self.metrics)
         if self.config.replication.transport != "none" and gen.is_writer:
-            stream.track_own_writes()  # from the start: nothing is in flight yet
+            stream.open_outbox()  # from the start: nothing is in flight yet
         return stream
 
     async def _open_caches(self) -> None:

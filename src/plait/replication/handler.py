@@ -24,12 +24,13 @@ Delivery order (R-CA-3): rows to `on_rows` listeners (caches invalidate there), 
 the stream advances, then `on_position` listeners, then `wait_for_stream_position`
 waiters. Nothing observes a position before the effects of its rows are in place.
 
-Outbound (R-RP-4, R-RP-5): after this instance's own position moves, its rows in
-(sent, position] go out as RDATA plus a trailing POSITION: at once, from the write's
-completion, when the rows are known without a query, else after reading them back. An
-announcer wakes the senders every `announce_interval` so an idle writer's position
-still moves for everyone. A new connection gets REPLICATE and our positions, never
-old rows.
+Outbound (R-RP-4, R-RP-5): each stream's writer posts to its outbox
+(`plait.streams.outbox`), and one `Sender` per stream drains it: after this instance's
+own position moves, its rows in (sent, position] go out as RDATA plus a trailing
+POSITION, taken from the outbox when the write returned them whole, else read back; the
+writers this instance fenced come to `fenced`. An announcer ticks the outboxes every
+`announce_interval`, so an idle writer's position still moves for everyone. A new
+connection gets REPLICATE and our positions, never old rows.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import inspect
 import logging
 import time
@@ -194,11 +194,8 @@ class ReplicationHandler:
         # Every task of every session: `stop` ends them all.
         self._session_tasks = TaskSet("replication sessions")
         self.stopping = False
-        self._senders = [
-            Sender(self, stream)
-            for stream in self.streams.values()
-            if stream.own_position() is not None
-        ]
+        # One per stream: it drains the stream's outbox (own rows, fences).
+        self._senders = [Sender(self, stream) for stream in self.streams.values()]
         self._tasks: list[asyncio.Task[None]] = []
         self._unknown_streams: set[str] = set()
         self.sync_streams: set[str] = set()
@@ -209,8 +206,6 @@ class ReplicationHandler:
         # Refused claims and rows that fail to decode, keyed apart.
         self.warnings = Throttle(_REFUSALS_LOGGED_EVERY)
         self._overflows = Throttle(_OVERFLOWS_LOGGED_EVERY)
-        for stream in self.streams.values():
-            stream.add_fence_listener(functools.partial(self._fenced, stream))
         metrics.watch_streams(self._snapshots)
 
     @property
@@ -246,7 +241,7 @@ class ReplicationHandler:
         self._tasks.clear()
         for sender in self._senders:
             try:
-                await sender.flush()
+                await sender.close()
             except Exception as err:
                 logger.warning("replication: final send of %s failed: %s", sender, err)
         if depart:
@@ -323,17 +318,18 @@ class ReplicationHandler:
     def answer_replicate(self, link: Link) -> None:
         """Our position on every stream we write, with nothing in between (R-RP-4)."""
         for sender in self._senders:
-            self.send_command(link, with_sign(sender.outbound.replicate(), sender.stream.sign))
+            if sender.outbound is not None:
+                self.send_command(link, with_sign(sender.outbound.replicate(), sender.stream.sign))
 
     async def _announce(self) -> None:
         while True:
             await asyncio.sleep(self.announce_interval)
             for sender in self._senders:
-                sender.wake_if_moved()
+                sender.announce()
 
     # -- fenced writers ---------------------------------------------------------------------
 
-    def _fenced(self, stream: ReplicatedStream, writer: str, signed: int) -> None:
+    def fenced(self, stream: ReplicatedStream, writer: str, signed: int) -> None:
         """This instance fenced a dead `writer` up to `signed`: tell the others, who
         check the writer's stored position and then catch up its rows as for a POSITION
         from wherever they are, and catch them up here too before its position moves."""

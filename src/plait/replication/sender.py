@@ -1,6 +1,6 @@
-"""Sending this instance's own rows of one stream, as they complete (R-RP-4): RDATA for the rows
-and a trailing POSITION, from the write's completion itself when the rows are known,
-else from the sender's task, which reads them back."""
+"""Draining one stream's outbox (`plait.streams.outbox`): this instance's own rows as
+RDATA with a trailing POSITION (R-RP-4), and the dead writers it fenced, handed to the
+handler."""
 
 from __future__ import annotations
 
@@ -17,50 +17,64 @@ from plait.streams.memory import ReadPage
 logger = logging.getLogger(__name__)
 
 
-class SendsLines(Protocol):
-    """What a sender needs of the handler: its name, and a way to send lines."""
+class SenderHandler(Protocol):
+    """What a sender needs of the handler."""
 
     @property
     def instance_name(self) -> str: ...
 
-    def send_lines(self, lines: list[str]) -> None: ...
+    def send_lines(self, lines: list[str]) -> None:
+        """Send these lines to every peer."""
+
+    def fenced(self, stream: ReplicatedStream, writer: str, signed: int) -> None:
+        """This instance fenced dead `writer` of `stream` up to `signed`."""
 
 
 class Sender:
-    """Sends this instance's rows of one stream as they complete.
+    """Takes what one stream's writer posts to its outbox and sends it.
 
-    Rows the stream knows without a query (in-memory streams; writes that returned whole
-    rows) go out synchronously, from the write's completion itself: no task switch
-    between a commit and its RDATA. Anything else wakes the sender's task, which reads
-    the rows back; while it does, later rows wait for it, so the order holds."""
+    The outbox schedules `_posted` on the event loop after a write's IDs complete
+    (never inside the write). Rows the outbox holds (writes that returned whole rows;
+    in-memory streams) go out from there at once, with no task switch; anything else
+    wakes the sender's task, which reads the rows back, and while it does, later rows
+    wait for it, so the order holds. An idle move (R-ID-5) waits for the announcer's
+    tick (`announce`). A stream this instance does not write has only fences to hand
+    over (`outbound` is None)."""
 
-    def __init__(self, handler: SendsLines, stream: ReplicatedStream) -> None:
+    def __init__(self, handler: SenderHandler, stream: ReplicatedStream) -> None:
         self._handler = handler
         self.stream = stream
         position = stream.own_position()
-        assert position is not None
-        self.outbound = Outbound(stream.name, handler.instance_name, position)
+        self.outbound = (
+            None if position is None else Outbound(stream.name, handler.instance_name, position)
+        )
         self._wake = asyncio.Event()
         self._reading = False  # the task is reading rows back: send nothing meanwhile
-        stream.track_own_writes()
-        stream.add_moved_listener(self._moved)
+        self._closed = False
+        # Before the first write: nothing is missed.
+        self.outbox = stream.open_outbox(self._posted)
 
     def __str__(self) -> str:
         return self.stream.name
 
-    def wake_if_moved(self) -> None:
-        position = self.stream.own_position()
-        if position is not None and position > self.outbound.sent_upto:
-            self._wake.set()
+    def announce(self) -> None:
+        """The announce interval passed: send an idle move of the position now."""
+        self.outbox.tick()
 
-    def _moved(self) -> None:
+    def _posted(self) -> None:
+        if self._closed:
+            return
+        for writer, signed in self.outbox.take_fences():
+            self._handler.fenced(self.stream, writer, signed)
+        if self.outbound is None:
+            return
         if self._reading:
             self._wake.set()
             return
         try:
-            if self._send_known():
+            if self._send_known(self.outbound):
                 return
-        except Exception as err:  # never into the writer's own code path
+        except Exception as err:  # the task retries
             logger.warning("replication: sending rows of %s failed: %s", self, err)
         self._wake.set()
 
@@ -78,9 +92,9 @@ class Sender:
                 await asyncio.sleep(backoff.next_delay())
                 self._wake.set()
 
-    def _send_known(self) -> bool:
-        """Send what needs no query; False when rows must be read back first."""
-        stream, outbound = self.stream, self.outbound
+    def _send_known(self, outbound: Outbound) -> bool:
+        """Send what the outbox holds; False when rows must be read back first."""
+        stream = self.stream
         while True:
             target = stream.own_position()
             if target is None or target <= outbound.sent_upto:
@@ -88,25 +102,31 @@ class Sender:
             page = stream.read_known(outbound.sent_upto, target)
             if page is None:
                 return False
-            self._send(page)
+            self._send(outbound, page)
 
     async def flush(self) -> None:
-        """Send every row up to our current position, then the position itself."""
-        stream, outbound = self.stream, self.outbound
+        """Send every own row up to our current position, then the position itself."""
+        outbound = self.outbound
+        if outbound is None:
+            return
         self._reading = True
         try:
-            while not self._send_known():
-                target = stream.own_position()
+            while not self._send_known(outbound):
+                target = self.stream.own_position()
                 assert target is not None
-                page = await stream.read_own(outbound.sent_upto, target)
-                self._send(page)
+                self._send(outbound, await self.stream.read_own(outbound.sent_upto, target))
         finally:
             self._reading = False
 
-    def _send(self, page: ReadPage) -> None:
+    async def close(self) -> None:
+        """Send what is left (the task is stopped already); send nothing after."""
+        self._closed = True
+        await self.flush()
+
+    def _send(self, outbound: Outbound, page: ReadPage) -> None:
         # Synchronous from building to sending: a REPLICATE answered meanwhile must not
         # announce a position whose rows were not sent yet.
-        sign, outbound = self.stream.sign, self.outbound
+        sign = self.stream.sign
         try:
             lines = [to_line(with_sign(c, sign)) for c in outbound.page(page.rows, page.upto)]
         except ValueError as err:

@@ -13,12 +13,11 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from plait.core.own_writes import OwnWrites
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.rows import BatchRowCodec, RowCodec
-from plait.storage.stream_tables import StreamRow
 from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
+from plait.streams.outbox import Outbox
 
 # Rows read per query when sending own rows as RDATA.
 SEND_PAGE = 1000
@@ -90,11 +89,12 @@ class ReplicatedStream(Protocol):
 
     def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage | None:
         """This instance's rows in (from, to] as JSON values, when known without a
-        query; None when they must be read back (`read_own`)."""
+        query (the outbox holds them); None when they must be read back (`read_own`)."""
         ...
 
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
-        """This instance's rows in (from, to], as JSON values, to send as RDATA."""
+        """This instance's rows in (from, to], as JSON values, to send as RDATA: from
+        the outbox when it holds them all (no query), else read back."""
         ...
 
     def catch_up(
@@ -108,13 +108,11 @@ class ReplicatedStream(Protocol):
         """A row that arrived as JSON, as a row value."""
         ...
 
-    def add_moved_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener` whenever this instance's own position moves after a write."""
-        ...
-
-    def track_own_writes(self) -> None:
-        """Keep what `read_own` needs from each own write (called once there is a
-        sender, so nothing piles up without one)."""
+    def open_outbox(self, reader: Callable[[], None] | None = None) -> Outbox:
+        """Where this process's writer of the stream posts its writes, position moves
+        and fences for the sender; it keeps what `read_own` needs from each own write
+        from now on (call it before the first write). `reader`, once given, is
+        scheduled on the event loop after posts."""
         ...
 
     def positions(self) -> dict[str, int]:
@@ -128,11 +126,6 @@ class ReplicatedStream(Protocol):
     def oldest_unfinished_age(self) -> float | None:
         """Seconds the work holding this instance's own position has been pending;
         None when not a writer here or nothing is pending (for metrics)."""
-        ...
-
-    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
-        """Call `listener(writer, signed position)` when this instance fenced a dead
-        writer of the stream (the listener then moves it along)."""
         ...
 
 
@@ -168,8 +161,6 @@ class DatabaseStream:
             for writer, position in gen.get_positions().items()
             if writer != self._own
         }
-        # Own IDs completed but not sent yet -> their rows, or None when not known.
-        self._pending: OwnWrites[StreamRow] | None = None
 
     @property
     def name(self) -> str:
@@ -217,35 +208,12 @@ class DatabaseStream:
             return None
         return self._sign * self._gen.get_current_token_for_writer(self._own)
 
-    def track_own_writes(self) -> None:
-        """From now on, remember this instance's writes until they are sent: their rows
-        when the generator saw them (then `read_known` sends them without a query), or
-        that they are unknown (then `read_own` reads them back). Call it before the
-        first write."""
-        if self._pending is None:
-            self._pending = OwnWrites()
-            self._gen.capture_writes(self)
-
-    def written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
-        """The generator's capture (`WriteCapture`): own IDs written, rows if known."""
-        assert self._pending is not None
-        by_id: dict[int, list[StreamRow]] | None = None
-        if rows is not None:
-            by_id, sign = {}, self._sign
-            for row in rows:
-                by_id.setdefault(sign * row.stream_id, []).append(row)
-        self._pending.record(ids, by_id)
-
-    def unknown(self, low: int, high: int) -> None:
-        """The generator's capture: own IDs in (low, high] that nobody can name."""
-        assert self._pending is not None
-        self._pending.unknown(low, high)
+    def open_outbox(self, reader: Callable[[], None] | None = None) -> Outbox:
+        return self._gen.open_outbox(reader)
 
     def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage | None:
-        pending = self._pending
-        if pending is None:
-            return None
-        found = pending.known(from_exclusive, to_inclusive)
+        outbox = self._gen.outbox
+        found = outbox.known(from_exclusive, to_inclusive)
         if found is None:
             return None
         codec, upto, limited = self._codec, to_inclusive, False
@@ -255,7 +223,7 @@ class DatabaseStream:
                 upto, limited = found[n - 1][0], True
                 break
             out.extend((stream_id, codec.to_json(codec.from_db(row))) for row in rows)
-        pending.drop_upto(upto)
+        outbox.sent_upto(upto)
         return ReadPage(out, upto, limited)
 
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
@@ -265,8 +233,7 @@ class DatabaseStream:
         page = await self._read_back(from_exclusive, to_inclusive)
         if self._read_back_rows is not None:
             self._read_back_rows.inc(len(page.rows))
-        if self._pending is not None:
-            self._pending.drop_upto(page.upto)
+        self._gen.outbox.sent_upto(page.upto)
         return page
 
     async def _read_back(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
@@ -297,9 +264,6 @@ class DatabaseStream:
     def decode(self, value: Any) -> Any:
         return self._codec.from_json(value)
 
-    def add_moved_listener(self, listener: Callable[[], None]) -> None:
-        self._gen.add_moved_listener(listener)
-
     def positions(self) -> dict[str, int]:
         return self._gen.get_positions()
 
@@ -308,9 +272,6 @@ class DatabaseStream:
 
     def oldest_unfinished_age(self) -> float | None:
         return self._gen.oldest_unfinished_age()
-
-    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
-        self._gen.add_fence_listener(listener)
 
 
 class CatchUpClient(Protocol):
@@ -341,6 +302,9 @@ class InMemoryStream:
         self._codec = codec
         self._client = client
         self.memory = MemoryStream(name) if instance_name in writers else None
+        # What the sender drains: the moves of this process's own writes, if any
+        # (nothing is fenced: in-memory rows are caught up from their writer).
+        self._outbox = Outbox() if self.memory is None else self.memory.outbox
         self._seen: dict[str, int] = {}
 
     @property
@@ -381,12 +345,12 @@ class InMemoryStream:
     def own_position(self) -> int | None:
         return None if self.memory is None else self.memory.position
 
-    def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
-        return self.read_json(from_exclusive, to_inclusive, SEND_PAGE)
-
     @property
     def durable(self) -> bool:
         return False  # a restarted writer's rows are gone, and the reset must be heard
+
+    def read_known(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
+        return self.read_json(from_exclusive, to_inclusive, SEND_PAGE)
 
     async def read_own(self, from_exclusive: int, to_inclusive: int) -> ReadPage:
         return self.read_known(from_exclusive, to_inclusive)
@@ -417,12 +381,9 @@ class InMemoryStream:
     def decode(self, value: Any) -> Any:
         return self._codec.from_json(value)
 
-    def add_moved_listener(self, listener: Callable[[], None]) -> None:
-        if self.memory is not None:
-            self.memory.add_moved_listener(listener)
-
-    def track_own_writes(self) -> None:
-        pass  # own rows live in `memory` anyway
+    def open_outbox(self, reader: Callable[[], None] | None = None) -> Outbox:
+        self._outbox.open(reader)  # own rows live in `memory`: only moves are posted
+        return self._outbox
 
     def positions(self) -> dict[str, int]:
         positions = dict(self._seen)
@@ -435,6 +396,3 @@ class InMemoryStream:
 
     def oldest_unfinished_age(self) -> float | None:
         return None  # in-memory writes finish as they are made
-
-    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
-        pass  # nothing to fence: in-memory rows are caught up from their writer

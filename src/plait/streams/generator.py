@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import TupleRow, scalar_row, tuple_row
@@ -36,6 +36,7 @@ from plait.storage.stream_tables import StreamRow
 from plait.storage.transaction import Params, Transaction
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
 from plait.streams.fencer import Fencer
+from plait.streams.outbox import Outbox
 from plait.streams.position_writer import PositionWriter
 from plait.streams.startup import load, observe_committed
 from plait.streams.write_helpers import (
@@ -51,17 +52,6 @@ from plait.tasks import TaskSet, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class WriteCapture(Protocol):
-    """Who hears of this writer's writes before their IDs complete (replication's
-    sender). IDs are in the internal domain."""
-
-    def written(self, ids: list[int], rows: list[StreamRow] | None) -> None:
-        """`ids` (sorted) were written, with these rows, or None when not known."""
-
-    def unknown(self, low: int, high: int) -> None:
-        """IDs in (low, high] may have been written, but nobody can say which."""
 
 
 DEFAULT_BATCH = 100
@@ -132,9 +122,8 @@ class MultiWriterIdGenerator:
         self._unconfirmed: dict[str, int] = {}
         self._confirming: asyncio.Task[None] | None = None
         self._refused_advances = Throttle(10.0)  # one warning per writer this often
-        self._moved_listeners: list[Callable[[], None]] = []
-        self._fence_listeners: list[Callable[[str, int], None]] = []
-        self._capture: WriteCapture | None = None
+        # Everything replication hears of this writer goes through here (`open_outbox`).
+        self._outbox = Outbox(spec.sign)
         self._settling = TaskSet(f"stream {spec.name}")
         # IDs that finish once the WAL is flushed, and the task that flushes it.
         self._unflushed: list[int] = []
@@ -301,12 +290,12 @@ class MultiWriterIdGenerator:
             nonlocal backend_pid
             async with self._db.scalar_cursor() as cursor:
                 backend_pid = server_pid(cursor.connection)
-                if self._capture is None:
+                if not self._outbox.is_open:
                     await cursor.execute(text, params)
                     return self._returned_ids(
                         await cursor.fetchall() if cursor.description else None
                     )
-                cursor.row_factory = tuple_row  # whole rows, to tell the listener
+                cursor.row_factory = tuple_row  # whole rows, for the outbox
                 try:
                     await cursor.execute(text, params)
                     records = await cursor.fetchall() if cursor.description else None
@@ -315,7 +304,7 @@ class MultiWriterIdGenerator:
                     cursor.row_factory = scalar_row
             ids = self._returned_ids(None if records is None else [r[0] for r in records])
             # Before the IDs complete (when `run` returns), as for every other write.
-            self._capture.written(ids, rows)
+            self._outbox.written(ids, rows)
             return ids
 
         # Autocommit: when the statement returns, its IDs are committed already.
@@ -347,7 +336,7 @@ class MultiWriterIdGenerator:
             if cursor.description is None:
                 return self._returned_ids(None)
             records = await cursor.fetchall()
-            if self._capture is not None:
+            if self._outbox.is_open:
                 rows = self._rows_of(column_names(cursor), records)
             return self._returned_ids([row[0] for row in records])
 
@@ -379,18 +368,38 @@ class MultiWriterIdGenerator:
         return ids
 
     def _poke_if_moved(self, before: int) -> None:
-        """Our position moved: have the position writer store it soon, and tell the
-        listeners (replication sends the new rows)."""
+        """Our position moved: have the position writer store it soon, and post it to
+        the outbox (replication sends the new rows)."""
         if self._tracker.local_position != before:
             if self._position_writer is not None:
                 self._position_writer.poke()
-            for listener in self._moved_listeners:
-                listener()
+            self._outbox.moved()
 
-    def add_moved_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener` (synchronously, so keep it cheap) whenever this writer's own
-        position moves after a write completes."""
-        self._moved_listeners.append(listener)
+    def _idle_moved(self, before: int) -> None:
+        """Our position moved by the idle rule (R-ID-5), with no write of ours: it is
+        stored and announced on their own schedules, not once per position heard."""
+        if self._tracker.local_position != before:
+            self._outbox.idled()
+
+    @property
+    def outbox(self) -> Outbox:
+        """What this writer posts for replication (see `open_outbox`)."""
+        return self._outbox
+
+    def open_outbox(self, reader: Callable[[], None] | None = None) -> Outbox:
+        """From now on, post everything replication needs to the outbox and keep it
+        there until it is taken (`reader`, once given, is scheduled on the event loop
+        after posts; see `Outbox`): each write's IDs, and its rows when the statement
+        returned them whole (an `insert`/`insert_txn` with `RETURNING *` on the
+        stream's one table), else that they are not known; ranges a write whose outcome
+        was lost may hold; position moves; and fences of dead writers, which the
+        generator then no longer advances itself (replication catches their rows up
+        first). Call it before the first write. A generator that does not follow the
+        database starts fencing only now: before, nothing would deliver the rows."""
+        self._outbox.open(reader)
+        if self._fencer is not None and not self._fencer.started and not self._closed:
+            self._fencer.start()
+        return self._outbox
 
     def _complete_after(
         self, txn: Transaction, ids: list[int], rows: list[StreamRow] | None = None
@@ -525,9 +534,9 @@ class MultiWriterIdGenerator:
         self, ids: list[int], columns: list[str] | None, records: list[TupleRow] | None
     ) -> None:
         """A statement sent with COMMIT wrote `ids`: its rows, when it returned them
-        whole, go to the write capture (replication) with the IDs."""
-        if self._capture is not None:
-            self._capture.written(ids, self._rows_of(columns, records))
+        whole, go to the outbox with the IDs."""
+        if self._outbox.is_open:
+            self._outbox.written(ids, self._rows_of(columns, records))
 
     def _rows_of(
         self, columns: list[str] | None, records: list[Any] | None
@@ -539,14 +548,6 @@ class MultiWriterIdGenerator:
         build = self._store.row_builder(columns)
         return None if build is None else build(records)
 
-    def capture_writes(self, capture: WriteCapture) -> None:
-        """Tell `capture` about each write of this writer just before its IDs complete:
-        the IDs and their rows when plait saw all of them (an `insert`/`insert_txn`
-        statement that returns whole rows of the stream's one table, `RETURNING *`), else
-        None; and ranges where a write whose outcome was lost may have IDs. Replication
-        sends known rows without reading them back, and reads the rest back."""
-        self._capture = capture
-
     def _unsettled(self, ticket: FetchTicket, backend_pid: int | None) -> bool:
         """A statement that takes its IDs as it runs failed without saying which, or
         whether it committed (its connection broke). For a captured writer, keep the
@@ -554,8 +555,8 @@ class MultiWriterIdGenerator:
         outcome is final and the sequence head says how far its IDs may reach; then
         mark that range unknown. Otherwise the position would move past a committed row
         and replication would claim nothing lies there. False: end the ticket as usual
-        (without a capture, readers read every range from the database anyway)."""
-        if self._capture is None:
+        (without an open outbox, readers read every range from the database anyway)."""
+        if not self._outbox.is_open:
             return False
         self._settling.start(self._settle(ticket, backend_pid), f"plait-settle-{self._spec.name}")
         return True
@@ -581,8 +582,7 @@ class MultiWriterIdGenerator:
                     err,
                 )
                 await asyncio.sleep(backoff.next_delay())
-        assert self._capture is not None  # `_unsettled` settles captured writers only
-        self._capture.unknown(low, high)
+        self._outbox.unknown(low, high)
         self._end_empty(ticket)
 
     def _end_empty(self, ticket: FetchTicket) -> None:
@@ -597,8 +597,7 @@ class MultiWriterIdGenerator:
             self._end_empty(ticket)
 
     def _finish(self, ids: list[int], rows: list[StreamRow] | None = None) -> None:
-        if self._capture is not None:
-            self._capture.written(ids, rows)
+        self._outbox.written(ids, rows)
         before = self._tracker.local_position
         self._tracker.complete(ids)
         self._poke_if_moved(before)
@@ -674,7 +673,9 @@ class MultiWriterIdGenerator:
             # taken once the sequence has handed it out (R-ID-14).
             self._confirm_later(instance_name, internal)
             return
+        before = self._tracker.local_position
         self._tracker.advance(instance_name, internal)
+        self._idle_moved(before)
 
     def vouched(self, instance_name: str, position: int) -> None:
         """`advance`, for a position replication vouches for: checked against the
@@ -687,7 +688,9 @@ class MultiWriterIdGenerator:
             # sequence back below it (`Database.known_head`).
             # A writer checks it soon after a restart (it allocates; readers need not).
             self._db.note_head(self._spec.sequence, internal, heard=self._tracker.is_writer)
+            before = self._tracker.local_position
             self._tracker.advance(instance_name, internal)
+            self._idle_moved(before)
 
     def heard(self, instance_name: str, position: int) -> None:
         """A position of another writer, vouched for as in `vouched`, heard before
@@ -695,8 +698,9 @@ class MultiWriterIdGenerator:
         while idle (`PositionTracker.learn_completed`), and nothing else. A writer
         whose listeners (or catch-ups) lag behind what it hears then still follows the
         others, or every reader's linear position would lag with it (R-ID-5). Like
-        `vouched`, it pokes nothing: the idle position is stored and announced on
-        their own schedules (once per interval), not once per token heard."""
+        `vouched`, it pokes nothing: the idle move goes to the outbox (`idled`), and is
+        stored and announced on their own schedules (once per interval), not once per
+        token heard."""
         internal = self._sign * position
         tracker = self._tracker
         if internal <= tracker.max_seen or not tracker.is_writer:
@@ -704,7 +708,9 @@ class MultiWriterIdGenerator:
         if not self._configured(instance_name):
             return
         self._db.note_head(self._spec.sequence, internal, heard=True)
+        before = tracker.local_position
         tracker.learn_completed(internal)
+        self._idle_moved(before)
 
     def _configured(self, writer: str) -> bool:
         """Whether `writer`'s positions count here. The configured writers are
@@ -812,10 +818,12 @@ class MultiWriterIdGenerator:
             return
         # Only configured writers' rows come back; our own is ignored by the tracker.
         # Stored positions are at or below the head (`StreamStore.upsert_position`).
+        before = self._tracker.local_position
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
             self._db.note_head(self._spec.sequence, position)
             self._tracker.advance(writer, position)
         await self._pass_committed_rows()
+        self._idle_moved(before)
 
     async def _pass_committed_rows(self) -> None:
         """Move persisted-up-to over committed rows above it that leave no gap (R-ID-4).
@@ -892,20 +900,10 @@ class MultiWriterIdGenerator:
         if self._position_writer is not None:
             self._position_writer.start()
         if self._fencer is not None and self._follow_database:
-            self._fencer.start()  # else once replication listens (`add_fence_listener`)
+            self._fencer.start()  # else once replication drains the outbox (`open_outbox`)
         self._db.on_close(self.close)
 
     # -- fencing ---------------------------------------------------------------------------
-
-    def add_fence_listener(self, listener: Callable[[str, int], None]) -> None:
-        """Call `listener(writer, position)` (signed) when this instance fenced a dead
-        writer, instead of advancing it here: replication announces the new position
-        and catches the writer's rows up before it advances. Without a listener the
-        generator advances the writer itself. A generator that does not follow the
-        database starts fencing only then: before, nothing would deliver the rows."""
-        self._fence_listeners.append(listener)
-        if self._fencer is not None and not self._fencer.started and not self._closed:
-            self._fencer.start()
 
     @property
     def fences(self) -> int:
@@ -925,10 +923,10 @@ class MultiWriterIdGenerator:
         # A fence moves a writer to a completed ID at or below the head it read.
         self._db.note_head(self._spec.sequence, position)
         signed = self._sign * position
-        if not self._fence_listeners:
+        if self._outbox.is_open:
+            self._outbox.fenced(writer, signed)  # replication catches its rows up first
+        else:
             self.advance(writer, signed)
-        for listener in self._fence_listeners:
-            listener(writer, signed)
 
     async def _store_own_position(self, position: int, durable: bool) -> None:
         # Routine stores commit asynchronously; durable ones: see `PositionWriter`.

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.streams.outbox import Outbox
+
 
 @dataclass(frozen=True, slots=True)
 class ReadPage:
@@ -47,7 +49,8 @@ class MemoryStream:
     _token: int = field(init=False)
     # Insertion order is token order: a rewritten key is moved to the end.
     _rows: dict[str, tuple[int, Any]] = field(init=False, default_factory=dict)
-    _listeners: list[Callable[[], None]] = field(init=False, default_factory=list)
+    # Each write posts that the position moved; replication's sender takes the rows.
+    outbox: Outbox = field(init=False, default_factory=Outbox)
 
     def __post_init__(self) -> None:
         if self.start == 0:
@@ -66,17 +69,12 @@ class MemoryStream:
         self._token = max(self._token + 1, self.clock())
         self._rows.pop(key, None)
         self._rows[key] = (self._token, row)
-        for listener in self._listeners:
-            listener()
+        self.outbox.moved()
         return self._token
 
     def get(self, key: str) -> Any:
         entry = self._rows.get(key)
         return None if entry is None else entry[1]
-
-    def add_moved_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener` (synchronously) after every write."""
-        self._listeners.append(listener)
 
     def read(self, from_exclusive: int, to_inclusive: int, limit: int) -> ReadPage:
         """The latest rows with tokens in (from, to], at most `limit` of them."""
