@@ -28,6 +28,7 @@ from plait.errors import CommandParseError, ConfigError
 from plait.replication import tcp_connection, tcp_transport
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
+from plait.replication.tcp_options import TcpOptions
 from plait.replication.tcp_transport import TcpClient, TcpHub
 from transport_helpers import RecordingBackoff, eventually
 
@@ -107,9 +108,17 @@ class RecordingHandler:
 # -- helpers -----------------------------------------------------------------------------
 
 
+def tcp_options(**options: Any) -> tuple[TcpOptions, dict[str, Any]]:
+    """The transport's settings among `options` (a hub on any free port by default),
+    and the rest (secret, backoff, metrics)."""
+    settings = {k: options.pop(k) for k in list(options) if k in TcpOptions.model_fields}
+    return TcpOptions(**{"host": HOST, "port": 0, **settings}), options
+
+
 @asynccontextmanager
 async def running_hub(handler: RecordingHandler, **options: Any) -> AsyncIterator[TcpHub]:
-    hub = TcpHub(handler, host=HOST, **options)
+    settings, rest = tcp_options(**options)
+    hub = TcpHub(handler, settings, **rest)
     await hub.start()
     try:
         yield hub
@@ -121,7 +130,8 @@ async def running_hub(handler: RecordingHandler, **options: Any) -> AsyncIterato
 async def running_client(
     handler: RecordingHandler, port: int, **options: Any
 ) -> AsyncIterator[TcpClient]:
-    client = TcpClient(handler, host=HOST, port=port, **options)
+    settings, rest = tcp_options(port=port, **options)
+    client = TcpClient(handler, settings, **rest)
     await client.start()
     try:
         yield client
@@ -602,7 +612,7 @@ async def test_client_reconnects_with_growing_delays_and_resets_only_when_up() -
         value = metrics.registry.get_sample_value("plait_reconnects_total", {"link": "tcp:hub"})
         return value or 0.0
 
-    hub = TcpHub(hub_handler, host=HOST)
+    hub = TcpHub(hub_handler, TcpOptions(host=HOST, port=0))
     await hub.start()
     port = hub.port
     async with running_client(handler, port, backoff=backoff, metrics=metrics) as client:
@@ -671,9 +681,10 @@ async def test_stop_ends_every_task_promptly() -> None:
     before = asyncio.all_tasks()
     hub_handler = RecordingHandler("hub")
     handlers = [RecordingHandler(f"c{i}") for i in range(3)]
-    hub = TcpHub(hub_handler, host=HOST, ping_interval=0.05)
+    hub = TcpHub(hub_handler, TcpOptions(host=HOST, port=0, ping_interval=0.05))
     await hub.start()
-    clients = [TcpClient(h, host=HOST, port=hub.port, ping_interval=0.05) for h in handlers]
+    fast = TcpOptions(host=HOST, port=hub.port, ping_interval=0.05)
+    clients = [TcpClient(h, fast) for h in handlers]
     for client in clients:
         await client.start()
     for client in clients:
@@ -700,7 +711,7 @@ async def test_stop_ends_every_task_promptly() -> None:
 async def test_stop_flushes_what_is_queued() -> None:
     hub_handler, handler = RecordingHandler("hub"), RecordingHandler("c1")
     async with running_hub(hub_handler) as hub:
-        client = TcpClient(handler, host=HOST, port=hub.port)
+        client = TcpClient(handler, TcpOptions(host=HOST, port=hub.port))
         await client.start()
         assert await client.wait_open(scaled(WAIT)), f"not open within {scaled(WAIT):.1f} s"
         await eventually(lambda: len(hub_handler.sessions) == 1, "at the hub")
@@ -1091,7 +1102,7 @@ async def test_secrets_that_differ_fail_clearly_on_both_ends(
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", ""])
 async def test_a_hub_off_loopback_needs_a_secret(host: str) -> None:
-    hub = TcpHub(RecordingHandler("hub"), host=host, port=0)
+    hub = TcpHub(RecordingHandler("hub"), TcpOptions(host=host, port=0))
     with pytest.raises(ConfigError, match=r"without a secret.*set replication\.secret"):
         await hub.start()
     await hub.stop()

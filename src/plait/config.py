@@ -21,6 +21,7 @@ from plait.errors import ConfigError
 from plait.ports import is_loopback
 from plait.replication import defaults
 from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
+from plait.replication.tcp_options import TcpOptions
 from plait.storage.database import DEFAULT_RETRY_READS_FOR
 from plait.storage.timeouts import DatabaseTimeouts
 
@@ -151,24 +152,12 @@ class RedisConfig(_Model):
         return None if self.password is None else self.password.get_secret_value()
 
 
-class TcpConfig(_Model):
-    """Replication over TCP on one host: one instance runs the hub, the others connect."""
+class TcpConfig(TcpOptions):
+    """Replication over TCP on one host: one instance runs the hub, the others connect.
+    The transport's own settings (address, pings, bounds) are `TcpOptions`'."""
 
     hub: str = Field(pattern=_NAME_PATTERN)
     """The instance that runs the hub (required)."""
-    host: str = "127.0.0.1"
-    """The hub's address."""
-    port: int = Field(defaults.TCP_HUB_PORT, ge=0, le=65535)
-    """The hub's port."""
-    ping_interval: float = Field(defaults.TCP_PING_INTERVAL, gt=0)
-    """Seconds between pings on an idle connection."""
-    dead_after: float = Field(defaults.TCP_DEAD_AFTER, gt=0)
-    """Seconds of silence after which a connection is taken for dead and closed."""
-    send_queue: int = Field(defaults.TCP_SEND_QUEUE, ge=1)
-    """Lines the hub holds for a peer that does not read; past it the peer is cut off."""
-    handshake_timeout: float = Field(defaults.TCP_HANDSHAKE_TIMEOUT, gt=0)
-    """The hub closes a connection that has not finished the handshake (NAME, and with
-    `replication.secret` the proof) within this many seconds."""
 
 
 class ReplicationConfig(_Model):

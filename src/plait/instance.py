@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypedDict
+from typing import Any
 
 from plait.caches.cleanup import InvalidationCleanup
 from plait.caches.invalidations import CACHES_STREAM, InvalidationRows, caches_stream_spec
@@ -60,18 +60,6 @@ logger = logging.getLogger(__name__)
 
 EndpointHandler = Callable[[Any], Awaitable[Any]]
 DEFAULT_WAIT = 5.0  # seconds
-
-
-class _TcpOptions(TypedDict):
-    """What the hub and its clients are both configured with."""
-
-    host: str
-    port: int
-    ping_interval: float
-    dead_after: float
-    send_queue: int
-    secret: str | None
-    metrics: ReplicationMetrics
 
 
 class Instance:
@@ -568,20 +556,11 @@ class Instance:
             tcp = config.tcp
             assert tcp is not None
             secret = None if config.secret is None else config.secret.get_secret_value()
-            common = _TcpOptions(
-                host=tcp.host,
-                port=tcp.port,
-                ping_interval=tcp.ping_interval,
-                dead_after=tcp.dead_after,
-                send_queue=tcp.send_queue,
-                secret=secret,
-                metrics=self.metrics,
-            )
             if tcp.hub == self.name:
-                self._transport = TcpHub(
-                    self._handler, handshake_timeout=tcp.handshake_timeout, **common
-                )
+                self._transport = TcpHub(self._handler, tcp, secret=secret, metrics=self.metrics)
             else:
-                self._transport = TcpClient(self._handler, backoff=backoff, **common)
+                self._transport = TcpClient(
+                    self._handler, tcp, secret=secret, backoff=backoff, metrics=self.metrics
+                )
         await self._handler.start()
         await self._transport.start()

@@ -4,13 +4,7 @@ imports, so the configuration reads them without loading the transports."""
 
 from __future__ import annotations
 
-# TCP transport (`replication.tcp`)
-TCP_HUB_PORT = 9093
-TCP_PING_INTERVAL = 5.0  # seconds between pings on an idle connection
-TCP_DEAD_AFTER = 25.0  # seconds of silence after which a connection is dead
-TCP_SEND_QUEUE = 10_000  # lines the hub holds for a peer that does not read
-TCP_HANDSHAKE_TIMEOUT = 3.0  # seconds the hub gives a connection's handshake
-TCP_CONNECT_TIMEOUT = 5.0  # seconds a client gives connecting and its handshake
+# The TCP transport's (`replication.tcp`) are its options model's: `tcp_options.py`.
 
 # Redis transport (`replication.redis`)
 REDIS_PING_INTERVAL = 30.0  # seconds between pings through the channel

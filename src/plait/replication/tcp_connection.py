@@ -23,8 +23,8 @@ from plait.core.tcp_protocol import (
     encode,
     route,
 )
-from plait.errors import ConfigError
 from plait.replication.link import Session
+from plait.replication.tcp_options import TcpOptions
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,6 @@ async def close_stream(
         transport.abort()  # a no-op once the connection is closed
 
 
-def check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ConfigError(f"tcp transport: {name} must be positive, got {value!r}")
-
-
 @dataclass(slots=True)
 class _Window:
     """Warnings about one address since the first one was logged."""
@@ -179,22 +173,6 @@ class PeerLog:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionOptions:
-    """What every connection of the hub and of a client is run with."""
-
-    ping_interval: float
-    dead_after: float
-    send_queue: int
-
-    def __post_init__(self) -> None:
-        check_positive(
-            ping_interval=self.ping_interval,
-            dead_after=self.dead_after,
-            send_queue=self.send_queue,
-        )
-
-
 # What a line received is handed to: the session's `received`, or the hub's relay.
 _Deliver = Callable[[str | bytes], None]
 # The hub's hook in `send`: True when it took the line, to send it a moment later.
@@ -217,7 +195,7 @@ class Connection:
         *,
         name: str,
         label: str,
-        options: ConnectionOptions,
+        options: TcpOptions,
         complain: _Complain,
         hold: _Hold | None = None,
         refused: _Refused | None = None,

@@ -78,20 +78,18 @@ from plait.core.tcp_protocol import (
 )
 from plait.errors import ConfigError
 from plait.ports import is_loopback
-from plait.replication import defaults
 from plait.replication.link import Handler, Session, wait_set
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.tcp_connection import (
     READ_LIMIT,
     Connection,
-    ConnectionOptions,
     Lines,
     LineTooLongError,
     PeerLog,
-    check_positive,
     close_stream,
     tell_closed,
 )
+from plait.replication.tcp_options import TcpOptions
 from plait.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -145,22 +143,16 @@ class TcpHub:
     def __init__(
         self,
         handler: Handler,
+        options: TcpOptions,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        ping_interval: float = defaults.TCP_PING_INTERVAL,
-        dead_after: float = defaults.TCP_DEAD_AFTER,
-        send_queue: int = defaults.TCP_SEND_QUEUE,
-        handshake_timeout: float = defaults.TCP_HANDSHAKE_TIMEOUT,
         secret: str | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        self._options = ConnectionOptions(ping_interval, dead_after, send_queue)
-        check_positive(handshake_timeout=handshake_timeout)
+        self._options = options
         self._handler = handler
-        self._host = host
-        self._port = port
-        self._handshake_timeout = handshake_timeout
+        self._host = options.host
+        self._port = options.port
+        self._handshake_timeout = options.handshake_timeout
         self._secret = _check_secret(secret)
         self._metrics = metrics
         self._server: asyncio.Server | None = None
@@ -417,23 +409,17 @@ class TcpClient:
     def __init__(
         self,
         handler: Handler,
+        options: TcpOptions,
         *,
-        host: str,
-        port: int,
-        ping_interval: float = defaults.TCP_PING_INTERVAL,
-        dead_after: float = defaults.TCP_DEAD_AFTER,
-        send_queue: int = defaults.TCP_SEND_QUEUE,
-        connect_timeout: float = defaults.TCP_CONNECT_TIMEOUT,
         secret: str | None = None,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        self._options = ConnectionOptions(ping_interval, dead_after, send_queue)
-        check_positive(connect_timeout=connect_timeout)
+        self._options = options
         self._handler = handler
-        self._host = host
-        self._port = port
-        self._connect_timeout = connect_timeout
+        self._host = options.host
+        self._port = options.port
+        self._connect_timeout = options.connect_timeout
         self._secret = _check_secret(secret)
         self._backoff = backoff if backoff is not None else Backoff()
         self._metrics = metrics
