@@ -1,0 +1,674 @@
+"""One connection as the replication handler serves it (`HandlerSession`): what arrives
+is parsed, checked and queued per stream, and handled in order; delivering and catching
+up are the handler's (`SessionHost`).
+
+Inbound (R-RP-2, R-RP-3): each connection has one serial queue per stream, so a slow
+catch-up on one stream holds up no other. A POSITION whose writer is out of reach is
+followed by a catch-up in pages before the writer advances. A connection counts as up
+once every writer caught up on it (or, for configured writers that never answered,
+once a grace period passed); the transport resets its reconnect backoff only then. A
+failure while handling a command closes the connection, so the transport reconnects
+after a growing delay and catches up afresh; the command itself is tried again, as a
+catch-up from the source, after a growing delay of its own (the commands behind it
+build on it: skipping it would skip its rows). A connection that ends leaves what it
+brought to be handled all the same: its writer may have departed, and nobody would
+send it again. A queue holds at most
+`inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a catch-up
+from the source, counted in plait_inbound_overflows and logged at most every 10 s.
+A DEPART (R-RP-8) waits in each stream's queue behind the commands of its writer that
+arrived before it, and in the application commands' queue: the departure listeners run
+once that writer's rows sent before it were delivered on every stream (application
+commands after the DEPART wait for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from plait.core.backoff import Backoff
+from plait.core.commands import (
+    Command,
+    CommandSet,
+    Depart,
+    Error,
+    Fenced,
+    Name,
+    Ping,
+    Position,
+    Rdata,
+    Replicate,
+    Server,
+    rows_of,
+    with_sign,
+)
+from plait.core.inbound import (
+    Backlog,
+    Departure,
+    Inbound,
+    Plan,
+    Queued,
+    Resync,
+)
+from plait.core.throttle import Throttle
+from plait.errors import CommandParseError
+from plait.replication.link import Link
+from plait.replication.listeners import Listeners, call
+from plait.replication.metrics import ReplicationMetrics
+from plait.replication.streams import ReplicatedStream
+
+logger = logging.getLogger(__name__)
+
+# The queue key of application commands (stream names are SQL names: never this).
+_APP_QUEUE = "\x00commands"
+# A command whose handling failed is tried again after these delays (seconds), growing,
+# for this long; then the connection's commands are given up.
+_RETRY_INITIAL = 0.1
+_RETRY_CAP = 10.0
+_RETRY_FOR = 300.0
+
+
+class SessionHost(Protocol):
+    """What a session needs of the replication handler (`ReplicationHandler`)."""
+
+    streams: dict[str, ReplicatedStream]
+    commands: CommandSet
+    listeners: Listeners
+    metrics: ReplicationMetrics
+    inbound_queue: int
+    up_grace: float
+    stopping: bool
+    sync_streams: set[str]
+    warnings: Throttle
+
+    @property
+    def instance_name(self) -> str: ...
+
+    def stream(self, name: str) -> ReplicatedStream | None:
+        """The stream named in a command, or None when it is not replicated here."""
+
+    def forget(self, session: HandlerSession) -> None:
+        """The session's connection ended and nothing of it waits."""
+
+    def own_task(self, task: asyncio.Task[None]) -> None:
+        """Own a task of the session: the handler's `stop` ends it."""
+
+    def drain(self, session: HandlerSession) -> None:
+        """The connection ended while commands still wait: they are handled."""
+
+    def drained(self, session: HandlerSession) -> None:
+        """What waited was handled."""
+
+    def expected_writers(self) -> set[tuple[str, str]]:
+        """(stream, writer) of every configured writer but this instance."""
+
+    def send_command(self, link: Link, command: Command) -> None:
+        """Send one command on one link."""
+
+    def answer_replicate(self, link: Link) -> None:
+        """Our position on every stream we write."""
+
+    def delivering(self, stream: str, writer: str) -> asyncio.Lock:
+        """Held while rows of `writer` on `stream` are handed over."""
+
+    def is_delivering(self, stream: str, writer: str) -> bool: ...
+
+    async def deliver(
+        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
+    ) -> None:
+        """Hand rows over, in R-CA-3's order."""
+
+    def deliver_now(
+        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
+    ) -> None:
+        """`deliver`, for a stream whose listeners are all plain functions."""
+
+    async def catch_up(
+        self, stream: ReplicatedStream, writer: str, from_exclusive: int, to_inclusive: int
+    ) -> None:
+        """Read and deliver `writer`'s rows in (from, to]."""
+
+    async def departed(self, instance: str) -> None:
+        """`instance` departed: its departure listeners run."""
+
+    def refuse(
+        self, stream: ReplicatedStream, command: Rdata | Position | Fenced, link: str
+    ) -> None:
+        """A claim that failed its check: dropped, counted and logged."""
+
+    def overflowed(self, stream: ReplicatedStream, link: str) -> None:
+        """A stream's inbound queue passed its bound on `link`."""
+
+
+class _GivenUp(Exception):
+    """A command failed for `_RETRY_FOR` s: its worker ends."""
+
+
+@dataclass(slots=True)
+class _Departing:
+    """A DEPART in the application commands' queue: its listeners run once every stream
+    in `waiting` handled the `Departure` queued behind the writer's commands."""
+
+    name: str
+    waiting: set[str]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# What a worker of a connection takes from its queue.
+_Work = Command | Queued | _Departing
+
+
+def _label(work: _Work) -> str:
+    if isinstance(work, Resync):
+        return "catch-up"
+    if isinstance(work, Departure | _Departing):
+        return "DEPART"
+    return work.NAME
+
+
+class HandlerSession:
+    """One connection: its inbound state and its per-stream queues."""
+
+    def __init__(
+        self, handler: SessionHost, link: Link, reply_errors: bool, authenticated: bool
+    ) -> None:
+        self._handler = handler
+        self.link = link
+        self._reply_errors = reply_errors
+        # Unauthenticated lines may come from anyone: every claim above the sequence
+        # head known here is checked against the sequence before it counts (R-ID-14).
+        # Authenticated ones carry a writer's word about its own IDs, which it took
+        # from the sequence (the transports refuse RDATA and POSITION in another's
+        # name). A FENCED, on another's behalf, is always checked against the database.
+        self._check_every_claim = not authenticated
+        self._inbound = Inbound(handler.instance_name)
+        self._own_name = handler.instance_name
+        self._own_bytes = self._own_name.encode()
+        # The application's commands; None once the connection ended, after them.
+        self._commands: asyncio.Queue[Command | _Departing | None] | None = None
+        self._backlogs: dict[str, Backlog] = {}  # per stream
+        self._departing: dict[str, list[_Departing]] = {}  # per writer, oldest first
+        self._wakes: dict[str, asyncio.Event] = {}  # set when a backlog got a command
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._announced: set[tuple[str, str]] = set()
+        self._busy: set[str] = set()
+        self._changed = asyncio.Event()
+        self._up = asyncio.Event()
+        self._closed = False
+        self._watcher = asyncio.create_task(self._watch_up(), name=f"plait-up-{link.label}")
+        handler.own_task(self._watcher)
+
+    def queue_length(self, stream: str) -> int:
+        backlog = self._backlogs.get(stream)
+        return 0 if backlog is None else len(backlog)
+
+    # -- the transport's side ------------------------------------------------------------
+
+    def received(self, line: str | bytes) -> None:
+        if self._closed:
+            return
+        if (
+            rows_of(line, self._own_bytes)
+            if isinstance(line, bytes)
+            else rows_of(line, self._own_name)
+        ):
+            return  # Redis hands our own RDATA and POSITION back: drop them unparsed
+        handler = self._handler
+        try:
+            command = handler.commands.parse(line)
+        except CommandParseError as err:
+            handler.metrics.bad_lines.labels(self.link.label).inc()
+            # Answered with ERROR (TCP), the transport logs it, at most a line per peer
+            # address and interval: one warning per line would let a peer flood the log.
+            level = logging.DEBUG if self._reply_errors else logging.WARNING
+            logger.log(level, "replication: bad line on %s: %s", self.link.label, err)
+            if self._reply_errors:
+                handler.send_command(self.link, Error(str(err)))
+            return
+        handler.metrics.child(handler.metrics.commands_in, command.NAME).inc()
+        try:
+            self._dispatch(command)
+        except Exception:
+            logger.exception("replication: handling %s on %s failed", command.NAME, self.link.label)
+
+    async def wait_up(self) -> None:
+        await self._up.wait()
+
+    def closed(self) -> None:
+        """The connection ended. What it brought and still waits is handled all the same
+        (the writer may have departed: nobody would send it again); a new connection
+        starts over beside it, and a writer's rows are handed over one command at a
+        time, so either one's step is stale to the other. When the handler stops,
+        nothing more is handled."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watcher.cancel()
+        self._handler.forget(self)
+        if self._handler.stopping:
+            for task in self._workers.values():
+                task.cancel()
+            return
+        for backlog in self._backlogs.values():
+            backlog.ended()
+        for wake in self._wakes.values():
+            wake.set()
+        if self._commands is not None:
+            self._commands.put_nowait(None)
+        if any(not task.done() for task in self._workers.values()):
+            self._handler.drain(self)
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def _dispatch(self, command: Command) -> None:
+        step = self._DISPATCH.get(type(command))
+        if step is not None:
+            step(self, command)
+        elif command.NAME in self._handler.listeners.commands:
+            self._enqueue(command)
+        else:
+            logger.debug("replication: no listener for %s", command.NAME)
+
+    def _on_stream_command(self, command: Rdata | Position | Fenced) -> None:
+        """RDATA, POSITION or FENCED: a writer's rows or word about how far it got."""
+        handler = self._handler
+        stream = handler.stream(command.stream)
+        if stream is None:
+            return
+        if stream.writers is not None and command.instance not in stream.writers:
+            # Not a configured writer (removed, or a misconfigured peer): its
+            # position is never tracked here, so following it would re-read forever.
+            logger.debug("replication: ignoring %s of %s", command.NAME, command.instance)
+            return
+        backlog = self._backlogs.get(command.stream)
+        if (
+            isinstance(command, Rdata)
+            and command.stream in handler.sync_streams
+            and command.stream not in self._busy
+            and (backlog is None or backlog.idle())
+            and not handler.is_delivering(command.stream, command.instance)
+            and (
+                command.token is None
+                or not self._check_every_claim
+                or stream.is_known_allocated(stream.sign * command.token)
+            )
+        ):
+            self._rdata_now(stream, command)  # nothing queued before it: no task switch
+            return
+        self._heard(stream, command)
+        self._enqueue_stream(stream, command)
+
+    def _on_replicate(self, command: Command) -> None:
+        self._handler.answer_replicate(self.link)
+
+    def _on_depart(self, command: Depart) -> None:
+        if command.name != self._own_name:  # Redis hands our own back
+            self._depart(command.name)
+
+    def _on_error(self, command: Error) -> None:
+        logger.warning("replication: %s says: %s", self.link.label, command.text)
+
+    def _on_transport_command(self, command: Command) -> None:
+        """NAME, SERVER, PING: the transport's business, handled before the session."""
+
+    def _heard(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
+        """A writer's word about how far it got, queued behind others: heard now, it
+        moves this instance's idle position at once (`ReplicatedStream.heard`)."""
+        if isinstance(command, Position):  # checked as `_position` checks it
+            said = command.new
+            claim = max(stream.sign * command.prev, stream.sign * command.new)
+        elif isinstance(command, Rdata) and command.token is not None:
+            said = command.token
+            claim = stream.sign * said
+        else:
+            return  # a batch row says nothing; a FENCED counts once the database shows it
+        if not self._check_every_claim or stream.is_known_allocated(claim):
+            stream.heard(command.instance, stream.sign * said)
+
+    def _depart(self, name: str) -> None:
+        """Queue the departure of `name` behind its commands on every stream it writes,
+        and its listeners behind the application commands."""
+        streams = self._handler.streams
+        waiting = {
+            stream
+            for stream in self._backlogs
+            if (writers := streams[stream].writers) is None or name in writers
+        }
+        departing = _Departing(name, set(waiting))
+        if waiting:
+            self._departing.setdefault(name, []).append(departing)
+        else:
+            departing.done.set()
+        for stream in sorted(waiting):
+            self._enqueue_stream(streams[stream], Departure(stream, name))
+        self._enqueue(departing)
+
+    def _stream_departed(self, command: Departure) -> None:
+        """A stream handled `command`: the `count` oldest departures of its writer that
+        waited for that stream no longer do."""
+        pending = self._departing.get(command.instance, [])
+        left = command.count
+        for departing in pending:
+            if left and command.stream in departing.waiting:
+                departing.waiting.discard(command.stream)
+                left -= 1
+                if not departing.waiting:
+                    departing.done.set()
+        pending[:] = [departing for departing in pending if departing.waiting]
+        if not pending:
+            self._departing.pop(command.instance, None)
+
+    def _enqueue(self, command: Command | _Departing) -> None:
+        """An application command or a departure: in order, after the ones before it."""
+        queue = self._commands
+        if queue is None:
+            queue = self._commands = asyncio.Queue()
+            self._start_worker(_APP_QUEUE, queue.get, queue.empty)
+        queue.put_nowait(command)
+
+    def _enqueue_stream(
+        self, stream: ReplicatedStream, command: Rdata | Position | Fenced | Departure | Resync
+    ) -> None:
+        backlog = self._backlogs.get(stream.name)
+        if backlog is None:
+            backlog = self._backlogs[stream.name] = Backlog(
+                stream.name, self._handler.inbound_queue, stream.sign
+            )
+            wake = self._wakes[stream.name] = asyncio.Event()
+
+            async def next_command() -> Queued | None:
+                while (queued := backlog.pop()) is None:
+                    if self._closed:
+                        return None
+                    wake.clear()
+                    await wake.wait()
+                return queued
+
+            self._start_worker(stream.name, next_command, lambda: not len(backlog))
+        if backlog.push(command):
+            self._handler.overflowed(stream, self.link.label)
+        self._wakes[stream.name].set()
+
+    def _start_worker(
+        self,
+        key: str,
+        take: Callable[[], Awaitable[_Work | None]],
+        empty: Callable[[], bool],
+    ) -> None:
+        task = asyncio.create_task(
+            self._work(key, take, empty), name=f"plait-in-{key}-{self.link.label}"
+        )
+        self._workers[key] = task
+        self._handler.own_task(task)
+
+    async def _work(
+        self,
+        key: str,
+        take: Callable[[], Awaitable[_Work | None]],
+        empty: Callable[[], bool],
+    ) -> None:
+        # Not `while True`: a cancellation by the handler's stop can be swallowed inside
+        # `_handle` (psycopg_pool waits for a connection with asyncio.wait_for, which
+        # does that on Python 3.11); the worker then ends here, not on a queue nobody
+        # feeds (it was logged as a task destroyed while pending).
+        try:
+            while not self._handler.stopping:
+                command = await take()
+                if command is None:
+                    return  # the connection ended, and everything it brought was handled
+                self._busy.add(key)
+                try:
+                    await self._handle_surely(command)
+                except _GivenUp:
+                    self._give_up(key)
+                    return
+                finally:
+                    if empty():
+                        self._busy.discard(key)
+        finally:
+            if self._closed and all(
+                task.done() or task is asyncio.current_task() for task in self._workers.values()
+            ):
+                self._handler.drained(self)
+
+    async def _handle_surely(self, command: _Work) -> None:
+        """Handle `command`, trying again after a growing delay while that fails
+        (database or peer unreachable). A failure also drops the connection, so that
+        the transport reconnects and catches up afresh; this command is still handled
+        here, as a catch-up where it can be: the ones after it build on it (a row is
+        delivered when its token is above what was seen, so skipping one would skip its
+        rows). Once the new connection got that far, the catch-up has nothing left to
+        read. Past `_RETRY_FOR` s of failures the connection's commands are given up
+        (said at ERROR): what they carried waits for the writer's next POSITION."""
+        retry = Backoff(initial=_RETRY_INITIAL, cap=_RETRY_CAP)
+        failures = 0
+        deadline = time.monotonic() + _RETRY_FOR
+        while True:
+            try:
+                await self._handle(command)
+                return
+            except Exception as err:
+                self.link.close()
+                if self._handler.stopping:
+                    return
+                failures += 1
+                if time.monotonic() > deadline:
+                    logger.error(
+                        "replication: %s on %s failed for %.0f s (%s: %s); giving up the "
+                        "commands of this connection: what they carried arrives with the "
+                        "writer's next POSITION",
+                        _label(command),
+                        self.link.label,
+                        _RETRY_FOR,
+                        type(err).__name__,
+                        err,
+                    )
+                    raise _GivenUp from err
+                if failures & (failures - 1) == 0:  # 1st, 2nd, 4th, 8th...: not a flood
+                    logger.warning(
+                        "replication: %s on %s failed (%s: %s); trying again as a catch-up "
+                        "(failure %d)",
+                        _label(command),
+                        self.link.label,
+                        type(err).__name__,
+                        err,
+                        failures,
+                    )
+                command = self._as_catch_up(command)
+                await asyncio.sleep(retry.next_delay())
+
+    def _give_up(self, key: str) -> None:
+        """A stream's commands are given up: its writers' departures queued among them
+        still count (their listeners wait for every stream to get there)."""
+        backlog = self._backlogs.get(key)
+        while backlog is not None and (command := backlog.pop()) is not None:
+            if isinstance(command, Departure):
+                self._inbound.departed(command)
+                self._stream_departed(command)
+
+    def _as_catch_up(self, command: _Work) -> _Work:
+        """What to try again in place of a failed `command`: its writer's rows up to
+        what it named, read from the source (a row the codec refused arrives from there
+        as the database holds it)."""
+        if isinstance(command, Rdata) and command.token is not None:
+            upto = self._handler.streams[command.stream].sign * command.token
+        elif isinstance(command, Position):
+            upto = self._handler.streams[command.stream].sign * command.new
+        else:
+            return command
+        return Resync(command.stream, command.instance, upto)
+
+    async def _handle(self, command: _Work) -> None:
+        handler = self._handler
+        if isinstance(command, Rdata):
+            async with handler.delivering(command.stream, command.instance):
+                await self._rdata(command)
+        elif isinstance(command, Position):
+            async with handler.delivering(command.stream, command.instance):
+                await self._position(command)
+        elif isinstance(command, Fenced):
+            async with handler.delivering(command.stream, command.instance):
+                await self._fence(command)
+        elif isinstance(command, Resync):
+            async with handler.delivering(command.stream, command.instance):
+                await self._resync(command)
+        elif isinstance(command, Departure):
+            self._inbound.departed(command)
+            self._stream_departed(command)
+        elif isinstance(command, _Departing):
+            await command.done.wait()
+            await handler.departed(command.name)
+        else:
+            await call(handler.listeners.commands[command.NAME], command)
+
+    def _accept(self, stream: ReplicatedStream, command: Rdata) -> tuple[int, list[Any]] | None:
+        """What the pure inbound state makes of a row: (token, rows) to deliver, if any."""
+        internal = with_sign(command, stream.sign)
+        assert isinstance(internal, Rdata)
+        deliver = self._inbound.rdata(internal, stream.seen(command.instance))
+        if deliver is None:
+            return None
+        rows = [stream.decode(row) for row in deliver.rows]
+        metrics = self._handler.metrics
+        metrics.child(metrics.rdata_rows, stream.name).inc(len(rows))
+        return deliver.token, rows
+
+    async def _rdata(self, command: Rdata) -> None:
+        stream = self._handler.streams[command.stream]
+        if (
+            self._check_every_claim
+            and command.token is not None
+            and not await stream.is_allocated(stream.sign * command.token)
+        ):
+            self._handler.refuse(stream, command, self.link.label)
+            return
+        accepted = self._accept(stream, command)
+        if accepted is not None:
+            await self._handler.deliver(stream, command.instance, *accepted)
+
+    def _rdata_now(self, stream: ReplicatedStream, command: Rdata) -> None:
+        try:
+            accepted = self._accept(stream, command)
+        except Exception as err:  # a row the codec refuses: read its rows from the source
+            # Only a numbered row is decoded, with the batch rows before it, which the
+            # inbound state has handed over: the catch-up reads them all.
+            assert command.token is not None
+            key = ("decode", self.link.label, stream.name, command.instance)
+            held = self._handler.warnings.allow(key, time.monotonic())
+            if held is not None:
+                logger.warning(
+                    "replication: a row of %s on %s arrived that the row type of %s refuses "
+                    "(%s: %s; %d more like it not logged); reading it from the database",
+                    command.instance,
+                    self.link.label,
+                    stream.name,
+                    type(err).__name__,
+                    err,
+                    held,
+                )
+            upto = stream.sign * command.token
+            self._enqueue_stream(stream, Resync(stream.name, command.instance, upto))
+            return
+        if accepted is not None:
+            self._handler.deliver_now(stream, command.instance, *accepted)
+
+    async def _position(self, command: Position) -> None:
+        handler = self._handler
+        stream = handler.streams[command.stream]
+        internal = with_sign(command, stream.sign)
+        assert isinstance(internal, Position)
+        if self._check_every_claim and not await stream.is_allocated(
+            max(internal.prev, internal.new)
+        ):
+            handler.refuse(stream, command, self.link.label)
+            return
+        plan = self._inbound.position(internal, stream.seen(command.instance))
+        if plan is not None:
+            await self._follow(stream, plan)
+
+    async def _fence(self, command: Fenced) -> None:
+        """Another instance fenced a writer: follow it as that writer's POSITION from
+        wherever this process is, once the database shows the fence (R-ID-14)."""
+        handler = self._handler
+        stream = handler.streams[command.stream]
+        internal = with_sign(command, stream.sign)
+        assert isinstance(internal, Fenced)
+        plan = self._inbound.fenced(internal, stream.seen(command.instance))
+        if plan is None:
+            return  # nothing to move (or this run's own: its renewal reads the database)
+        if not await stream.is_proven_fence(command.instance, internal.position):
+            handler.refuse(stream, command, self.link.label)
+            return
+        await self._follow(stream, plan)
+
+    async def _resync(self, command: Resync) -> None:
+        """Commands of a writer were dropped from a full backlog: read what they carried."""
+        stream = self._handler.streams[command.stream]
+        plan = self._inbound.resync(command, stream.seen(command.instance))
+        if plan is None:
+            return
+        # The dropped commands were the writer's own (FENCED never folds into a Resync):
+        # checked as they would have been. Refused, the writer counts again at its next
+        # POSITION.
+        if (
+            self._check_every_claim
+            and plan.advance_to is not None
+            and not await stream.is_allocated(plan.advance_to)
+        ):
+            signed = stream.sign * plan.advance_to
+            claim = Position(command.stream, command.instance, signed, signed)
+            self._handler.refuse(stream, claim, self.link.label)
+            return
+        await self._follow(stream, plan)
+
+    async def _follow(self, stream: ReplicatedStream, plan: Plan) -> None:
+        """Do what a `Plan` asks, then (unless it came from a fence) count the writer's
+        RDATA on this connection."""
+        handler = self._handler
+        if plan.counts_rows:
+            self._announced.add((plan.stream, plan.instance))
+        if plan.catch_up_from is not None and plan.advance_to is not None:
+            await handler.catch_up(stream, plan.instance, plan.catch_up_from, plan.advance_to)
+        elif plan.advance_to is not None:
+            await handler.deliver(stream, plan.instance, plan.advance_to, [])
+        if plan.counts_rows:
+            self._inbound.caught_up(plan.stream, plan.instance)
+            self._changed.set()
+
+    async def _watch_up(self) -> None:
+        handler = self._handler
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + handler.up_grace
+        expected = handler.expected_writers()
+        while True:
+            if self._inbound.all_connected(expected) or (
+                loop.time() >= deadline and self._inbound.all_connected(self._announced)
+            ):
+                break
+            self._changed.clear()
+            timeout = max(0.0, deadline - loop.time()) if loop.time() < deadline else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
+        # The transport sets the connection gauge and logs it (it owns the connection).
+        self._up.set()
+
+    # What `_dispatch` does with each protocol command (application commands go to their
+    # listeners by NAME). Each step takes the type it is keyed by (so no isinstance check
+    # on the hot path).
+    _DISPATCH: ClassVar[dict[type[Command], Callable[[HandlerSession, Any], None]]] = {
+        Rdata: _on_stream_command,
+        Position: _on_stream_command,
+        Fenced: _on_stream_command,
+        Replicate: _on_replicate,
+        Depart: _on_depart,
+        Error: _on_error,
+        Name: _on_transport_command,
+        Server: _on_transport_command,
+        Ping: _on_transport_command,
+    }
