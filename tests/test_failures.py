@@ -61,9 +61,9 @@ async def test_a_waiter_cancelled_while_queued_gives_its_ids_back(db: Database) 
     assert got[0] == [3]
     assert isinstance(got[1], asyncio.CancelledError)
     assert got[2] == [5]
-    gen._finish([2])
-    gen._finish([3])
-    gen._finish([5])
+    gen._finisher.finish([2])
+    gen._finisher.finish([3])
+    gen._finisher.finish([5])
     # ID 4 went to the cancelled waiter: it was given back (finished once the WAL was
     # flushed, R-ID-14), so nothing is stuck at 3.
     await pace.until(lambda: gen.get_current_token() == 5, 10, "the given-back ID to finish")

@@ -52,7 +52,7 @@ had not reached the disk: PostgreSQL logs a sequence 32 values ahead, and only a
 of the WAL (a commit that wrote something, the WAL writer) makes that record last; a
 rollback flushes nothing. So the IDs of a transaction that rolled back, or of a
 `get_next` block (which may have written no row), are finished here only once the WAL
-is on disk up to them (`MultiWriterIdGenerator._finish_flushed`, `_finish_durable`),
+is on disk up to them (`streams/completion.py`: `Finisher.finish_flushed`, `finish_durable`),
 and every new connection first moves the
 sequences this process took or saw IDs from back up to the largest it knows
 (`storage/identity.py`, `_catch_up_sequences`; after a crash every statement runs on a

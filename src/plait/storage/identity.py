@@ -128,7 +128,7 @@ class Identity:
                 assert row is not None
                 _SERVER_PIDS[conn] = int(row[0])
         # The sequences first, then the fence: a run that finds itself fenced finishes
-        # the IDs it took (`MultiWriterIdGenerator._finish_flushed`), trusting that the
+        # the IDs it took (`Finisher.finish_flushed`), trusting that the
         # sequence is durably past them; after a crash that took the sequence back
         # only this catch-up makes it so (its nextval logs, and its commit flushes).
         # Moving a sequence up is harmless for a fenced run: it writes no row.

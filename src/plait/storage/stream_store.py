@@ -302,7 +302,7 @@ class StreamStore:
     async def flush_wal(self) -> None:
         """Return once everything the server logged so far is on disk. What it is for:
         the sequence's log record of IDs whose transaction rolled back (R-ID-14,
-        `MultiWriterIdGenerator._finish_flushed`).
+        `Finisher.finish_flushed`).
 
         A commit waits for the WAL up to its own record only when the transaction wrote
         some: an xid alone is not enough. Locking the stream's row in plait_streams

@@ -18,13 +18,11 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
-from plait.core.backoff import Backoff
 from plait.core.positions import FetchTicket, PositionTracker
 from plait.core.spec import StreamSpec
 from plait.core.throttle import Throttle
 from plait.errors import (
     ConfigError,
-    FencedError,
     NotAWriterError,
     PlaitError,
     StateError,
@@ -35,6 +33,7 @@ from plait.storage.stream_store import StreamStore
 from plait.storage.stream_tables import StreamRow
 from plait.storage.transaction import Params, Transaction
 from plait.streams.allocator import Fetches, IdAllocator, take_ids
+from plait.streams.completion import Finisher, Settler
 from plait.streams.fencer import Fencer
 from plait.streams.outbox import Outbox
 from plait.streams.position_writer import PositionWriter
@@ -48,7 +47,7 @@ from plait.streams.write_helpers import (
     check_count,
     column_names,
 )
-from plait.tasks import TaskSet, cancel_and_wait
+from plait.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,8 +88,29 @@ class MultiWriterIdGenerator:
         self._sign = spec.sign
         self._insert_sql: dict[str, str] = {}
         self._fetches = Fetches(tracker, self._handed_out)
+        # Everything replication hears of this writer goes through here (`open_outbox`).
+        self._outbox = Outbox(spec.sign)
+        self._closed = False
         # IDs whose caller went away before it got them: no row, as a failed block.
-        self._allocator = IdAllocator(self._fetches, store.allocate, self._finish_flushed)
+        self._finisher = Finisher(
+            name=spec.name,
+            db=db,
+            store=store,
+            tracker=tracker,
+            outbox=self._outbox,
+            poke_if_moved=self._poke_if_moved,
+            closed=lambda: self._closed,
+        )
+        self._settler = Settler(
+            name=spec.name,
+            db=db,
+            store=store,
+            tracker=tracker,
+            fetches=self._fetches,
+            outbox=self._outbox,
+            poke_if_moved=self._poke_if_moved,
+        )
+        self._allocator = IdAllocator(self._fetches, store.allocate, self._finisher.finish_flushed)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
         self._position_writer: PositionWriter | None = None
@@ -122,13 +142,6 @@ class MultiWriterIdGenerator:
         self._unconfirmed: dict[str, int] = {}
         self._confirming: asyncio.Task[None] | None = None
         self._refused_advances = Throttle(10.0)  # one warning per writer this often
-        # Everything replication hears of this writer goes through here (`open_outbox`).
-        self._outbox = Outbox(spec.sign)
-        self._settling = TaskSet(f"stream {spec.name}")
-        # IDs that finish once the WAL is flushed, and the task that flushes it.
-        self._unflushed: list[int] = []
-        self._flusher: asyncio.Task[None] | None = None
-        self._closed = False
         # What the per-write helpers (`Reservation`, `InsertAtCommit`) use of this
         # generator, handed over once rather than reached for.
         self._parts = Parts(
@@ -138,10 +151,10 @@ class MultiWriterIdGenerator:
             wal=db.wal,
             tracker=tracker,
             fetches=self._fetches,
-            finish_durable=self._finish_durable,
-            finish_flushed=self._finish_flushed,
+            finish_durable=self._finisher.finish_durable,
+            finish_flushed=self._finisher.finish_flushed,
             returned_ids=self._returned_ids,
-            lost=self._lost,
+            lost=self._settler.lost,
             written=self._written_at_commit,
             poke_if_moved=self._poke_if_moved,
         )
@@ -268,9 +281,9 @@ class MultiWriterIdGenerator:
         check_count(n)
         ids = await self._take_ids(lambda: self._store.allocate_in(txn, n))
         # Finished once the WAL is on disk past them: at once when the commit wrote
-        # something (it flushed), else after a flush (see `_finish_flushed`).
-        txn.call_after(lambda: self._finish_if_flushed(txn, ids))
-        txn.call_on_exception(lambda: self._finish_flushed(ids))
+        # something (it flushed), else after a flush (see `Finisher.finish_flushed`).
+        txn.call_after(lambda: self._finisher.finish_if_flushed(txn, ids))
+        txn.call_on_exception(lambda: self._finisher.finish_flushed(ids))
         return self._signed(ids)
 
     async def insert(self, query: str, params: Params = None) -> list[int]:
@@ -312,7 +325,7 @@ class MultiWriterIdGenerator:
             run,
             completed=True,
             unsettled=lambda ticket, error: (
-                isinstance(error, IDS_UNKNOWN) and self._unsettled(ticket, backend_pid)
+                isinstance(error, IDS_UNKNOWN) and self._settler.unsettled(ticket, backend_pid)
             ),
         )
         return self._signed(ids)
@@ -341,7 +354,7 @@ class MultiWriterIdGenerator:
             return self._returned_ids([row[0] for row in records])
 
         ids = await self._take_ids(run)
-        self._complete_after(txn, ids, rows)
+        self._finisher.complete_after(txn, ids, rows)
         return self._signed(ids)
 
     def insert_with_commit(
@@ -400,93 +413,6 @@ class MultiWriterIdGenerator:
         if self._fencer is not None and not self._fencer.started and not self._closed:
             self._fencer.start()
         return self._outbox
-
-    def _complete_after(
-        self, txn: Transaction, ids: list[int], rows: list[StreamRow] | None = None
-    ) -> None:
-        txn.call_after(lambda: self._finish(ids, rows))
-        # Rolled back, or a COMMIT whose outcome is unknown: rows not known either way.
-        txn.call_on_exception(lambda: self._finish_flushed(ids))
-
-    def _finish_flushed(self, ids: list[int]) -> None:
-        """IDs that may have finished without a row count as finished once the WAL is
-        on disk (R-ID-14). PostgreSQL logs a sequence 32 values ahead, and only a flush
-        of the WAL makes that record survive a crash; a rollback flushes nothing. So
-        until then a crash could bring the sequence back below these IDs, to hand them
-        out again, after this writer reported them as its position. One flush serves
-        every ID queued before it began; the position waits for it (and, the server
-        down, for its return)."""
-        if not ids or self._closed:
-            return
-        if self._db.fenced:
-            # Its connections are refused until none of its IDs is pending: finish them
-            # now so it can go on as a new incarnation. The fence that stopped it
-            # committed, durably, once all of its server processes had ended, which
-            # flushed the WAL past these IDs' sequence record; and should a crash have
-            # lost that record before, the connection that found the fence had first
-            # moved the sequence past them (`Database`, new connections).
-            self._finish(ids)
-            return
-        self._unflushed.extend(ids)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(
-                self._flush_then_finish(), name=f"plait-flush-{self._spec.name}"
-            )
-
-    def _finish_if_flushed(self, txn: Transaction, ids: list[int]) -> None:
-        """`get_next_txn`'s IDs after COMMIT: see `_finish_durable`."""
-        if txn.flushed_lsn is not None and txn.flushed_lsn >= txn.allocated_lsn:
-            self._finish(ids)
-        else:
-            self._finish_flushed(ids)
-
-    async def _finish_durable(self, ids: list[int], lsn: int) -> None:
-        """A `get_next()` block that exited normally may have written no row: its IDs
-        finish once the WAL is on disk up to where it stood after their allocation
-        (`StreamStore.make_durable`), for the reason `_finish_flushed` gives. When the
-        block committed its row through this `Database`, that commit said so: no round
-        trip; else one statement. Should that fail (the server down), they finish as
-        `_finish_flushed` does."""
-        if not ids or self._closed:
-            return
-        try:
-            if not self._db.fenced:
-                await self._store.make_durable(lsn)
-        except FencedError:
-            pass  # see `_finish_flushed`
-        except (psycopg.Error, OSError, PlaitError):
-            self._finish_flushed(ids)
-            return
-        except BaseException:  # cancelled: they still finish, later
-            self._finish_flushed(ids)
-            raise
-        self._finish(ids)
-
-    async def _flush_then_finish(self) -> None:
-        """See `_finish_flushed`. Cancelled (at close), the IDs stay unfinished: a
-        position held back is safe."""
-        backoff = Backoff(initial=0.05, cap=1.0)
-        failures = 0
-        while self._unflushed:
-            batch = self._unflushed.copy()  # what this flush covers; later ones wait
-            try:
-                await self._store.flush_wal()
-            except FencedError:
-                pass  # this run writes nothing more (see `_finish_flushed`)
-            except (psycopg.Error, OSError, PlaitError) as err:
-                failures += 1
-                if failures == 1 or failures % 100 == 0:
-                    logger.warning(
-                        "stream %s: could not flush PostgreSQL's log before IDs that "
-                        "may have no row (rolled back, or written nothing with) count "
-                        "as finished (%s); this writer's position waits for it",
-                        self._spec.name,
-                        err,
-                    )
-                await asyncio.sleep(backoff.next_delay())
-                continue
-            del self._unflushed[: len(batch)]
-            self._finish(sorted(batch))
 
     def _signed(self, ids: list[int]) -> list[int]:
         """Internal IDs as the caller sees them (negative on a backwards stream), in a
@@ -547,60 +473,6 @@ class MultiWriterIdGenerator:
             return None
         build = self._store.row_builder(columns)
         return None if build is None else build(records)
-
-    def _unsettled(self, ticket: FetchTicket, backend_pid: int | None) -> bool:
-        """A statement that takes its IDs as it runs failed without saying which, or
-        whether it committed (its connection broke). For a captured writer, keep the
-        ticket, so this writer's position stays below whatever it took, until the
-        outcome is final and the sequence head says how far its IDs may reach; then
-        mark that range unknown. Otherwise the position would move past a committed row
-        and replication would claim nothing lies there. False: end the ticket as usual
-        (without an open outbox, readers read every range from the database anyway)."""
-        if not self._outbox.is_open:
-            return False
-        self._settling.start(self._settle(ticket, backend_pid), f"plait-settle-{self._spec.name}")
-        return True
-
-    async def _settle(self, ticket: FetchTicket, backend_pid: int | None) -> None:
-        """See `_unsettled`. Cancelled (at close), it leaves the ticket open: a position
-        held back is safe, one moved past a row is not."""
-        if backend_pid is not None:
-            await self._db.wait_finished(backend_pid=backend_pid)
-        low = ticket.floor - 1  # the sequence gave the statement nothing below the floor
-        high, backoff = low, Backoff(initial=0.05, cap=5.0)
-        while True:
-            try:
-                high = await self._store.sequence_head()
-                break
-            except FencedError:
-                break  # others moved this run's position on; it writes nothing more
-            except (psycopg.Error, OSError) as err:
-                logger.warning(
-                    "stream %s: cannot read the sequence head after a write whose outcome "
-                    "was lost (%s); this writer's position waits for it",
-                    self._spec.name,
-                    err,
-                )
-                await asyncio.sleep(backoff.next_delay())
-        self._outbox.unknown(low, high)
-        self._end_empty(ticket)
-
-    def _end_empty(self, ticket: FetchTicket) -> None:
-        """End a fetch that handed out nothing (or nothing anyone can name)."""
-        before = self._tracker.local_position
-        self._fetches.end(ticket, [])
-        self._poke_if_moved(before)
-
-    def _lost(self, ticket: FetchTicket) -> None:
-        """A fetch's IDs may have committed unnamed: settle it, or end it at once."""
-        if not self._unsettled(ticket, None):
-            self._end_empty(ticket)
-
-    def _finish(self, ids: list[int], rows: list[StreamRow] | None = None) -> None:
-        self._outbox.written(ids, rows)
-        before = self._tracker.local_position
-        self._tracker.complete(ids)
-        self._poke_if_moved(before)
 
     def _check_writer(self) -> None:
         if self._closed:
@@ -939,9 +811,8 @@ class MultiWriterIdGenerator:
         self._closed = True
         self._db.forget_on_close(self.close)
         self._db.release_renewal(self._pending)
-        await self._settling.aclose()
-        if self._flusher is not None:
-            await cancel_and_wait(self._flusher)
+        await self._settler.close()
+        await self._finisher.close()
         if self._confirming is not None:
             await cancel_and_wait(self._confirming)
         if self._fencer is not None:

@@ -62,7 +62,7 @@ class Reservation(Generic[T]):
         parts = self._parts
         self._ids = await parts.allocator.allocate(self._n)
         self._lsn = parts.store.allocated_lsn
-        parts.wal.watchers += 1  # commits meanwhile tell `_finish_durable`
+        parts.wal.watchers += 1  # commits meanwhile tell `Finisher.finish_durable`
         return self._present(self._ids)
 
     async def __aexit__(self, *exc: object) -> None:
