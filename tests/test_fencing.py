@@ -56,23 +56,23 @@ async def test_a_fence_needs_every_connection_of_the_run_gone(db: Database, dsn:
     store = StreamStore(db, spec_for(["w1", "w2"]))
     assert (await row(db, "w1"))[1] == run.epoch
     assert (await row(db, "w2"))[1] is None
-    assert (await store.fence("w2", 100)).epoch is None  # never fenced
+    assert (await store.writers.fence("w2", 100)).epoch is None  # never fenced
 
     await w1.insert(INSERT, ("w1", 2))
     ids = await w2.insert(INSERT, ("w2", 5))
-    result = await store.fence("w1", ids[-1])
+    result = await store.writers.fence("w1", ids[-1])
     assert (result.epoch, result.position) == (run.epoch, None)
     assert result.alive >= 1
     assert not (await row(db, "w1"))[2]
 
     await w1.close()
     await w1_db.close()
-    result = await store.fence("w1", ids[-1])
+    result = await store.writers.fence("w1", ids[-1])
     assert (result.epoch, result.alive, result.position) == (run.epoch, 0, ids[-1])
     assert await row(db, "w1") == (ids[-1], run.epoch, True)
     # Never past the sequence, never backwards.
-    assert (await store.fence("w1", 10**9)).position == await w2.get_max_allocated_token()
-    assert (await store.fence("w1", 1)).position == await w2.get_max_allocated_token()
+    assert (await store.writers.fence("w1", 10**9)).position == await w2.get_max_allocated_token()
+    assert (await store.writers.fence("w1", 1)).position == await w2.get_max_allocated_token()
 
     # The dead run may open no new connection.
     async with await psycopg.AsyncConnection.connect(
@@ -87,7 +87,7 @@ async def test_a_fence_needs_every_connection_of_the_run_gone(db: Database, dsn:
     try:
         w1_again = await create_generator(w1_again_db, ["w1", "w2"], "w1")
         assert (await row(db, "w1"))[1:] == (rerun.epoch, False)
-        assert (await store.fence("w1", 10**9)).position is None
+        assert (await store.writers.fence("w1", 10**9)).position is None
         await w1_again.close()
     finally:
         await w1_again_db.close()
@@ -232,7 +232,7 @@ async def fenced_within(store: StreamStore, within: float, what: str) -> None:
     machine's pace); fails saying what for."""
 
     async def fenced() -> bool:
-        return (await store.fence("w1", 10**9)).position is not None
+        return (await store.writers.fence("w1", 10**9)).position is not None
 
     await pace.until(fenced, within, what, every=0.05)
 
@@ -400,8 +400,8 @@ async def test_a_fence_stalled_mid_transaction_holds_the_writers_row_briefly(
         waited: list[float] = []
 
         async def stalled_fence() -> None:
-            async with store._row_transaction() as txn:
-                assert await store._locked_row(txn, "w1") is not None
+            async with store.writers._row_transaction() as txn:
+                assert await store.writers._locked_row(txn, "w1") is not None
                 started = time.monotonic()
                 # The writer stores its position meanwhile: it waits for the row.
                 async with (
@@ -419,7 +419,7 @@ async def test_a_fence_stalled_mid_transaction_holds_the_writers_row_briefly(
             await stalled_fence()
         locked = waited[0]
         assert locked < pace.scaled(20), f"w1's row was locked {locked:.1f} s by a stalled fence"
-        assert (await store.fence("w1", 10**9)).epoch is None  # a new connection answers
+        assert (await store.writers.fence("w1", 10**9)).epoch is None  # a new connection answers
     finally:
         await fencer_db.close()
         await w1.close()

@@ -25,8 +25,9 @@ from fence_helpers import LinearReader, committed, server_processes_gone, spawn,
 from pgbouncer import PgBouncer, pgbouncer, pgbouncer_binary, role_with_schema
 from plait import Database, DatabaseUnavailableError, FencedError
 from plait.storage.incarnation import Incarnation, refuse_if_fenced
-from plait.storage.stream_store import FenceResult, StreamStore
+from plait.storage.stream_store import StreamStore
 from plait.storage.timeouts import DatabaseTimeouts
+from plait.storage.writer_rows import FenceResult
 from stream_helpers import create_generator, create_table, spec_for
 
 pytestmark = pytest.mark.skipif(
@@ -140,7 +141,7 @@ async def test_session_pooling_keeps_settings_names_and_statements(
             assert await shown.fetchone() == ("7000",)
         store = StreamStore(watcher, spec_for(["w1", "w2"]))
         # The run's name reaches the server processes PgBouncer lends it: no fence.
-        alive = await store.fence("w1", ids[-1])
+        alive = await store.writers.fence("w1", ids[-1])
         assert alive.alive >= 1
         assert alive.position is None
         await gen.close()
@@ -150,7 +151,7 @@ async def test_session_pooling_keeps_settings_names_and_statements(
         fences: list[FenceResult] = []
 
         async def fenced() -> bool:
-            fences.append(await store.fence("w1", ids[-1]))
+            fences.append(await store.writers.fence("w1", ids[-1]))
             return fences[-1].position is not None
 
         await pace.until(

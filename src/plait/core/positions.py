@@ -41,7 +41,7 @@ A position no row shows (the ID of a rolled-back write, or one the idle rule too
 another writer) may survive nowhere: its asynchronous store is lost when PostgreSQL
 crashes, and the writer process may die with it. So a starting writer that finds its
 position below the sequence head takes one ID from the sequence and starts at it,
-unused (`StreamStore.register`, durable): every position its previous runs reported was
+unused (`WriterRows.register`, durable): every position its previous runs reported was
 an ID the sequence had handed out, so it is at or below the head, and the head itself
 may not do, being perhaps another writer's ID still in flight. A writer that lives
 through a crash stores its position again, durably, once it found a connection dead,

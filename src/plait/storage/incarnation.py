@@ -8,7 +8,7 @@ did, and a fenced epoch may open no new connection (`refuse_if_fenced`), so noth
 still holds in memory can commit afterwards.
 
 A later run of the same instance takes over the same way: it registers its epoch only
-once no server process carries the previous run's (`StreamStore.register`), and the
+once no server process carries the previous run's (`WriterRows.register`), and the
 previous run, should it still live and connect again, finds itself superseded and may
 write nothing more. So a starting writer may take every row of its instance as final.
 """

@@ -1,7 +1,7 @@
 """Fences dead writers of one stream (the I/O around `core.fencing.HoldWatch`).
 
 A background task looks at the positions a few times per `fence_after`; when the watch
-names a writer that has held the stream too long, it runs `StreamStore.fence` and hands
+names a writer that has held the stream too long, it runs `WriterRows.fence` and hands
 a success to `fenced(writer, position)`: the generator advances it (or replication
 announces it and catches up its rows first).
 """
@@ -76,7 +76,7 @@ class Fencer:
 
     async def _attempt(self, writer: str, target: int, before: int) -> None:
         """Try to fence `writer` up to `target` (`before`: where it is now)."""
-        result = await self._store.fence(writer, target)
+        result = await self._store.writers.fence(writer, target)
         now = time.monotonic()
         name = self._store.spec.name
         if result.epoch is None:

@@ -13,7 +13,7 @@ go backwards, also through a restart). Two cheap stores make up for it: after a
 connection of the process was found dead (the server restarted or crashed; the
 count `lost()` grew) the current position is stored again, durably; and the last
 store, at stop, is durable. A writer that dies with the server restarts above the
-sequence head (`StreamStore.register`). See "Positions through a crash" in
+sequence head (`WriterRows.register`). See "Positions through a crash" in
 `core/positions.py`.
 """
 

@@ -16,7 +16,8 @@ from plait.errors import (
 )
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
-from plait.storage.stream_store import STARTUP_PAGE, Registered, StreamStore, Survey
+from plait.storage.stream_store import STARTUP_PAGE, StreamStore, Survey
+from plait.storage.writer_rows import Registered
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ async def load(
             return survey, tracker
         # Registered before the first allocation, so database-only readers know
         # every live writer, and a fence of an earlier run cannot claim new IDs.
-        previous = await store.register(instance, tracker.local_position)
+        previous = await store.writers.register(instance, tracker.local_position)
         if isinstance(previous, Registered):
             if previous.taken is None:
                 return survey, tracker
@@ -65,7 +66,7 @@ async def load(
             )
         # Then wait with a cheap count, no lock (fences need the row), and survey and
         # register again only once the previous run is gone.
-        while (alive := await store.connections_of(previous.epoch)) > 0:
+        while (alive := await store.writers.connections_of(previous.epoch)) > 0:
             waited = loop.time() - waiting_since
             if waited >= db.patience:
                 raise InstanceRunningError(
