@@ -209,14 +209,14 @@ async def test_a_publisher_whose_lines_go_nowhere_ends_the_connection_while_othe
     )
     await transport.start()
     assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
-    outbox = transport._outbox
-    assert outbox is not None
+    queue = transport._queue
+    assert queue is not None
     lost: list[str] = []
 
     def send(line: str) -> None:  # the publisher's half breaks
         lost.append(line)
 
-    outbox.send = send  # type: ignore[method-assign]
+    queue.send = send  # type: ignore[method-assign]
     async with Redis.from_url(redis_url) as other:
         talking = time.monotonic()
         while handler.sessions[0].closed_calls == 0 and time.monotonic() - talking < 3:

@@ -22,7 +22,7 @@ Rules:
   while catching up never reconnects in a tight loop.
 - Every task belongs to the transport; `stop()` ends them all. A connection's end does
   not rest on its tasks honouring cancellation (redis-py on Python 3.11 can swallow
-  one): its outbox and session are closed first, then its sockets (`_ended`).
+  one): its queue and session are closed first, then its sockets (`_ended`).
 - With a secret (`replication.secret`), every message is signed and every message
   received is verified (`plait.core.signed_messages`: one HMAC per message, the
   sender's name inside it, runs and seqs against replays). A refused message or line
@@ -43,9 +43,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -54,18 +52,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from plait.core.backoff import Backoff
-from plait.core.commands import CONNECTION_COMMANDS, MAX_LINE_BYTES, Ping, command_name, to_line
+from plait.core.commands import CONNECTION_COMMANDS, command_name
 from plait.core.redact import redact
 from plait.core.signed_messages import (
-    BAD_SIGNATURE,
     FOREIGN,
-    GAP,
-    MALFORMED,
-    OVERSIZED,
-    REPLAYED,
     SIGNED_WITHOUT_SECRET,
-    STALE,
-    UNSIGNED,
     Accepted,
     Signer,
     Verifier,
@@ -76,12 +67,11 @@ from plait.core.signed_messages import (
 from plait.replication import defaults
 from plait.replication.link import Handler, Session, wait_set
 from plait.replication.metrics import ReplicationMetrics
+from plait.replication.redis_connection import LABEL, Liveness, Refusals, SendQueue, packed
 from plait.replication.redis_options import RedisTls, check_signing, client_options
 from plait.tasks import cancel_and_wait, to_the_end
 
 logger = logging.getLogger(__name__)
-
-LABEL = "redis"
 
 # Silence (nothing received, not even our own PING) longer than this many ping
 # intervals means the path is dead.
@@ -90,176 +80,14 @@ _SILENT_PINGS = 3
 _FLUSH_PATIENCE = 1.0
 # How long closing the Redis connections may take (a dead peer must not hold stop() up).
 _CLOSE_PATIENCE = 1.0
-# Most lines in one pipeline, so that one round trip's buffer stays bounded.
-_BATCH_LINES = 10_000
-# Lines are packed into messages of at most this many bytes (a longer line travels
-# alone): large enough to carry a burst, small enough that no subscriber's read of one
-# message holds its event loop for long.
-_MESSAGE_BYTES = 64 * 1024
 # The receiver lets the other tasks run after this many messages read back to back (a
 # read from a full buffer does not yield to the event loop).
 _YIELD_EVERY = 100
 # The longest name in CONNECTION_COMMANDS fits in this many bytes of a message.
 _NAME_BYTES = 16
-# Refused lines are warned about at most once per this many seconds per reason.
-_WARN_INTERVAL = 30.0
-# What to tell the operator about each reason lines are refused for.
-_REFUSALS = {
-    UNSIGNED: (
-        "unsigned message(s): a process without replication.secret (or any client of "
-        "this Redis allowed to PUBLISH) writes on the deployment's channel; give every "
-        "instance the same replication.secret, and see that only they may PUBLISH there"
-    ),
-    BAD_SIGNATURE: (
-        "message(s) whose signature does not verify with this instance's "
-        "replication.secret: an instance with another secret (or a forgery); every "
-        "instance of the deployment needs the same secret"
-    ),
-    SIGNED_WITHOUT_SECRET: (
-        "signed message(s), but this instance has no replication.secret: give it the "
-        "secret the other instances of the deployment have"
-    ),
-    MALFORMED: "signed message(s) whose header is not this version of plait's",
-    REPLAYED: "message(s) seen before (replayed by a client of this Redis)",
-    STALE: (
-        "message(s) first of their connection here but stamped too far from this "
-        "machine's clock (a replay, or clocks out of sync: run NTP, or raise "
-        "replication.redis.max_clock_skew)"
-    ),
-    GAP: "message(s) after a missing one of the same sender (lost or replayed lines)",
-    FOREIGN: (
-        "line(s) of rows or positions (or a DEPART) of another instance than their "
-        "signed sender: only an instance itself may send them"
-    ),
-    OVERSIZED: "message(s) larger than any plait sends",
-}
-
 # Failures that are the network's or the server's, logged without a traceback. Anything
 # else is a bug somewhere and is logged with one; both end the connection alike.
 _EXPECTED_FAILURES = (RedisError, OSError, TimeoutError)
-
-
-class _Outbox:
-    """The `Link` of one connection: the queue its publisher drains. Closed with its
-    connection, after which it drops every line."""
-
-    def __init__(self) -> None:
-        self._lines: deque[str] = deque()
-        self._waiting = asyncio.Event()  # lines are queued
-        self._idle = asyncio.Event()  # nothing queued and nothing being published
-        self._idle.set()
-        self._dropped = asyncio.Event()  # close() was called: end the connection
-        self._closed = False
-
-    @property
-    def label(self) -> str:
-        return LABEL
-
-    def send(self, line: str) -> None:
-        if self._closed:
-            return
-        self._lines.append(line)
-        self._waiting.set()
-        self._idle.clear()
-
-    async def take(self) -> list[str]:
-        """The oldest queued lines (up to `_BATCH_LINES`, in order), once there are any;
-        ConnectionError once the outbox is closed."""
-        while not self._lines:
-            if self._closed:
-                raise ConnectionError("the connection is closed")
-            self._waiting.clear()
-            await self._waiting.wait()
-        count = min(len(self._lines), _BATCH_LINES)
-        return [self._lines.popleft() for _ in range(count)]
-
-    def published(self) -> None:
-        """The lines last taken are on the server."""
-        if not self._lines:
-            self._idle.set()
-
-    async def drained(self) -> None:
-        """Returns once every line queued so far is published (or the outbox closed)."""
-        await self._idle.wait()
-
-    def close(self) -> None:
-        """Drop the connection (the handler calls this when catching up failed)."""
-        self._closed = True
-        self._lines.clear()
-        self._idle.set()
-        self._dropped.set()
-        self._waiting.set()  # a publisher waiting for lines learns it is over
-
-    async def until_closed(self) -> None:
-        """Raises once `close()` was called, ending the connection."""
-        await self._dropped.wait()
-        raise ConnectionError("the handler closed the connection")
-
-
-class _Liveness:
-    """When one of our own PINGs last came back through the subscription: the proof that
-    both connections reach the same server. Hearing other instances proves only the
-    subscription; a publisher whose lines go nowhere would go unnoticed while they talk,
-    and every peer would wait for this instance forever."""
-
-    _KEPT = 16  # PINGs awaited at most (older ones count as lost)
-
-    def __init__(self, now: float) -> None:
-        self.last_echo = now
-        self._awaited: dict[bytes, None] = {}
-        self._last_ms = 0
-
-    def ping(self, now_ms: int) -> str:
-        """The next PING line to send: unique for this connection (its ms strictly grow)."""
-        self._last_ms = max(self._last_ms + 1, now_ms)
-        line = to_line(Ping(self._last_ms))
-        self._awaited[line.encode()] = None
-        while len(self._awaited) > self._KEPT:
-            del self._awaited[next(iter(self._awaited))]
-        return line
-
-    def heard(self, line: bytes, now: float) -> None:
-        """A PING line came through the subscription (ours, or another instance's)."""
-        if line in self._awaited:
-            del self._awaited[line]
-            self.last_echo = now
-
-
-class _Refusals:
-    """Counts refused lines by reason (a metric) and warns about each reason at most
-    once per `_WARN_INTERVAL`, with the count since its last warning: a peer with
-    another secret, or a flood, costs a log line per interval, never one per line."""
-
-    def __init__(self, metrics: ReplicationMetrics, channel: str) -> None:
-        self._metrics = metrics
-        self._channel = channel
-        self._counters: dict[str, Any] = {}
-        self._pending: dict[str, int] = {}
-        self._next_warning: dict[str, float] = {}
-
-    def refuse(self, reason: str, lines: int, sender: bytes | None, detail: str = "") -> None:
-        counter = self._counters.get(reason)
-        if counter is None:
-            counter = self._counters[reason] = self._metrics.refused_lines.labels(LABEL, reason)
-        counter.inc(lines)
-        pending = self._pending[reason] = self._pending.get(reason, 0) + lines
-        now = time.monotonic()
-        if now < self._next_warning.get(reason, 0.0):
-            return
-        self._next_warning[reason] = now + _WARN_INTERVAL
-        self._pending[reason] = 0
-        origin = "" if sender is None else f" from {sender.decode(errors='replace')}"
-        logger.warning(
-            "redis transport: dropped %d line(s) on %s%s: %s%s (counted in "
-            "plait_refused_lines_total{reason=%r}; warned about at most every %g s)",
-            pending,
-            self._channel,
-            origin,
-            _REFUSALS[reason],
-            f"; last: {detail}" if detail else "",
-            reason,
-            _WARN_INTERVAL,
-        )
 
 
 class RedisTransport:
@@ -309,12 +137,12 @@ class RedisTransport:
         self._connect_timeout = connect_timeout
         self._backoff = Backoff() if backoff is None else backoff
         metrics = ReplicationMetrics() if metrics is None else metrics
-        self._refusals = _Refusals(metrics, channel)
+        self._refusals = Refusals(metrics, channel)
         self._up_gauge = metrics.connection_up.labels(link=LABEL)
         self._reconnects = metrics.reconnects.labels(link=LABEL)
         self._task: asyncio.Task[None] | None = None
         self._started = False
-        self._outbox: _Outbox | None = None  # the open connection's
+        self._queue: SendQueue | None = None  # the open connection's
         self._open = asyncio.Event()  # set while a session is open
         self._failures = 0  # failed attempts since the connection was last up
 
@@ -345,11 +173,11 @@ class RedisTransport:
         task, self._task = self._task, None
         if task is None:
             return
-        outbox = self._outbox
-        if outbox is not None:
+        queue = self._queue
+        if queue is not None:
             try:
                 async with asyncio.timeout(_FLUSH_PATIENCE):
-                    await outbox.drained()
+                    await queue.drained()
             except TimeoutError:
                 logger.warning("redis transport: stopping with unpublished lines")
         # redis-py can swallow a cancellation that arrives while it connects, and the
@@ -382,7 +210,7 @@ class RedisTransport:
         subscriber = self._client()
         publisher = self._client()
         pubsub = subscriber.pubsub()
-        outbox: _Outbox | None = None
+        queue: SendQueue | None = None
         session: Session | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -412,7 +240,7 @@ class RedisTransport:
                     f"the server's answers to connecting are not Redis's "
                     f"({type(err).__name__}: {err}): not a Redis server"
                 ) from err
-            outbox = _Outbox()
+            queue = SendQueue()
             signer = None
             if self._key is not None:
                 # A new run per connection: its seqs start over, and receivers know
@@ -424,27 +252,27 @@ class RedisTransport:
             # Signed: every line is a proven sender's, in its own name (FENCED aside,
             # which receivers check against the database).
             session = self._handler.open(
-                outbox, reply_errors=False, authenticated=self._verifier is not None
+                queue, reply_errors=False, authenticated=self._verifier is not None
             )
-            self._outbox = outbox
+            self._queue = queue
             self._open.set()
             logger.debug("redis transport: subscribed to %s", self._channel)
-            liveness = _Liveness(asyncio.get_running_loop().time())
+            liveness = Liveness(asyncio.get_running_loop().time())
             tasks = [
-                asyncio.create_task(self._publish(publisher, outbox, signer)),
+                asyncio.create_task(self._publish(publisher, queue, signer)),
                 asyncio.create_task(self._receive(pubsub, session, liveness)),
-                asyncio.create_task(self._keep_alive(outbox, liveness)),
+                asyncio.create_task(self._keep_alive(queue, liveness)),
                 asyncio.create_task(self._mark_up(session)),
-                asyncio.create_task(outbox.until_closed()),
+                asyncio.create_task(queue.until_closed()),
             ]
             await _first_failure(tasks)
         finally:
             self._open.clear()
             self._up_gauge.set(0)
-            if outbox is not None:
-                outbox.close()
-                if self._outbox is outbox:
-                    self._outbox = None
+            if queue is not None:
+                queue.close()
+                if self._queue is queue:
+                    self._queue = None
             if session is not None:
                 _closed(session)
             closers = (pubsub.aclose, subscriber.aclose, publisher.aclose)
@@ -470,10 +298,10 @@ class RedisTransport:
 
     # -- the tasks of one connection ---------------------------------------------------
 
-    async def _publish(self, publisher: Redis, outbox: _Outbox, signer: Signer | None) -> None:
+    async def _publish(self, publisher: Redis, queue: SendQueue, signer: Signer | None) -> None:
         channel = self._channel
         while True:
-            messages = _packed(await outbox.take())
+            messages = packed(await queue.take())
             if signer is not None:
                 now_ms = int(time.time() * 1000)
                 messages = [signer.sign(message, now_ms) for message in messages]
@@ -484,9 +312,9 @@ class RedisTransport:
                     for message in messages:
                         pipe.publish(channel, message)
                     await pipe.execute()
-            outbox.published()
+            queue.published()
 
-    async def _receive(self, pubsub: PubSub, session: Session, liveness: _Liveness) -> None:
+    async def _receive(self, pubsub: PubSub, session: Session, liveness: Liveness) -> None:
         loop = asyncio.get_running_loop()
         count = 0
         while True:
@@ -529,7 +357,7 @@ class RedisTransport:
                 except Exception:  # the session promises not to raise: a bug
                     logger.exception("redis transport: the session failed on a %s line", name)
 
-    async def _keep_alive(self, outbox: _Outbox, liveness: _Liveness) -> None:
+    async def _keep_alive(self, queue: SendQueue, liveness: Liveness) -> None:
         loop = asyncio.get_running_loop()
         silence = _SILENT_PINGS * self._ping_interval
         next_ping = loop.time() + self._ping_interval
@@ -538,7 +366,7 @@ class RedisTransport:
             if now - liveness.last_echo >= silence:
                 raise TimeoutError(f"none of our PINGs came back for {silence:g} s")
             if now >= next_ping:
-                outbox.send(liveness.ping(int(time.time() * 1000)))
+                queue.send(liveness.ping(int(time.time() * 1000)))
                 next_ping = now + self._ping_interval
             await asyncio.sleep(min(next_ping, liveness.last_echo + silence) - now)
 
@@ -577,49 +405,6 @@ class RedisTransport:
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _packed(lines: list[str]) -> list[bytes]:
-    """The lines as messages: consecutive lines joined by newlines, each message at
-    most `_MESSAGE_BYTES` unless one line alone is longer; lines no receiver could
-    take are dropped (logged)."""
-    messages: list[bytes] = []
-    current: list[bytes] = []
-    size = 0
-    for line in lines:
-        data = _encoded(line)
-        if data is None:
-            continue
-        if current and size + 1 + len(data) > _MESSAGE_BYTES:
-            messages.append(b"\n".join(current))
-            current, size = [], 0
-        current.append(data)
-        size += len(data) + (1 if size else 0)
-    if current:
-        messages.append(b"\n".join(current))
-    return messages
-
-
-def _encoded(line: str) -> bytes | None:
-    """`line` as UTF-8, or None (logged) when no receiver could take it: a bad line
-    costs a log line, never the connection."""
-    try:
-        data = line.encode()
-    except UnicodeEncodeError as err:  # a lone surrogate
-        logger.error("redis transport: dropped a %s line: %s", command_name(line), err)
-        return None
-    if b"\n" in data:  # would split into two lines at the receiver
-        logger.error("redis transport: dropped a %s line holding a line break", command_name(line))
-        return None
-    if len(data) > MAX_LINE_BYTES:
-        logger.error(
-            "redis transport: dropped a %s line of %d bytes (the limit is %d)",
-            command_name(line),
-            len(data),
-            MAX_LINE_BYTES,
-        )
-        return None
-    return data
-
-
 async def _confirmed(pubsub: PubSub) -> None:
     """Returns once the server confirmed the subscription."""
     while True:
@@ -655,7 +440,7 @@ async def _ended(
     the connection forever: its receiver gone, its publisher still publishing, nothing
     logged. Here the sockets are closed after the cancellation, which ends whatever
     still waits on them, a task is cancelled again until it ends, and one that will
-    not end is left behind, logged: its outbox and its session are closed already."""
+    not end is left behind, logged: its queue and its session are closed already."""
     for task in tasks:
         task.cancel()
     await _close_all(closers)
