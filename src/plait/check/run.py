@@ -9,14 +9,13 @@ One run, in order:
 4. the drain: every fault undone, dead writers restarted, writers told to go idle; the
    readers get targets (the highest committed IDs, from the database) and must reach
    them;
-5. the journals are read back and judged (`verdict`).
+5. the journals are read back and judged (`judging`, `verdict`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import shutil
 import signal
@@ -35,16 +34,14 @@ from plait.caches.invalidations import CACHES_STREAM
 from plait.check import journal
 from plait.check.faults import FaultLog, Partition, schedule
 from plait.check.journal import Kind
+from plait.check.judging import Run, judge
 from plait.check.options import Options
 from plait.check.plan import (
-    FOLLOWER,
     KV_CHANGED,
     KV_KEYS,
     PG_OUTAGES,
     PG_PARTITION,
-    REPLICATION_READERS,
     SPARK,
-    WORKER,
     Plan,
     fault_near,
     keepalive_bound,
@@ -58,12 +55,7 @@ from plait.check.redis_server import RedisServer
 from plait.check.report import Report
 from plait.check.roles import FENCED_EXIT, UNAVAILABLE_EXIT
 from plait.check.verdict import (
-    History,
-    ReaderLog,
-    allowed_positions,
-    judge_reader,
     last_error,
-    own_regressions,
 )
 from plait.config import InstanceConfig
 from plait.errors import PlaitError
@@ -74,8 +66,6 @@ from plait.storage.incarnation import name_prefix
 from plait.storage.search_path import in_schema
 
 START_TIMEOUT = 60.0
-# How far before a stall a failed run's report looks for the faults that may explain it.
-STALL_CONTEXT = 5.0
 # A Spark reader starts a JVM and plans a first query per stream: on a machine the
 # other processes keep busy that can take longer than any other process's start.
 SPARK_START_TIMEOUT = 180.0
@@ -85,8 +75,6 @@ CATCH_UP_TIMEOUT = 60.0
 # (for the others to fence the writer), and this long again, at random: the writer comes
 # back after the fence, a fenced live writer.
 PARTITION_AFTER_FENCE = (2.0, 4.0)
-# Journal lines that carry a fetch's IDs: arrived, committed, rolled back, failed.
-_SETTLED_OR_ARRIVED = frozenset({Kind.ARRIVED, Kind.COMMITTED, Kind.ROLLED_BACK, Kind.FAILED})
 
 
 class Checker:
@@ -164,7 +152,10 @@ class Checker:
         finally:
             await self._stop_all()
         say("judging")
-        report = self._judge(plan, truth, kv_truth, time.monotonic() - started, died)
+        if "slow_commit" in self.options.fault_counts:
+            self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
+        run = Run(self.options, self.seed, self.faults, self._faults_began, self._keepalive_bound)
+        report = judge(run, plan, truth, kv_truth, time.monotonic() - started, died)
         report.problems[:0] = problems
         if report.ok and not options.keep:
             await self._drop_schema()
@@ -553,21 +544,6 @@ class Checker:
         if self.faults.journal is not None:
             self.faults.journal.close()
 
-    def _faults_around(self, plan: Plan, span: tuple[float, float]) -> str:
-        """What the schedule did from a few seconds before a stall to its end, with
-        times from the schedule's start: where to look first in a failed run."""
-        start, end = span
-        t0 = self._faults_began
-        faults = [
-            f"{' '.join(line.fields)} at {line.t - t0:.1f} s"
-            for line in journal.read(plan.run_dir / "faults.journal")
-            if start - STALL_CONTEXT <= line.t <= end
-        ]
-        return (
-            f"the stall lasted from {start - t0:.1f} s to {end - t0:.1f} s into the schedule;"
-            f" faults from {STALL_CONTEXT:g} s before: {', '.join(faults) or 'none'}"
-        )
-
     def _reader_deaths(self) -> dict[str, str]:
         """Why a reader stopped reading before the end, in its own words: the last
         error line of its standard error when its process exited, or a Spark query's
@@ -595,126 +571,6 @@ class Checker:
         async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
             await c.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
 
-    # -- judging ------------------------------------------------------------------------------
-
-    def _judge(
-        self,
-        plan: Plan,
-        truth: dict[str, dict[int, str]],
-        kv_truth: dict[str, dict[int, str]],
-        elapsed: float,
-        died: dict[str, str],
-    ) -> Report:
-        if "slow_commit" in self.options.fault_counts:
-            self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
-        for line in journal.read(plan.journal(SPARK)):
-            if line.kind == Kind.STATE and line.fields[0] == "reviving":
-                self.faults.revived.append(" ".join(line.fields[2:]))
-        history = History(
-            db_outages=self.faults.db_outages,
-            fence_after=self.options.fence_after,
-            deaths=self.faults.deaths,
-            stops=self.faults.stops,
-            partitions={
-                w: [(p.hole, p.cut, p.healed) for p in partitions]
-                for w, partitions in self.faults.partitions.items()
-            },
-        )
-        rolled_back = failed = renewed = 0
-        for w in plan.writers:
-            for line in journal.read(plan.journal(w)):
-                if line.kind == Kind.FETCH:  # a fetch of IDs began
-                    s, fetch = line.fields[0], int(line.fields[1])
-                    history.events.setdefault(s, []).append((line.t, w, "F", [fetch]))
-                elif line.kind in _SETTLED_OR_ARRIVED:
-                    s, ids = line.fields[0], journal.id_list(line.fields[1])
-                    events = history.events.setdefault(s, [])
-                    if line.kind == Kind.ARRIVED:  # the fetch ended; its IDs, if any, are open
-                        events.append((line.t, w, "f", [int(line.fields[2])]))
-                    if ids:
-                        events.append((line.t, w, line.kind, ids))
-                    rolled_back += len(ids) if line.kind == Kind.ROLLED_BACK else 0
-                    failed += len(ids) if line.kind == Kind.FAILED else 0
-                elif line.kind == Kind.POSITION:
-                    positions = history.own_positions.setdefault((w, line.fields[0]), [])
-                    positions.append(int(line.fields[1]))
-                elif line.kind == Kind.STATE and line.fields[0] == "started":
-                    history.starts.setdefault(w, []).append(line.t)
-                elif line.kind == Kind.STATE and line.fields[0] == "renewed":
-                    renewed += 1
-        allowed = {s: allowed_positions(history, s, plan.writers) for s in plan.stream_names}
-        verdicts = [
-            judge_reader(
-                name,
-                _reader_log(plan.journal(name)),
-                kv_truth,
-                None,
-                per_writer=False,
-                died=died.get(name, ""),
-            )
-            if name == WORKER
-            else judge_reader(
-                name,
-                _reader_log(plan.journal(name)),
-                truth,
-                allowed,
-                per_writer=name == FOLLOWER,
-                outages=self._down(plan, name),
-                db_outages=self.faults.db_outages,
-                died=died.get(name, ""),
-            )
-            for name in self.options.readers
-        ]
-        regressions = own_regressions(history)
-        bound = self.options.bound
-        problems = [f"{v.name}: {p}" for v in verdicts for p in v.violations(bound(v.name))]
-        problems += [
-            f"{v.name}: {self._faults_around(plan, v.stall_span)}"
-            for v in verdicts
-            if v.past(bound(v.name)) and v.stall_span[1] > 0
-        ]
-        problems += [f"{v.name}: e.g. {e}" for v in verdicts for e in v.examples]
-        problems += [f"own position went back: {r}" for r in regressions]
-        problems += [f"crash: {c}" for c in self.faults.crashes]
-        return Report(
-            options=self.options,
-            seed=self.seed,
-            run_dir=plan.run_dir,
-            elapsed=elapsed,
-            committed=sum(len(rows) for rows in truth.values()),
-            rolled_back=rolled_back,
-            failed=failed,
-            faults=self.faults,
-            readers=verdicts,
-            own_regressions=regressions,
-            problems=problems,
-            renewed=renewed,
-            keepalive_bound=self._keepalive_bound,
-        )
-
-    def _down(self, plan: Plan, reader: str) -> list[tuple[float, float]]:
-        """When `reader` could not read, through no fault of plait's: the transport
-        down for replication readers; a Spark query restarting (the fault stops it), or
-        started again after failing in a PostgreSQL fault, until its first batch.
-        (PostgreSQL's own down time is left out of every reader's stalls apart.)"""
-        if reader in REPLICATION_READERS:
-            return self.faults.outages
-        if reader != SPARK:
-            return []
-        # A restart (the fault) and a revival (a query failed in a PostgreSQL fault and
-        # started again, `spark_reader`) may overlap on one stream: paired apart.
-        ends = {"restarted": "restarting", "revived": "reviving"}
-        down, began = [], {}
-        for line in journal.read(plan.journal(reader)):
-            if line.kind != Kind.STATE:
-                continue
-            what = line.fields[0]
-            if what in ends.values():
-                began[what, line.fields[1]] = line.t
-            elif what in ends and (ends[what], line.fields[1]) in began:
-                down.append((began.pop((ends[what], line.fields[1])), line.t))
-        return down
-
 
 async def create_schema(plan: Plan) -> None:
     """plait's tables, the plan's stream tables and the cache worker's `check_kv`, in
@@ -741,22 +597,3 @@ async def create_schema(plan: Plan) -> None:
             )
     finally:
         await db.close()
-
-
-def _reader_log(path: Path) -> ReaderLog:
-    log = ReaderLog()
-    for line in journal.read(path):
-        if line.kind == Kind.DELIVERED:
-            stream, writer, ids = line.fields
-            log.rows.setdefault((stream, writer), []).extend(journal.id_list(ids))
-        elif line.kind == Kind.TOKEN:
-            stream, writer, token = line.fields
-            log.tokens.setdefault((stream, writer), []).append((line.t, int(token)))
-        elif line.kind == Kind.VIEW:
-            stream, view = line.fields
-            log.views.setdefault(stream, []).append((line.t, json.loads(view)))
-        elif line.kind == Kind.VIOLATION:
-            log.violations[line.fields[0]] += 1
-        elif line.kind == Kind.STATE and line.fields[0] == "caught-up":
-            log.caught_up = True
-    return log
