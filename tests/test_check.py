@@ -136,16 +136,9 @@ async def _short_schedule(
 
 
 def _beyond(report: Report, contention: pace.Contention) -> list[str]:
-    """The run's problems, less the stalls that fit the bound stretched by the CPU the
-    machine gave elsewhere meanwhile; the measurement is named in what is left. (A
-    stall past its bound makes two lines: the stall, then the faults around it.)"""
-    fits = {
-        v.name
-        for v in report.readers
-        if not v.past(report.options.bound(v.name) * contention.slowness)
-    }
-    stall_lines = tuple(f"{name}: {what}" for name in fits for what in ("stall ", "the stall "))
-    left = [p for p in report.problems if not p.startswith(stall_lines)]
+    """The run's problems with the stall bounds stretched by the CPU the machine gave
+    elsewhere meanwhile; the measurement is named in what is left."""
+    left = report.problems_at(contention.slowness)
     return [*left, f"(while it ran, {contention})"] if left else []
 
 

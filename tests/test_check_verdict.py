@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from plait.check.faults import FaultLog, counts_for, kinds_for, schedule
 from plait.check.options import Options
 from plait.check.plan import PG_SETTLE, postgres_fault_near
+from plait.check.report import Report
 from plait.check.spark_reader import Batches
 from plait.check.verdict import (
     DATABASE_GRACE,
@@ -18,6 +20,7 @@ from plait.check.verdict import (
     TRANSPORT_GRACE,
     History,
     ReaderLog,
+    ReaderVerdict,
     allowed_positions,
     error_line,
     judge_reader,
@@ -623,3 +626,37 @@ def test_a_writer_is_partitioned_from_the_hole_until_it_heals() -> None:
     assert faults.partitioned_now("w1")
     partition.healed = 11.0
     assert not faults.partitioned_now("w1")
+
+
+def test_a_reports_stalls_are_judged_at_the_bound_given_and_its_findings_whatever_it_is(
+    tmp_path: Path,
+) -> None:
+    """`Report.problems_at(stretch)`: a stall past its bound (with the faults around it)
+    fails the run at that bound only; a lost row fails it at any."""
+    options = Options(dsn="postgresql://db/x", stall_bound=4.0)
+    stalled = ReaderVerdict("linear", longest_stall=5.0, stall_at="s0:17", stall_span=(1.0, 6.0))
+    lossy = ReaderVerdict("worker", lost=2)
+    report = Report(
+        options=options,
+        seed=1,
+        run_dir=tmp_path,
+        elapsed=1.0,
+        committed=10,
+        rolled_back=0,
+        failed=0,
+        faults=FaultLog(),
+        readers=[stalled, lossy],
+        own_regressions=[],
+        findings=["worker: lost: 2"],
+        stall_context={"linear": "the stall lasted from 1.0 s to 6.0 s"},
+    )
+    assert report.problems == [
+        "worker: lost: 2",
+        "linear: stall 5.00 s > 4 s at s0:17",
+        "linear: the stall lasted from 1.0 s to 6.0 s",
+    ]
+    assert report.problems_at(1.5) == ["worker: lost: 2"]  # 5 s fits 6 s
+    assert not report.ok
+    report.findings.clear()
+    assert not report.ok  # the stall alone
+    assert report.problems_at(1.3) == []

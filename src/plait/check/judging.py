@@ -108,13 +108,7 @@ def judge(
         for name in options.readers
     ]
     regressions = own_regressions(history)
-    bound = options.bound
-    problems = [f"{v.name}: {p}" for v in verdicts for p in v.violations(bound(v.name))]
-    problems += [
-        f"{v.name}: {_faults_around(plan, run.faults_began, v.stall_span)}"
-        for v in verdicts
-        if v.past(bound(v.name)) and v.stall_span[1] > 0
-    ]
+    problems = [f"{v.name}: {p}" for v in verdicts for p in v.findings()]
     problems += [f"{v.name}: e.g. {e}" for v in verdicts for e in v.examples]
     problems += [f"own position went back: {r}" for r in regressions]
     problems += [f"crash: {c}" for c in faults.crashes]
@@ -129,7 +123,12 @@ def judge(
         faults=faults,
         readers=verdicts,
         own_regressions=regressions,
-        problems=problems,
+        findings=problems,
+        stall_context={
+            v.name: _faults_around(plan, run.faults_began, v.stall_span)
+            for v in verdicts
+            if v.stall_span[1] > 0
+        },
         renewed=renewed,
         keepalive_bound=run.keepalive_bound,
     )

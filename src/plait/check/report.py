@@ -26,12 +26,32 @@ class Report:
     faults: FaultLog
     readers: list[ReaderVerdict]
     own_regressions: list[str]
-    problems: list[str] = field(default_factory=list)
+    # What fails the run whatever the stall bounds; stalls are judged from `readers`.
+    findings: list[str] = field(default_factory=list)
+    # Per reader, when its longest stall was and which faults came shortly before it.
+    stall_context: dict[str, str] = field(default_factory=dict)
     run_dir_kept: bool = True  # False: all held, and the folder plait made is gone
     # Writers that found themselves fenced when a partition healed and went on as a new
     # incarnation (the others exited with FENCED_EXIT: `faults.fenced_alive`).
     renewed: int = 0
     keepalive_bound: float = 0.0  # when a partition drops the connections it holds
+
+    @property
+    def problems(self) -> list[str]:
+        """What fails the run: `findings`, and every stall past its bound."""
+        return self.problems_at(1.0)
+
+    def problems_at(self, stretch: float) -> list[str]:
+        """The problems with every stall bound stretched by `stretch` (a machine that
+        gave the run less CPU than it has: `tests/pace.py`'s `Contention`)."""
+        stalls: list[str] = []
+        for v in self.readers:
+            stall = v.stall(self.options.bound(v.name) * stretch)
+            if stall is not None:
+                stalls.append(f"{v.name}: {stall}")
+                if v.name in self.stall_context:
+                    stalls.append(f"{v.name}: {self.stall_context[v.name]}")
+        return [*self.findings, *stalls]
 
     @property
     def ok(self) -> bool:

@@ -156,7 +156,7 @@ class Checker:
             self.faults.counts["slow_commit"] = self._slow_commits_made()  # begun, not asked
         run = Run(self.options, self.seed, self.faults, self._faults_began, self._keepalive_bound)
         report = judge(run, plan, truth, kv_truth, time.monotonic() - started, died)
-        report.problems[:0] = problems
+        report.findings[:0] = problems
         if report.ok and not options.keep:
             await self._drop_schema()
             if options.run_dir is None:  # a temporary folder of ours, not the user's

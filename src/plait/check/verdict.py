@@ -159,6 +159,19 @@ class ReaderVerdict:
         return self.bounded and self.longest_stall > bound
 
     def violations(self, bound: float) -> list[str]:
+        """Everything that fails the reader at this stall bound."""
+        stall = self.stall(bound)
+        return [*self.findings(), *([stall] if stall else [])]
+
+    def stall(self, bound: float) -> str | None:
+        """Its longest stall, said, when it breaks `bound`."""
+        if not self.past(bound):
+            return None
+        held = f" ({self.held_by})" if self.held_by else ""
+        return f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}{held}"
+
+    def findings(self) -> list[str]:
+        """What fails the reader whatever the stall bound."""
         found = [
             f"{what}: {n}"
             for what, n in (
@@ -173,9 +186,6 @@ class ReaderVerdict:
         ]
         if self.died:  # next to the losses it explains
             found.append(f"stopped reading: {self.died}")
-        if self.past(bound):
-            held = f" ({self.held_by})" if self.held_by else ""
-            found.append(f"stall {self.longest_stall:.2f} s > {bound:g} s at {self.stall_at}{held}")
         if not self.caught_up:
             found.append("did not catch up")
         return found
