@@ -52,6 +52,14 @@ class LineTooLongError(Exception):
     """The peer sent a line over MAX_LINE_BYTES."""
 
 
+class PeerHungUpError(Exception):
+    """The peer closed the connection; `mid_line`: with part of a line unsent."""
+
+    def __init__(self, mid_line: bool) -> None:
+        super().__init__("the peer hung up" + (" in the middle of a line" if mid_line else ""))
+        self.mid_line = mid_line
+
+
 class Lines:
     """A connection's received lines: bytes from the stream reader, cut by a
     `LineFramer` (which holds what the handshake read past its last line, too)."""
@@ -61,7 +69,7 @@ class Lines:
         self._framer = LineFramer()
 
     async def next(self) -> bytes:
-        """The next line without its ending. Raises `IncompleteReadError` at EOF,
+        """The next line without its ending. Raises `PeerHungUpError` at EOF,
         `LineTooLongError` for a line over the limit, `OSError` when the connection
         failed."""
         framer = self._framer
@@ -73,7 +81,7 @@ class Lines:
                 raise LineTooLongError
             data = await self.reader.read(_CHUNK)
             if not data:
-                raise asyncio.IncompleteReadError(b"?" if framer.partial else b"", None)
+                raise PeerHungUpError(mid_line=bool(framer.partial))
             framer.feed(data)
 
     @property
@@ -362,8 +370,8 @@ class Connection:
                 count += 1
                 if count % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)
-        except asyncio.IncompleteReadError as err:
-            self._end("the peer hung up" + (" in the middle of a line" if err.partial else ""))
+        except PeerHungUpError as err:
+            self._end(str(err))
         except LineTooLongError:
             self._write_error(LINE_TOO_LONG)
             self._end(f"the peer sent a {LINE_TOO_LONG}")

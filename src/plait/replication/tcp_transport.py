@@ -85,6 +85,7 @@ from plait.replication.tcp_connection import (
     Connection,
     Lines,
     LineTooLongError,
+    PeerHungUpError,
     PeerLog,
     close_stream,
     tell_closed,
@@ -333,7 +334,7 @@ class TcpHub:
             done = shake.timed_out(self._handshake_timeout)
         except LineTooLongError:
             done = shake.too_long()
-        except (asyncio.IncompleteReadError, OSError) as err:
+        except (PeerHungUpError, OSError) as err:
             log.debug("tcp hub: %s hung up in the handshake: %r", source, err)
             return None
         if isinstance(done, Accepted):
@@ -547,7 +548,7 @@ class TcpClient:
             return f"the handshake with the hub did not finish within {self._connect_timeout:g}s"
         except LineTooLongError:
             return "the hub sent a line over the limit"
-        except asyncio.IncompleteReadError:
+        except PeerHungUpError:
             return "the hub hung up during the handshake"
         except OSError as err:
             return f"the handshake failed: {err}"
