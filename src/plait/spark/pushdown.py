@@ -1,5 +1,6 @@
-"""Spark filters as SQL: which of a batch read's filters PostgreSQL can apply exactly
-as Spark would, so that only the matching rows leave the database (no I/O here).
+"""Spark filters pushed into the database: which of a batch read's filters PostgreSQL
+can apply exactly as Spark would, so that only the matching rows leave the database (no
+I/O here; the SQL itself is `plait.storage.filters`').
 
 A filter is pushed only where SQL gives every row the same answer Spark gives it, NULLs
 included (both use three-valued logic, and a row whose filter is NULL is dropped by
@@ -24,10 +25,7 @@ nested fields, strings holding NUL, which PostgreSQL text cannot) stays with Spa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from decimal import Decimal
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 from psycopg import sql
 from pyspark.sql.datasource import (
@@ -60,28 +58,25 @@ from pyspark.sql.types import (
 )
 
 from plait.spark.schema import map_column
+from plait.storage import filters
 from plait.storage.catalog import Column
+from plait.storage.filters import FilterColumn, Match, Order
 
-NUMBER, BOOLEAN, TEXT, OTHER = "number", "boolean", "text", "other"  # OTHER: NULL tests only
-_COMPARE: dict[type[Filter], str] = {
+_ORDER: dict[type[Filter], Order] = {
     GreaterThan: ">",
     GreaterThanOrEqual: ">=",
     LessThan: "<",
     LessThanOrEqual: "<=",
 }
+_MATCH: dict[type[Filter], Match] = {
+    StringStartsWith: "starts_with",
+    StringEndsWith: "ends_with",
+    StringContains: "contains",
+}
 _PG_TEXT = ("text", "character varying", "varchar", "name")
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    """How SQL reaches one column for a filter, and what kind of values it holds."""
-
-    expression: sql.Composable
-    kind: str  # NUMBER, BOOLEAN, TEXT or OTHER
-    value: Callable[[Any], sql.Composable | None]  # None: this value is not pushed
-
-
-def targets(columns: Iterable[Column], schema: StructType) -> dict[str, Target]:
+def targets(columns: Iterable[Column], schema: StructType) -> dict[str, FilterColumn]:
     """The columns of `schema` a filter can be pushed on, by name."""
     by_name = {c.name: c for c in columns}
     return {
@@ -91,116 +86,62 @@ def targets(columns: Iterable[Column], schema: StructType) -> dict[str, Target]:
     }
 
 
-def _target(column: Column, spark_type: DataType) -> Target:
-    name = sql.Identifier(column.name)
+def _target(column: Column, spark_type: DataType) -> FilterColumn:
+    """The column, of the kind whose values compare in SQL exactly as Spark compares
+    them (`other`: only NULL tests)."""
     mapped = map_column(column)
     native = spark_type == mapped.field.dataType
     if native and isinstance(spark_type, LongType | IntegerType | ShortType | ByteType):
-        return Target(name, NUMBER, _integer)
+        return FilterColumn(column.name, "integer")
     if native and isinstance(spark_type, DecimalType) and "(" in column.pg_type:
-        return Target(name, NUMBER, _decimal)
+        return FilterColumn(column.name, "numeric")
     if native and isinstance(spark_type, DoubleType):
-        return Target(name, NUMBER, _double)
+        return FilterColumn(column.name, "double")
     if native and isinstance(spark_type, BooleanType):
-        return Target(name, BOOLEAN, _boolean)
+        return FilterColumn(column.name, "boolean")
     if spark_type == StringType():  # not a collated string type: those compare otherwise
         if native and not mapped.as_text and not _plain_text(column.pg_type):
-            return Target(name, OTHER, _none)  # char(n): Spark sees the padding, ::text not
-        # As the reader selects it (a no-op for text), in byte order.
-        return Target(sql.SQL('({}::text COLLATE "C")').format(name), TEXT, _text)
-    return Target(name, OTHER, _none)
-
-
-def _none(value: Any) -> None:
-    return None
+            return FilterColumn(column.name, "other")  # char(n): Spark sees the padding
+        return FilterColumn(column.name, "text")
+    return FilterColumn(column.name, "other")
 
 
 def _plain_text(pg_type: str) -> bool:
     return pg_type.split("(")[0] in _PG_TEXT
 
 
-def _integer(value: Any) -> sql.Composable | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return sql.Literal(value)
-
-
-def _decimal(value: Any) -> sql.Composable | None:
-    if isinstance(value, bool) or not isinstance(value, int | Decimal):
-        return None
-    if isinstance(value, Decimal) and not value.is_finite():
-        return None
-    return sql.SQL("{}::numeric").format(sql.Literal(value))
-
-
-def _double(value: Any) -> sql.Composable | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return sql.SQL("{}::float8").format(sql.Literal(str(float(value))))
-
-
-def _boolean(value: Any) -> sql.Composable | None:
-    return sql.Literal(value) if isinstance(value, bool) else None
-
-
-def _text(value: Any) -> sql.Composable | None:
-    if not isinstance(value, str) or "\x00" in value:
-        return None
-    return sql.SQL("{}::text").format(sql.Literal(value))  # not cut to a name's 63 bytes
-
-
-def condition(where: Filter, columns: Mapping[str, Target]) -> sql.Composable | None:
+def condition(where: Filter, columns: Mapping[str, FilterColumn]) -> sql.Composable | None:
     """`where` as a SQL condition that keeps exactly the rows Spark's filter keeps, or
     None when it cannot be pushed."""
     if isinstance(where, Not):
         inner = condition(where.child, columns)
-        return None if inner is None else sql.SQL("(NOT {})").format(inner)
+        return None if inner is None else filters.negation(inner)
     path: tuple[str, ...] = tuple(getattr(where, "attribute", ()))
     if len(path) != 1 or path[0] not in columns:
         return None  # a nested field, or a column without a target
-    target = columns[path[0]]
-    column = target.expression
+    column = columns[path[0]]
     if isinstance(where, IsNull | IsNotNull):
-        test = "IS NULL" if isinstance(where, IsNull) else "IS NOT NULL"
-        return sql.SQL("({} {})").format(column, sql.SQL(test))
+        return filters.is_null(column, negated=isinstance(where, IsNotNull))
     if isinstance(where, In):
-        if not where.value:
-            return None
-        listed_values: list[sql.Composable] = []
-        for raw in where.value:
-            literal = sql.NULL if raw is None else target.value(raw)
-            if literal is None:
-                return None  # one value that cannot be pushed: the whole IN stays
-            listed_values.append(literal)
-        listed = sql.SQL(", ").join(listed_values)
-        return sql.SQL("({} IN ({}))").format(column, listed)
-    value = target.value(getattr(where, "value", None))
-    if value is None:
-        return None
-    if isinstance(where, EqualTo):
-        return sql.SQL("({} = {})").format(column, value)
-    if isinstance(where, EqualNullSafe):
-        return sql.SQL("({} IS NOT DISTINCT FROM {})").format(column, value)
-    if type(where) in _COMPARE and target.kind == NUMBER:
-        return sql.SQL("({} {} {})").format(column, sql.SQL(_COMPARE[type(where)]), value)
-    if target.kind == TEXT:
-        if isinstance(where, StringStartsWith):
-            return sql.SQL("starts_with({}, {})").format(column, value)
-        if isinstance(where, StringEndsWith):
-            return sql.SQL("(right({c}, char_length({v})) = {v})").format(c=column, v=value)
-        if isinstance(where, StringContains):
-            return sql.SQL("(strpos({}, {}) > 0)").format(column, value)
+        return filters.one_of(column, where.value)
+    value = getattr(where, "value", None)
+    if isinstance(where, EqualTo | EqualNullSafe):
+        return filters.equal(column, value, null_safe=isinstance(where, EqualNullSafe))
+    if type(where) in _ORDER:
+        return filters.ordered(column, _ORDER[type(where)], value)
+    if type(where) in _MATCH:
+        return filters.matches(column, _MATCH[type(where)], value)
     return None
 
 
 def push(
-    filters: Iterable[Filter], columns: Mapping[str, Target]
+    filters_: Iterable[Filter], columns: Mapping[str, FilterColumn]
 ) -> tuple[list[sql.Composable], list[Filter]]:
     """The SQL conditions of the filters that can be pushed, and the filters that stay
     with Spark (the same objects, as Spark asks)."""
     pushed: list[sql.Composable] = []
     kept: list[Filter] = []
-    for where in filters:
+    for where in filters_:
         translated = condition(where, columns)
         if translated is None:
             kept.append(where)
