@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from psycopg import sql
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -66,6 +65,7 @@ from plait.spark.options import METADATA, Options
 from plait.spark.read_connections import ReadConnections
 from plait.spark.schema import infer, text_columns
 from plait.storage import catalog
+from plait.storage.filters import all_of
 from plait.storage.timeouts import DEFAULT_TIMEOUTS
 
 T = TypeVar("T")
@@ -362,7 +362,7 @@ class BatchReader(DataSourceReader):
         """Filters PostgreSQL applies exactly as Spark would (`pushdown`) go into each
         task's SQL, so only matching rows are read; the others stay with Spark."""
         pushed, kept = pushdown.push(filters, pushdown.targets(self._plan.columns, self._schema))
-        self._where = sql.SQL(" AND ").join(pushed).as_string(None) if pushed else None
+        self._where = all_of(pushed)
         return kept
 
     def partitions(self) -> list[InputPartition]:

@@ -138,3 +138,9 @@ _LITERALS: dict[Kind, Callable[[Any], sql.Composable | None]] = {
     "text": _text,
     "other": _nothing,
 }
+
+
+def all_of(conditions: Sequence[sql.Composable]) -> str | None:
+    """The conditions joined by AND, as the text a read's query takes (`slice_query`'s
+    `where`); None without any."""
+    return sql.SQL(" AND ").join(conditions).as_string(None) if conditions else None
