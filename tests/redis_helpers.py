@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
-from plait.replication.link import Link
+from plait.replication.link import Handler, Link
+from plait.replication.redis_options import RedisOptions, RedisTls
+from plait.replication.redis_transport import RedisTransport
 
 
 class RecordingSession:
@@ -75,3 +78,20 @@ class RecordingHandler:
 
 def channel() -> str:
     return f"plait-test-{uuid.uuid4().hex}"
+
+
+def redis_transport(
+    handler: Handler, url: str, channel: str, *, tls: RedisTls | None = None, **settings: Any
+) -> RedisTransport:
+    """A transport for these test settings: the transport's own (secret, backoff,
+    metrics) and its options' (`RedisOptions`; `tls` as its ssl_* settings)."""
+    own = {k: settings.pop(k) for k in ("secret", "backoff", "metrics") if k in settings}
+    if tls is not None:
+        settings.update(
+            ssl_ca_certs=tls.ca_certs,
+            ssl_certfile=tls.certfile,
+            ssl_keyfile=tls.keyfile,
+            ssl_cert_reqs=tls.cert_reqs,
+            ssl_check_hostname=tls.check_hostname,
+        )
+    return RedisTransport(handler, RedisOptions(url=url, **settings), channel=channel, **own)

@@ -20,7 +20,7 @@ from plait import Database
 from plait.instance import Instance
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
-from redis_helpers import RecordingHandler, channel
+from redis_helpers import RecordingHandler, channel, redis_transport
 from redis_server import RedisServer
 from replication_helpers import (
     Cluster,
@@ -189,7 +189,7 @@ async def make_transport() -> AsyncIterator[Callable[..., RedisTransport]]:
     made: list[RedisTransport] = []
 
     def make(handler: RecordingHandler, url: str, name: str, **kwargs: Any) -> RedisTransport:
-        transport = RedisTransport(handler, url=url, channel=name, **kwargs)
+        transport = redis_transport(handler, url, name, **kwargs)
         made.append(transport)
         return transport
 

@@ -29,7 +29,7 @@ from plait.errors import ConfigError
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_options import RedisTls, client_options
 from plait.replication.redis_transport import RedisTransport
-from redis_helpers import RecordingHandler, channel
+from redis_helpers import RecordingHandler, channel, redis_transport
 from redis_tls import Pki, TlsRedisServer, make_pki, start_tls_server
 from replication_helpers import Seen, cluster_of, start_connected, write
 from transport_helpers import RecordingBackoff, eventually
@@ -139,10 +139,10 @@ async def test_a_refused_tls_connection_fails_clearly_and_keeps_retrying(
     handler = RecordingHandler("a")
     backoff = RecordingBackoff(initial=0.05, cap=0.2)
     connect_timeout = scaled(2.0)  # three refusals come well within it, unless waited out
-    transport = RedisTransport(
+    transport = redis_transport(
         handler,
-        url=url,
-        channel=channel(),
+        url,
+        channel(),
         tls=tls,
         password=PASSWORD,
         connect_timeout=connect_timeout,
@@ -175,7 +175,7 @@ async def test_with_verification_off_the_host_name_and_ca_go_unchecked(
     handler = RecordingHandler("a")
     url = tls_server.url.replace("localhost", "127.0.0.1")
     tls = tls_of(pki, ca_certs=str(pki.other_ca), cert_reqs="none")
-    transport = RedisTransport(handler, url=url, channel=channel(), tls=tls, password=PASSWORD)
+    transport = redis_transport(handler, url, channel(), tls=tls, password=PASSWORD)
     transports.append(transport)
     await transport.start()
     assert await transport.wait_open(scaled(3)), f"not open within {scaled(3):.1f} s"
@@ -336,9 +336,9 @@ def test_bad_tls_settings_are_config_errors_that_say_what_to_do(pki: Pki, tmp_pa
     # the transport checks what it is given the same way
     missing = str(tmp_path / "nowhere" / "ca.pem")
     with pytest.raises(ConfigError, match="does not exist"):
-        RedisTransport(RecordingHandler("a"), url=TLS_URL, channel="c", tls=RedisTls(missing))
+        redis_transport(RecordingHandler("a"), TLS_URL, "c", tls=RedisTls(missing))
     with pytest.raises(ConfigError, match="use a rediss:// URL"):
-        RedisTransport(RecordingHandler("a"), url="redis://h/0", channel="c", tls=RedisTls())
+        redis_transport(RecordingHandler("a"), "redis://h/0", "c", tls=RedisTls())
 
 
 def test_an_encrypted_client_key_is_refused_up_front_not_prompted_for(

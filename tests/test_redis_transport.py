@@ -23,7 +23,7 @@ from plait.core.commands import MAX_LINE_BYTES
 from plait.ports import free_port
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
-from redis_helpers import RecordingHandler, channel
+from redis_helpers import RecordingHandler, channel, redis_transport
 from redis_server import RedisServer
 from transport_helpers import RecordingBackoff, eventually
 
@@ -49,7 +49,7 @@ async def make_transport() -> AsyncIterator[Callable[..., RedisTransport]]:
     made: list[RedisTransport] = []
 
     def make(handler: RecordingHandler, url: str, channel: str, **kwargs: Any) -> RedisTransport:
-        transport = RedisTransport(handler, url=url, channel=channel, **kwargs)
+        transport = redis_transport(handler, url, channel, **kwargs)
         made.append(transport)
         return transport
 
@@ -233,7 +233,7 @@ async def test_the_transports_clients_do_not_swallow_a_cancelled_publish(redis_u
     """With a socket_timeout, redis-py sent every command through asyncio.wait_for,
     which on Python 3.11 swallows a cancellation arriving as the send completes (324 of
     400 cancelled PUBLISHes): a connection's publisher then outlived its connection."""
-    transport = RedisTransport(RecordingHandler("a"), url=redis_url, channel=channel())
+    transport = redis_transport(RecordingHandler("a"), redis_url, channel())
     client = transport._client()
     outcomes: list[str] = []
     try:
@@ -514,7 +514,7 @@ async def test_stop_while_connecting_ends_every_task(redis_url: str) -> None:
     cancellation that arrives then) still ends the transport promptly."""
     before = asyncio.all_tasks()
     for i in range(30):
-        transport = RedisTransport(RecordingHandler("a"), url=redis_url, channel=channel())
+        transport = redis_transport(RecordingHandler("a"), redis_url, channel())
         await transport.start()
         await asyncio.sleep(i * 0.0005)  # from before the first byte to subscribed
         async with pace.within(2, "stop() while connecting to end the transport"):
@@ -524,10 +524,10 @@ async def test_stop_while_connecting_ends_every_task(redis_url: str) -> None:
 
 async def test_stop_before_start_and_bad_settings() -> None:
     handler = RecordingHandler("a")
-    transport = RedisTransport(handler, url="redis://127.0.0.1:1/0", channel="c")
+    transport = redis_transport(handler, "redis://127.0.0.1:1/0", "c")
     await transport.stop()
     assert not await transport.wait_open(0)
     with pytest.raises(ValueError, match="redis://"):
-        RedisTransport(handler, url="http://:secret@example.com/", channel="c")
+        redis_transport(handler, "http://:secret@example.com/", "c")
     with pytest.raises(ValueError, match="ping_interval"):
-        RedisTransport(handler, url="redis://localhost/0", channel="c", ping_interval=0)
+        redis_transport(handler, "redis://localhost/0", "c", ping_interval=0)

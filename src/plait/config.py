@@ -20,7 +20,7 @@ from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import ConfigError
 from plait.ports import is_loopback
 from plait.replication import defaults
-from plait.replication.redis_options import CertReqs, RedisTls, check_signing, client_options
+from plait.replication.redis_options import RedisOptions, check_signing
 from plait.replication.tcp_options import TcpOptions
 from plait.storage.database import DEFAULT_RETRY_READS_FOR
 from plait.storage.timeouts import DatabaseTimeouts
@@ -32,13 +32,6 @@ MAX_CONFIG_BYTES = 1 << 20
 _MAX_VALUES = 100_000
 _MAX_DEPTH = 32
 _MAX_PROBLEMS = 20
-_TLS_SETTINGS = (
-    "ssl_ca_certs",
-    "ssl_certfile",
-    "ssl_keyfile",
-    "ssl_cert_reqs",
-    "ssl_check_hostname",
-)
 
 
 class _Model(BaseModel):
@@ -98,58 +91,14 @@ class StreamConfig(_Model):
         )
 
 
-class RedisConfig(_Model):
-    """Where the Redis of the deployment is. `rediss://` URLs speak TLS; the `ssl_*`
-    settings (redis-py's names) apply to them only. The password may sit in the URL or,
-    to keep it out of a URL, in `password`; it is never logged."""
+class RedisConfig(RedisOptions):
+    """Where the Redis of the deployment is (`RedisOptions`), and its channel. The
+    certificate files are checked only where Redis is the transport (`check`): a
+    deployment on the TCP hub may keep a redis section whose files this machine does
+    not have."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    """`redis://`, `rediss://` (TLS) or `unix://`."""
-    password: SecretStr | None = None
-    """The password, kept out of the URL; never logged."""
     channel_prefix: str = "plait"
     """One pub/sub channel per deployment: `<channel_prefix>.<deployment>`."""
-    ping_interval: float = Field(defaults.REDIS_PING_INTERVAL, gt=0)
-    """Seconds between pings that find a dead connection."""
-    max_clock_skew: float = Field(defaults.REDIS_MAX_CLOCK_SKEW, gt=0)
-    """With `replication.secret`: how far (seconds) the first message of each sender's
-    connection may be stamped from this machine's clock (a replay of an older one is
-    refused). Clocks must agree within this (NTP)."""
-    ssl_ca_certs: str | None = None
-    """PEM file of the CA(s) that signed the server's certificate; unset: the system's."""
-    ssl_certfile: str | None = None
-    """A client certificate (PEM), for a server that asks for one (tls-auth-clients)."""
-    ssl_keyfile: str | None = None
-    """The client certificate's unencrypted private key, unless the certificate file
-    holds it too."""
-    ssl_cert_reqs: CertReqs | None = None
-    """Verify the server's certificate: `required` (unset) or `none`."""
-    ssl_check_hostname: bool | None = None
-    """Verify the server's host name against its certificate; unset: unless
-    `ssl_cert_reqs` is `none`."""
-
-    def check(self) -> None:
-        """ConfigError (a ValueError, so reported like any other bad value): a missing
-        certificate file, TLS settings on a redis:// URL, a password given twice.
-        Checked only where Redis is the transport: a deployment on the TCP hub may keep
-        a redis section whose files this machine does not have."""
-        client_options(self.url, tls=self.tls(), password=self.password_value())
-
-    def tls(self) -> RedisTls | None:
-        """The TLS settings, or None when none of them is set (rediss:// URLs then verify
-        the server against the system's CAs)."""
-        if all(getattr(self, name) is None for name in _TLS_SETTINGS):
-            return None
-        return RedisTls(
-            ca_certs=self.ssl_ca_certs,
-            certfile=self.ssl_certfile,
-            keyfile=self.ssl_keyfile,
-            cert_reqs=self.ssl_cert_reqs or "required",
-            check_hostname=self.ssl_check_hostname,
-        )
-
-    def password_value(self) -> str | None:
-        return None if self.password is None else self.password.get_secret_value()
 
 
 class TcpConfig(TcpOptions):

@@ -542,13 +542,9 @@ class Instance:
         if config.transport == "redis":
             self._transport = RedisTransport(
                 self._handler,
-                url=config.redis.url,
+                config.redis,
                 channel=self.config.channel,
-                ping_interval=config.redis.ping_interval,
-                tls=config.redis.tls(),
-                password=config.redis.password_value(),
                 secret=config.secret_value(),
-                max_clock_skew=config.redis.max_clock_skew,
                 backoff=backoff,
                 metrics=self.metrics,
             )

@@ -4,12 +4,8 @@ imports, so the configuration reads them without loading the transports."""
 
 from __future__ import annotations
 
-# The TCP transport's (`replication.tcp`) are its options model's: `tcp_options.py`.
-
-# Redis transport (`replication.redis`)
-REDIS_PING_INTERVAL = 30.0  # seconds between pings through the channel
-REDIS_CONNECT_TIMEOUT = 5.0  # seconds for connecting, AUTH and SUBSCRIBE
-REDIS_MAX_CLOCK_SKEW = 60.0  # seconds a signed message's time may be off from ours
+# The transports' (`replication.redis`, `replication.tcp`) are their options models':
+# `redis_options.py`, `tcp_options.py`.
 
 # Catch-up (`replication.catch_up_page`, `catch_up_page_max`): pages double after
 # every full page up to the largest, so a reader that missed a few rows reads them in

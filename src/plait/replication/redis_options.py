@@ -1,6 +1,7 @@
-"""Redis connection settings, checked before anything connects: TLS (`RedisTls`) and
-the password, fitted to the URL (`client_options`), and whether the URL may carry
-unsigned lines (`check_signing`). Apart from the transport, so the configuration checks
+"""Redis connection settings, checked before anything connects: the transport's options
+(`RedisOptions`, which the configuration's `replication.redis` extends), TLS
+(`RedisTls`) and the password, fitted to the URL (`client_options`), and whether the URL
+may carry unsigned lines (`check_signing`). Apart from the transport, so the configuration checks
 them without depending on the transport or on redis-py.
 
 An ACL user per deployment needs nothing of its own here: give its name in the URL
@@ -16,6 +17,8 @@ import ssl
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from plait.core.redact import redact
 from plait.errors import ConfigError
@@ -201,3 +204,74 @@ def check_signing(url: str, secret: str | None) -> None:
             "positions: set replication.secret (a long random string, the same on every "
             "instance), which signs every line; give plait an ACL user of its own too"
         )
+
+
+_TLS_SETTINGS = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+
+
+class RedisOptions(BaseModel):
+    """Where the Redis of the deployment is, and when the transport gives up on it: the
+    defaults and bounds in one place. `rediss://` URLs speak TLS; the `ssl_*` settings
+    (redis-py's names) apply to them only. The password may sit in the URL or, to keep
+    it out of a URL, in `password`; it is never logged."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """`redis://`, `rediss://` (TLS) or `unix://`."""
+    password: SecretStr | None = None
+    """The password, kept out of the URL; never logged."""
+    ping_interval: float = Field(30.0, gt=0)
+    """Seconds between pings that find a dead connection."""
+    connect_timeout: float = Field(5.0, gt=0)
+    """Seconds for connecting, AUTH and SUBSCRIBE."""
+    max_clock_skew: float = Field(60.0, gt=0)
+    """With `replication.secret`: how far (seconds) the first message of each sender's
+    connection may be stamped from this machine's clock (a replay of an older one is
+    refused). Clocks must agree within this (NTP)."""
+    ssl_ca_certs: str | None = None
+    """PEM file of the CA(s) that signed the server's certificate; unset: the system's."""
+    ssl_certfile: str | None = None
+    """A client certificate (PEM), for a server that asks for one (tls-auth-clients)."""
+    ssl_keyfile: str | None = None
+    """The client certificate's unencrypted private key, unless the certificate file
+    holds it too."""
+    ssl_cert_reqs: CertReqs | None = None
+    """Verify the server's certificate: `required` (unset) or `none`."""
+    ssl_check_hostname: bool | None = None
+    """Verify the server's host name against its certificate; unset: unless
+    `ssl_cert_reqs` is `none`."""
+
+    def check(self) -> None:
+        """ConfigError (a ValueError, so reported like any other bad value): a missing
+        certificate file, TLS settings on a redis:// URL, a password given twice."""
+        self.client_options()
+
+    def client_options(self) -> dict[str, Any]:
+        """redis-py's keyword arguments for the TLS settings and the password, checked
+        against the URL (`client_options`)."""
+        return client_options(self.url, tls=self.tls(), password=self.password_value())
+
+    def tls(self) -> RedisTls | None:
+        """The TLS settings, or None when none of them is set (rediss:// URLs then verify
+        the server against the system's CAs)."""
+        if all(getattr(self, name) is None for name in _TLS_SETTINGS):
+            return None
+        return RedisTls(
+            ca_certs=self.ssl_ca_certs,
+            certfile=self.ssl_certfile,
+            keyfile=self.ssl_keyfile,
+            cert_reqs=self.ssl_cert_reqs or "required",
+            check_hostname=self.ssl_check_hostname,
+        )
+
+    def password_value(self) -> str | None:
+        return None if self.password is None else self.password.get_secret_value()

@@ -64,11 +64,11 @@ from plait.core.signed_messages import (
     key_of,
     looks_signed,
 )
-from plait.replication import defaults
+from plait.errors import ConfigError
 from plait.replication.link import Handler, Session, wait_set
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_connection import LABEL, Liveness, Refusals, SendQueue, packed
-from plait.replication.redis_options import RedisTls, check_signing, client_options
+from plait.replication.redis_options import RedisOptions, check_signing
 from plait.tasks import cancel_and_wait, to_the_end
 
 logger = logging.getLogger(__name__)
@@ -102,39 +102,30 @@ class RedisTransport:
     def __init__(
         self,
         handler: Handler,
+        options: RedisOptions,
         *,
-        url: str,
         channel: str,
-        ping_interval: float = defaults.REDIS_PING_INTERVAL,
-        connect_timeout: float = defaults.REDIS_CONNECT_TIMEOUT,
-        tls: RedisTls | None = None,
-        password: str | None = None,
         secret: str | None = None,
-        max_clock_skew: float = defaults.REDIS_MAX_CLOCK_SKEW,
         backoff: Backoff | None = None,
         metrics: ReplicationMetrics | None = None,
     ) -> None:
-        # ConfigError (a ValueError) when the URL, `tls` or `password` are wrong, or
-        # when a Redis off this machine would carry unsigned lines.
-        self._client_options = client_options(url, tls=tls, password=password)
-        check_signing(url, secret)
+        # ConfigError (a ValueError) when the URL, TLS settings or password are wrong,
+        # or when a Redis off this machine would carry unsigned lines.
+        self._client_options = options.client_options()
+        check_signing(options.url, secret)
         if not channel:
-            raise ValueError("redis transport: the channel name is empty")
-        if ping_interval <= 0 or connect_timeout <= 0 or max_clock_skew <= 0:
-            raise ValueError(
-                "redis transport: ping_interval, connect_timeout and max_clock_skew must be > 0"
-            )
+            raise ConfigError("redis transport: the channel name is empty")
         self._key = None if secret is None else key_of(secret)
         self._verifier = (
             None
             if self._key is None
-            else Verifier(self._key, channel, max_skew_ms=int(max_clock_skew * 1000))
+            else Verifier(self._key, channel, max_skew_ms=int(options.max_clock_skew * 1000))
         )
         self._handler = handler
-        self._url = url
+        self._url = options.url
         self._channel = channel
-        self._ping_interval = ping_interval
-        self._connect_timeout = connect_timeout
+        self._ping_interval = options.ping_interval
+        self._connect_timeout = options.connect_timeout
         self._backoff = Backoff() if backoff is None else backoff
         metrics = ReplicationMetrics() if metrics is None else metrics
         self._refusals = Refusals(metrics, channel)
