@@ -15,11 +15,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from plait.caches.invalidations import CACHES_STREAM
-from plait.core.inbound import DEFAULT_INBOUND_QUEUE
 from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import ConfigError
 from plait.ports import is_loopback
-from plait.replication import defaults
+from plait.replication.handler_options import HandlerOptions
 from plait.replication.redis_options import RedisOptions, check_signing
 from plait.replication.tcp_options import TcpOptions
 from plait.storage.database import DEFAULT_RETRY_READS_FOR
@@ -109,8 +108,9 @@ class TcpConfig(TcpOptions):
     """The instance that runs the hub (required)."""
 
 
-class ReplicationConfig(_Model):
-    """How instances hear of each other's rows."""
+class ReplicationConfig(HandlerOptions):
+    """How instances hear of each other's rows: the handler's settings
+    (`HandlerOptions`), the transport and its settings, the retries and the secret."""
 
     transport: Literal["none", "redis", "tcp"] = "none"
     """`none`, `redis` or `tcp`."""
@@ -118,16 +118,6 @@ class ReplicationConfig(_Model):
     """The Redis of the deployment (transport `redis`)."""
     tcp: TcpConfig | None = None
     """The TCP hub (transport `tcp`)."""
-    announce_interval: float = Field(1.0, gt=0)
-    """Seconds between a writer's announcements of where it stands."""
-    catch_up_page: int = Field(defaults.CATCH_UP_PAGE, ge=1, le=defaults.MAX_PAGE_LIMIT)
-    """Rows in the first page of a catch-up query; each full page doubles it."""
-    catch_up_page_max: int = Field(defaults.CATCH_UP_PAGE_MAX, ge=1, le=defaults.MAX_PAGE_LIMIT)
-    """The largest catch-up page."""
-    inbound_queue: int = Field(DEFAULT_INBOUND_QUEUE, ge=1, le=10_000_000)
-    """Replication commands one stream may have waiting on one connection: past it the
-    stream drops what waits and reads those rows from the database (an in-memory stream:
-    from its writer over HTTP), still exactly once and in order (R-RP-9)."""
     backoff_initial: float = Field(0.1, gt=0)
     """The first wait (seconds) before a failed connection or catch-up is tried again."""
     backoff_cap: float = Field(30.0, gt=0)
@@ -144,8 +134,6 @@ class ReplicationConfig(_Model):
         if self.transport == "redis":
             self.redis.check()
             check_signing(self.redis.url, self.secret_value())
-        if self.catch_up_page > self.catch_up_page_max:
-            raise ValueError("catch_up_page must not exceed catch_up_page_max")
         if self.backoff_initial > self.backoff_cap:
             raise ValueError("backoff_initial must not exceed backoff_cap")
         return self

@@ -533,10 +533,7 @@ class Instance:
             listeners=self._listeners,
             waiters=self._waiters,
             metrics=self.metrics,
-            announce_interval=config.announce_interval,
-            catch_up_page=config.catch_up_page,
-            catch_up_page_max=config.catch_up_page_max,
-            inbound_queue=config.inbound_queue,
+            options=config,
         )
         backoff = Backoff(initial=config.backoff_initial, cap=config.backoff_cap)
         if config.transport == "redis":

@@ -7,9 +7,7 @@ from __future__ import annotations
 # The transports' (`replication.redis`, `replication.tcp`) are their options models':
 # `redis_options.py`, `tcp_options.py`.
 
-# Catch-up (`replication.catch_up_page`, `catch_up_page_max`): pages double after
-# every full page up to the largest, so a reader that missed a few rows reads them in
-# one small query, and one that missed a million in ~100.
-CATCH_UP_PAGE = 100
-CATCH_UP_PAGE_MAX = 10_000
+# The handler's (`replication.catch_up_page`, ...) are its options model's:
+# `handler_options.py`.
+
 MAX_PAGE_LIMIT = 10_000  # the most rows one HTTP catch-up request may ask for

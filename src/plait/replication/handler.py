@@ -39,10 +39,9 @@ from plait.core.commands import (
     to_line,
     with_sign,
 )
-from plait.core.inbound import DEFAULT_INBOUND_QUEUE
 from plait.core.progress import Progress
 from plait.core.throttle import Throttle
-from plait.replication import defaults
+from plait.replication.handler_options import HandlerOptions
 from plait.replication.link import Link
 from plait.replication.listeners import (
     CommandListener,
@@ -74,6 +73,7 @@ __all__ = [
     "RowsListener",
 ]
 
+_DEFAULTS = HandlerOptions()
 # One warning per (connection, stream, writer) this often about refused claims; the
 # metric counts every one.
 _REFUSALS_LOGGED_EVERY = 10.0
@@ -93,31 +93,22 @@ class ReplicationHandler:
         listeners: Listeners,
         waiters: PositionWaiters,
         metrics: ReplicationMetrics,
-        announce_interval: float = 1.0,
-        catch_up_page: int = defaults.CATCH_UP_PAGE,
-        catch_up_page_max: int = defaults.CATCH_UP_PAGE_MAX,
+        options: HandlerOptions = _DEFAULTS,
         up_grace: float | None = None,
-        inbound_queue: int = DEFAULT_INBOUND_QUEUE,
     ) -> None:
-        if announce_interval <= 0:
-            raise ValueError("announce_interval must be positive (seconds)")
-        if not 1 <= catch_up_page <= catch_up_page_max:
-            raise ValueError("need 1 <= catch_up_page <= catch_up_page_max")
-        if inbound_queue < 1:
-            raise ValueError("inbound_queue must be at least 1 (commands)")
         self._name = instance_name
         self.streams = dict(streams)
         self.commands = commands
         self.listeners = listeners
         self.waiters = waiters
         self.metrics = metrics
-        self.announce_interval = announce_interval
-        self.catch_up_page = catch_up_page
-        self.catch_up_page_max = catch_up_page_max
-        self.inbound_queue = inbound_queue
+        self.announce_interval = options.announce_interval
+        self.catch_up_page = options.catch_up_page
+        self.catch_up_page_max = options.catch_up_page_max
+        self.inbound_queue = options.inbound_queue
         # Configured writers that are not running never answer REPLICATE: past this,
         # a connection is up once every writer that did answer caught up.
-        self.up_grace = 2 * announce_interval + 1.0 if up_grace is None else up_grace
+        self.up_grace = 2 * self.announce_interval + 1.0 if up_grace is None else up_grace
         self._sessions: list[HandlerSession] = []
         # Sessions whose connection ended while commands still waited: they drain.
         self._draining: set[HandlerSession] = set()
