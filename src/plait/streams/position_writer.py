@@ -96,6 +96,8 @@ class PositionWriter:
         loop = asyncio.get_running_loop()
         next_tick = loop.time() + self._interval
         failures = 0
+        # After a failed store: half a second, growing to one interval at most.
+        backoff = Backoff(initial=min(0.5, self._interval), cap=self._interval)
         while not self._stopping:
             try:
                 async with asyncio.timeout(max(0.0, next_tick - loop.time())):
@@ -114,11 +116,12 @@ class PositionWriter:
                         await self._refresh()
                 await self.flush()
                 failures = 0
+                backoff.up()
             except Exception as err:
                 failures += 1
                 log = logger.warning if failures in (1, 10) or failures % 100 == 0 else logger.debug
                 log("%s: could not update stream_positions (%s); retrying", self._name, err)
-                await asyncio.sleep(min(self._interval, 0.5 * failures))
+                await asyncio.sleep(backoff.next_delay())
                 self._wake.set()
 
     async def stop(self, *, final_flush: bool = True) -> None:
