@@ -58,8 +58,15 @@ class Sender:
         return self.stream.name
 
     def announce(self) -> None:
-        """The announce interval passed: send an idle move of the position now."""
+        """The announce interval passed: an idle move of our position posted meanwhile
+        goes out now (R-RP-4). So does any move nothing posted, whatever made it: the
+        rule is that a writer whose position moved announces it within the interval."""
         self.outbox.tick()
+        outbound = self.outbound
+        if outbound is not None:
+            position = self.stream.own_position()
+            if position is not None and position > outbound.sent_upto:
+                self._posted()
 
     def _posted(self) -> None:
         if self._closed:

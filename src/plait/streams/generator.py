@@ -370,9 +370,11 @@ class MultiWriterIdGenerator:
         unsettled: Callable[[FetchTicket, BaseException], bool] | None = None,
     ) -> list[int]:
         before = self._tracker.local_position
-        ids = await take_ids(self._fetches, fetch, completed=completed, unsettled=unsettled)
-        self._poke_if_moved(before)
-        return ids
+        try:
+            return await take_ids(self._fetches, fetch, completed=completed, unsettled=unsettled)
+        finally:
+            # Also when it failed: its ticket's end may let the idle position move.
+            self._poke_if_moved(before)
 
     def _poke_if_moved(self, before: int) -> None:
         """Our position moved: have the position writer store it soon, and post it to
