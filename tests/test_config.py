@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from plait.config import InstanceConfig
 from plait.errors import ConfigError
+from plait.options import Options
+from plait.replication.handler_options import HandlerOptions
+from plait.replication.redis_options import RedisOptions
+from plait.replication.tcp_options import TcpOptions
+from plait.storage.timeouts import DatabaseTimeouts
 
 GOOD = """
 instance_name: worker1
@@ -90,3 +97,22 @@ def test_bad_files_say_what_is_wrong(tmp_path: Path) -> None:
         InstanceConfig.from_yaml(tmp_path / "port.yaml")
     assert str(err.value).startswith(f"invalid configuration file {tmp_path / 'port.yaml'}: ")
     assert "http.port" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "values", "named"),
+    [
+        (TcpOptions, {"ping_interval": 0}, "ping_interval"),
+        (RedisOptions, {"connect_timeout": -1}, "connect_timeout"),
+        (HandlerOptions, {"catch_up_page": 500, "catch_up_page_max": 100}, "catch_up_page"),
+        (DatabaseTimeouts, {"keepalives_count": 0}, "keepalives_count"),
+        (TcpOptions, {"pingg_interval": 5}, "pingg_interval"),
+    ],
+)
+def test_an_options_model_built_with_a_bad_value_names_the_setting(
+    options: type[Options], values: dict[str, Any], named: str
+) -> None:
+    """The components' options, built directly (not from a configuration file), check
+    their bounds once, in the model, and name the setting."""
+    with pytest.raises(ValidationError, match=named):
+        options(**values)

@@ -147,3 +147,15 @@ def test_every_post_that_is_due_reaches_the_reader_and_no_fence_is_lost(posts: l
         assert fences == [n for n, post in enumerate(posts) if post == "fenced"]
 
     asyncio.run(run())
+
+
+async def test_a_fence_posted_before_there_was_a_reader_reaches_it() -> None:
+    """Replication opens the outbox at start-up (so no write is missed) before its
+    sender exists; a fence found meanwhile waits for the reader, then reaches it."""
+    outbox = Outbox()
+    outbox.open()
+    outbox.fenced("w2", 5)
+    runs: list[list[tuple[str, int]]] = []
+    outbox.open(lambda: runs.append(outbox.take_fences()))
+    await asyncio.sleep(0)
+    assert runs == [[("w2", 5)]]

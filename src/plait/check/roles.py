@@ -424,7 +424,6 @@ def main() -> None:
     # Connections and catch-ups, for whoever reads a failed run: a few lines per event.
     logging.getLogger("plait.replication.redis_transport").setLevel(logging.DEBUG)
     logging.getLogger("plait.replication.handler").setLevel(logging.INFO)
-    logging.getLogger("plait.replication.session").setLevel(logging.INFO)
     logging.getLogger("plait.check").setLevel(logging.INFO)
     asyncio.run(_with_dumps(ROLES[role], plan, name))
 

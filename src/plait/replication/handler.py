@@ -248,14 +248,20 @@ class ReplicationHandler:
         while True:
             await asyncio.sleep(self.announce_interval)
             for sender in self._senders:
-                sender.announce()
+                try:
+                    sender.announce()
+                except Exception:  # one stream's failure must not end every announcement
+                    logger.exception("replication: announcing %s failed", sender)
 
     # -- fenced writers ---------------------------------------------------------------------
 
     def fenced(self, stream: ReplicatedStream, writer: str, signed: int) -> None:
         """This instance fenced a dead `writer` up to `signed`: tell the others, who
         check the writer's stored position and then catch up its rows as for a POSITION
-        from wherever they are, and catch them up here too before its position moves."""
+        from wherever they are, and catch them up here too before its position moves.
+        Stopping, it is left alone: no task is started that `stop` would not end."""
+        if self.stopping:
+            return
         self.broadcast([Fenced(stream.name, writer, signed)])
         task = asyncio.create_task(
             self._catch_up_fenced(stream, writer, stream.sign * signed),

@@ -5,18 +5,15 @@ handler (`ReplicationHandler`) takes a `HandlerOptions` as it is, and the config
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from plait.core.inbound import DEFAULT_INBOUND_QUEUE
+from plait.options import Options
 from plait.replication.defaults import MAX_PAGE_LIMIT
 
 
-class HandlerOptions(BaseModel):
+class HandlerOptions(Options):
     """How often a writer announces itself, how catch-up reads, how much may wait."""
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
-    )
 
     announce_interval: float = Field(1.0, gt=0)
     """Seconds between a writer's announcements of where it stands."""

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("plait.replication.handler")  # what operators filter on
 
 RowsListener = Callable[[str, str, int, list[Any]], Awaitable[None] | None]
 PositionListener = Callable[[str, str, int], Awaitable[None] | None]

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
 
 from plait.core.redact import redact
 from plait.errors import ConfigError
+from plait.options import Options
 
 CertReqs = Literal["required", "optional", "none"]
 _CERT_REQS = ("required", "optional", "none")
@@ -215,15 +216,11 @@ _TLS_SETTINGS = (
 )
 
 
-class RedisOptions(BaseModel):
+class RedisOptions(Options):
     """Where the Redis of the deployment is, and when the transport gives up on it: the
     defaults and bounds in one place. `rediss://` URLs speak TLS; the `ssl_*` settings
     (redis-py's names) apply to them only. The password may sit in the URL or, to keep
     it out of a URL, in `password`; it is never logged."""
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
-    )
 
     url: str = "redis://127.0.0.1:6379/0"
     """`redis://`, `rediss://` (TLS) or `unix://`."""

@@ -72,7 +72,10 @@ class Sender:
         if self._closed:
             return
         for writer, signed in self.outbox.take_fences():
-            self._handler.fenced(self.stream, writer, signed)
+            try:
+                self._handler.fenced(self.stream, writer, signed)
+            except Exception:  # the fencer tries the writer again later
+                logger.exception("replication: handing on the fence of %s on %s", writer, self)
         if self.outbound is None:
             return
         if self._reading:

@@ -62,7 +62,7 @@ from plait.replication.listeners import Listeners, call
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.streams import ReplicatedStream
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("plait.replication.handler")  # what operators filter on
 
 # The queue key of application commands (stream names are SQL names: never this).
 _APP_QUEUE = "\x00commands"

@@ -6,17 +6,15 @@ transport is built."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from plait.options import Options
 
 DEFAULT_PORT = 9093
 
 
-class TcpOptions(BaseModel):
+class TcpOptions(Options):
     """How the TCP transport connects, and when it gives up on a peer (seconds)."""
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
-    )
 
     host: str = "127.0.0.1"
     """The hub's address."""

@@ -28,7 +28,9 @@ from urllib.parse import urlencode
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from plait.options import Options
 
 # Linux's limits on TCP_KEEPIDLE/TCP_KEEPINTVL and TCP_KEEPCNT.
 _MAX_KEEPALIVE_SECONDS = 32767
@@ -43,7 +45,7 @@ _CLIENT_KEYWORDS = (
 )
 
 
-class DatabaseTimeouts(BaseModel):
+class DatabaseTimeouts(Options):
     """When plait's PostgreSQL connections give up on a silent peer (seconds).
 
     With the defaults, a writer cut off from the database on a direct connection loses
@@ -52,10 +54,6 @@ class DatabaseTimeouts(BaseModel):
     fenced `fence_after` later. Behind a proxy or pooler that answers for it, only its
     processes idle in a transaction end, after `idle_in_transaction_session_timeout`.
     None leaves a setting as the server or libpq has it."""
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
-    )
 
     keepalives: bool = True
     """TCP keepalives on both ends; off: the three settings below go unused."""

@@ -60,6 +60,8 @@ class Outbox:
         if reader is not None:
             self._reader = reader
             self._loop = asyncio.get_running_loop()
+            if self._fences:  # posted before there was a reader to schedule
+                self._schedule()
 
     def _schedule(self) -> None:
         if self._reader is not None and not self._scheduled:
