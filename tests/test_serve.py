@@ -126,3 +126,42 @@ def test_a_json_log_line_names_the_stream_and_carries_the_error() -> None:
     )
     assert "RuntimeError: broken" in parsed["error"]
     assert parsed["time"].endswith("Z")
+
+
+async def test_serve_imports_the_app_from_the_working_directory(
+    db: Database, tmp_path: Path
+) -> None:
+    """`plait serve --app my_service:setup`, run from the application's directory with
+    the installed `plait` script (whose own path does not hold the working directory)
+    and no PYTHONPATH, imports the module from there, as uvicorn and gunicorn do."""
+    path = await _deployment_file(db, tmp_path)
+    app_dir = tmp_path / "service"
+    app_dir.mkdir()
+    (app_dir / "my_service.py").write_text((Path(__file__).parent / "serve_app.py").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PLAIT_DSN"] = db.dsn
+    plait = Path(sys.executable).parent / "plait"
+    proc = await asyncio.create_subprocess_exec(
+        str(plait), "serve", "--config", str(path), "--instance-name", "w1",
+        "--app", "my_service:setup", stderr=asyncio.subprocess.PIPE, env=env, cwd=app_dir,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    try:
+        log = ""
+        while "serving" not in log:
+            line = await pace.wait(proc.stderr.readline(), 60, "plait serve to say it is serving")
+            assert line, f"plait serve exited early: {log}"
+            log += line.decode()
+
+        async def written() -> bool:
+            async with db.connection() as conn:
+                cur = await conn.execute("SELECT payload FROM events")
+                return await cur.fetchall() == [("from the app",)]
+
+        await pace.until(written, 10, "the app's row", every=0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert await pace.wait(proc.wait(), 20, "plait serve to stop on SIGTERM") == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -224,7 +224,8 @@ def check(dsn: str | None, as_json: bool, **options: Any) -> None:
     "--app",
     metavar="MODULE:FUNCTION",
     help="Called with the Instance before it starts, to register the application's "
-    "handlers; it may return an async function to run once the instance is up.",
+    "handlers; it may return an async function to run once the instance is up. The "
+    "module is looked for in the working directory first.",
 )
 @click.option(
     "--log-level",

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +32,11 @@ def load_app(spec: str) -> App:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"--app must look like module:function, not {spec!r}")
+    # From the working directory first, as uvicorn and gunicorn look: the installed
+    # `plait` script's path holds only its own directory, not the application's.
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
