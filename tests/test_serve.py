@@ -33,6 +33,16 @@ async def _deployment_file(db: Database, tmp_path: Path) -> Path:
     return path
 
 
+async def _until_serving(stderr: asyncio.StreamReader) -> str:
+    """What `plait serve` logged up to the line saying it is serving."""
+    log = ""
+    while "serving" not in log:
+        line = await pace.wait(stderr.readline(), 60, "plait serve to say it is serving")
+        assert line, f"plait serve exited early: {log}"
+        log += line.decode()
+    return log
+
+
 async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
     db: Database, tmp_path: Path
 ) -> None:
@@ -45,11 +55,7 @@ async def test_serve_runs_the_app_serves_metrics_and_stops_on_sigterm(
     )  # fmt: skip
     assert proc.stderr is not None
     try:
-        log = ""
-        while "serving" not in log:
-            line = await pace.wait(proc.stderr.readline(), 60, "plait serve to say it is serving")
-            assert line, f"plait serve exited early: {log}"
-            log += line.decode()
+        log = await _until_serving(proc.stderr)
         url = re.search(r"metrics at (\S+)/metrics", log)
         assert url is not None, log
         async with aiohttp.ClientSession() as session, session.get(url[1] + "/metrics") as got:
@@ -147,11 +153,7 @@ async def test_serve_imports_the_app_from_the_working_directory(
     )  # fmt: skip
     assert proc.stderr is not None
     try:
-        log = ""
-        while "serving" not in log:
-            line = await pace.wait(proc.stderr.readline(), 60, "plait serve to say it is serving")
-            assert line, f"plait serve exited early: {log}"
-            log += line.decode()
+        await _until_serving(proc.stderr)
 
         async def written() -> bool:
             async with db.connection() as conn:
