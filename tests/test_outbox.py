@@ -77,31 +77,14 @@ async def test_a_post_schedules_the_reader_once_and_never_runs_it_inside_the_pos
     assert runs == [[("w2", 7)], []]
 
 
-async def test_an_idle_move_waits_for_the_announcers_tick() -> None:
-    runs: list[None] = []
-    outbox = Outbox()
-    outbox.open(lambda: runs.append(None))
-    outbox.idled()
-    outbox.idled()
-    await asyncio.sleep(0)
-    assert runs == []
-    outbox.tick()
-    await asyncio.sleep(0)
-    assert runs == [None]
-    outbox.tick()  # nothing moved since: nothing to announce
-    await asyncio.sleep(0)
-    assert runs == [None]
-
-
-POSTS = st.lists(st.sampled_from(["moved", "idled", "fenced", "tick", "yield"]), max_size=40)
+POSTS = st.lists(st.sampled_from(["moved", "fenced", "yield"]), max_size=40)
 
 
 @settings(max_examples=200, deadline=None)
 @given(POSTS)
 def test_every_post_that_is_due_reaches_the_reader_and_no_fence_is_lost(posts: list[str]) -> None:
     """Whatever the posts and wherever the loop runs between them: after the last, the
-    reader has run since every due post (a move, a fence, an idle move once ticked),
-    it ran at most once per loop pass, and it got each fence once, in order."""
+    reader has run since every post, it ran at most once per loop pass, and it got each fence once, in order."""
 
     async def run() -> None:
         outbox = Outbox()
@@ -109,7 +92,6 @@ def test_every_post_that_is_due_reaches_the_reader_and_no_fence_is_lost(posts: l
         fences: list[int] = []
         posted = 0
         last_due = -1
-        idle = False
 
         def reader() -> None:
             runs.append(posted)
@@ -126,17 +108,9 @@ def test_every_post_that_is_due_reaches_the_reader_and_no_fence_is_lost(posts: l
             if post == "moved":
                 outbox.moved()
                 last_due = n
-            elif post == "fenced":
+            else:
                 outbox.fenced("w2", n)
                 last_due = n
-            elif post == "idled":
-                outbox.idled()
-                idle = True
-            elif idle:  # a tick with an idle move waiting
-                outbox.tick()
-                idle, last_due = False, n
-            else:
-                outbox.tick()
         posted = len(posts)
         await asyncio.sleep(0)
         if last_due >= 0:

@@ -94,9 +94,8 @@ async def test_a_move_nothing_posted_is_announced_at_the_next_tick() -> None:
 
 
 async def test_an_idle_move_waits_for_the_tick_and_a_fence_does_not() -> None:
-    stream, handler, _ = make()
-    stream.position = 13
-    stream.outbox.idled()
+    stream, handler, sender = make()
+    stream.position = 13  # the idle rule moved it: posted nowhere
     await asyncio.sleep(0)
     assert handler.sent == []  # not once per position heard
     stream.outbox.fenced("w2", 40)
@@ -105,6 +104,10 @@ async def test_an_idle_move_waits_for_the_tick_and_a_fence_does_not() -> None:
     # The fence's pass sent the idle move with it (it sends up to the position).
     assert [(c.prev, c.new) for c in handler.sent if isinstance(c, Position)] == [(10, 13)]
     assert not any(isinstance(c, Fenced) for c in handler.sent)  # the handler says FENCED
+    handler.sent.clear()
+    stream.position = 14
+    sender.announce()
+    assert [(c.prev, c.new) for c in handler.sent if isinstance(c, Position)] == [(13, 14)]
 
 
 async def test_nothing_is_sent_after_close() -> None:

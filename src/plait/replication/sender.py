@@ -37,9 +37,9 @@ class Sender:
     (never inside the write). Rows the outbox holds (writes that returned whole rows;
     in-memory streams) go out from there at once, with no task switch; anything else
     wakes the sender's task, which reads the rows back, and while it does, later rows
-    wait for it, so the order holds. An idle move (R-ID-5) waits for the announcer's
-    tick (`announce`). A stream this instance does not write has only fences to hand
-    over (`outbound` is None)."""
+    wait for it, so the order holds. A move with no write of ours (the idle rule,
+    R-ID-5) is posted nowhere; the announcer's tick (`announce`) finds it. A stream
+    this instance does not write has only fences to hand over (`outbound` is None)."""
 
     def __init__(self, handler: SenderHandler, stream: ReplicatedStream) -> None:
         self._handler = handler
@@ -58,10 +58,9 @@ class Sender:
         return self.stream.name
 
     def announce(self) -> None:
-        """The announce interval passed: an idle move of our position posted meanwhile
-        goes out now (R-RP-4). So does any move nothing posted, whatever made it: the
-        rule is that a writer whose position moved announces it within the interval."""
-        self.outbox.tick()
+        """The announce interval passed: a move of our position nothing posted (the
+        idle rule, a failed fetch's end) goes out now. The rule is that a writer whose
+        position moved announces it within the interval (R-RP-4)."""
         outbound = self.outbound
         if outbound is not None:
             position = self.stream.own_position()

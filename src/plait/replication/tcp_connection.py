@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from plait.core.commands import MAX_LINE_BYTES, Error, Ping, command_name, to_line
+from plait.core.commands import Error, Ping, command_name, to_line
 from plait.core.tcp_protocol import (
     LINE_TOO_LONG,
     TOO_MANY_BAD_LINES,
@@ -28,10 +28,12 @@ from plait.replication.tcp_options import TcpOptions
 
 log = logging.getLogger(__name__)
 
-# The stream reader's limit: one byte past the line limit, for the "\r" of "\r\n".
-READ_LIMIT = MAX_LINE_BYTES + 1
-# Bytes asked of the stream reader at a time; the framer cuts them into lines.
+# Bytes asked of the stream reader at a time; the framer cuts them into lines (and
+# holds a line of up to MAX_LINE_BYTES while it arrives).
 _CHUNK = 1 << 16
+# The stream reader's limit, which only sets its flow control (`Lines` never asks it for
+# a line): it stops reading the socket once it holds 2 x READ_LIMIT bytes not read yet.
+READ_LIMIT = _CHUNK
 # How long a closing connection lets the peer read what was sent and hang up itself
 # before the socket is cut (a peer that does not read would otherwise hold it forever).
 CLOSE_GRACE = 1.0
@@ -86,9 +88,10 @@ class Lines:
 
     @property
     def buffered(self) -> int:
-        """Bytes received and not taken as lines yet."""
-        # StreamReader has no public size of what it holds.
-        return self._framer.buffered + len(getattr(self.reader, "_buffer", b""))
+        """Bytes received and not taken as lines yet, as far as they are known: the
+        stream reader has no public size of what it holds, and holds at most about
+        2 x READ_LIMIT (plus one socket read) before it stops reading the socket."""
+        return self._framer.buffered
 
 
 async def close_stream(

@@ -89,7 +89,6 @@ class MultiWriterIdGenerator:
             instance_name=instance_name,
             store=store,
             tracker=tracker,
-            outbox=self._outbox,
             poke_if_moved=self._poke_if_moved,
             closed=lambda: self._closed,
         )

@@ -26,7 +26,6 @@ from plait.core.throttle import Throttle
 from plait.errors import ConfigError, PlaitError
 from plait.storage.database import Database
 from plait.storage.stream_store import StreamStore
-from plait.streams.outbox import Outbox
 from plait.streams.startup import observe_committed
 from plait.tasks import cancel_and_wait
 
@@ -48,7 +47,6 @@ class OtherWriters:
         instance_name: str,
         store: StreamStore,
         tracker: PositionTracker,
-        outbox: Outbox,
         poke_if_moved: Callable[[int], None],
         closed: Callable[[], bool],
     ) -> None:
@@ -58,7 +56,6 @@ class OtherWriters:
         self._instance = instance_name
         self._store = store
         self._tracker = tracker
-        self._outbox = outbox
         self._poke_if_moved = poke_if_moved
         self._closed = closed
         # Any-writer streams keep no position rows (R-ID-12).
@@ -76,12 +73,6 @@ class OtherWriters:
         self._unconfirmed: dict[str, int] = {}
         self._confirming: asyncio.Task[None] | None = None
         self._refused_advances = Throttle(10.0)  # one warning per writer this often
-
-    def _idle_moved(self, before: int) -> None:
-        """Our position moved by the idle rule (R-ID-5), with no write of ours: it is
-        stored and announced on their own schedules, not once per position heard."""
-        if self._tracker.local_position != before:
-            self._outbox.idled()
 
     def advance(self, instance_name: str, position: int) -> None:
         """Another writer reached `position` (signed); never moves anything backwards.
@@ -108,9 +99,7 @@ class OtherWriters:
             # taken once the sequence has handed it out (R-ID-14).
             self._confirm_later(instance_name, internal)
             return
-        before = self._tracker.local_position
         self._tracker.advance(instance_name, internal)
-        self._idle_moved(before)
 
     def vouched(self, instance_name: str, position: int) -> None:
         """`advance`, for a position replication vouches for: checked against the
@@ -123,9 +112,7 @@ class OtherWriters:
             # sequence back below it (`Database.known_head`).
             # A writer checks it soon after a restart (it allocates; readers need not).
             self._db.note_head(self._spec.sequence, internal, heard=self._tracker.is_writer)
-            before = self._tracker.local_position
             self._tracker.advance(instance_name, internal)
-            self._idle_moved(before)
 
     def heard(self, instance_name: str, position: int) -> None:
         """A position of another writer, vouched for as in `vouched`, heard before
@@ -133,9 +120,8 @@ class OtherWriters:
         while idle (`PositionTracker.learn_completed`), and nothing else. A writer
         whose listeners (or catch-ups) lag behind what it hears then still follows the
         others, or every reader's linear position would lag with it (R-ID-5). Like
-        `vouched`, it pokes nothing: the idle move goes to the outbox (`idled`), and is
-        stored and announced on their own schedules (once per interval), not once per
-        token heard."""
+        `vouched`, it pokes nothing: the idle move is stored and announced on their own
+        schedules (once per interval), not once per token heard."""
         internal = self._sign * position
         tracker = self._tracker
         if internal <= tracker.max_seen or not tracker.is_writer:
@@ -143,9 +129,7 @@ class OtherWriters:
         if not self._configured(instance_name):
             return
         self._db.note_head(self._spec.sequence, internal, heard=True)
-        before = tracker.local_position
         tracker.learn_completed(internal)
-        self._idle_moved(before)
 
     def _configured(self, writer: str) -> bool:
         """Whether `writer`'s positions count here. The configured writers are
@@ -253,12 +237,10 @@ class OtherWriters:
             return
         # Only configured writers' rows come back; our own is ignored by the tracker.
         # Stored positions are at or below the head (`StreamStore.upsert_position`).
-        before = self._tracker.local_position
         for writer, position in (await self._store.load_positions(drop_others=False)).items():
             self._db.note_head(self._spec.sequence, position)
             self._tracker.advance(writer, position)
         await self._pass_committed_rows()
-        self._idle_moved(before)
 
     async def _pass_committed_rows(self) -> None:
         """Move persisted-up-to over committed rows above it that leave no gap (R-ID-4).

@@ -13,10 +13,12 @@ What is posted (IDs internal, as the generator keeps them):
 - `unknown(low, high)`: a write whose outcome was lost may have taken IDs in (low, high]
   that nobody can name; a range meeting it is always read back;
 - `moved()`: this writer's own position moved after a write: send now (R-RP-4);
-- `idled()`: it moved with no write of its own, by the idle rule (R-ID-5): announce at
-  the next tick of the announce interval (`tick`), not once per position heard;
 - `fenced(writer, position)`: this process fenced a dead writer; replication announces
   it and catches the writer's rows up before its position moves here.
+
+A move with no write of this writer's (the idle rule, R-ID-5) is posted nowhere: the
+sender's announcer compares the position with what it sent every interval, and sends
+it then, not once per position heard.
 
 Writes are kept only once the outbox is open (`open`, before the first write), so a
 process without replication keeps nothing.
@@ -34,13 +36,12 @@ from plait.storage.stream_tables import StreamRow
 class Outbox:
     """What one stream's writer has posted for replication and it has not taken yet."""
 
-    __slots__ = ("_fences", "_idle", "_loop", "_reader", "_scheduled", "_sign", "_writes")
+    __slots__ = ("_fences", "_loop", "_reader", "_scheduled", "_sign", "_writes")
 
     def __init__(self, sign: int = 1) -> None:
         self._sign = sign  # rows carry signed IDs; the outbox keys them internally
         self._writes: OwnWrites[StreamRow] | None = None
         self._fences: list[tuple[str, int]] = []
-        self._idle = False
         self._reader: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False  # the reader is on the loop's ready queue already
@@ -98,22 +99,12 @@ class Outbox:
         """The writer's own position moved after a write: the sender sends now."""
         self._schedule()
 
-    def idled(self) -> None:
-        """The writer's own position moved by the idle rule: due at the next `tick`."""
-        self._idle = True
-
     def fenced(self, writer: str, position: int) -> None:
         """This process fenced dead `writer` up to `position` (signed)."""
         self._fences.append((writer, position))
         self._schedule()
 
     # -- taken by the sender -------------------------------------------------------------
-
-    def tick(self) -> None:
-        """The announce interval passed: an idle move waiting for it is due now."""
-        if self._idle:
-            self._idle = False
-            self._schedule()
 
     def take_fences(self) -> list[tuple[str, int]]:
         """The fences posted since the last call, oldest first."""
