@@ -84,7 +84,8 @@ POSTS = st.lists(st.sampled_from(["moved", "fenced", "yield"]), max_size=40)
 @given(POSTS)
 def test_every_post_that_is_due_reaches_the_reader_and_no_fence_is_lost(posts: list[str]) -> None:
     """Whatever the posts and wherever the loop runs between them: after the last, the
-    reader has run since every post, it ran at most once per loop pass, and it got each fence once, in order."""
+    reader has run since every post, it ran at most once per loop pass, and it got each
+    fence once, in order."""
 
     async def run() -> None:
         outbox = Outbox()

@@ -16,7 +16,7 @@ from plait import Database
 from plait.cli import main
 from plait.ops.status import assess, pending_ages, rates
 from plait.ports import free_port
-from plait.storage.stream_records import StreamRows, WriterRow
+from plait.storage.stream_records import RecordedStream, WriterRow
 from replication_helpers import cluster_of, connected, write
 from stream_helpers import create_generator, create_table
 
@@ -28,16 +28,16 @@ INSERT = (
 
 
 @st.composite
-def streams(draw: st.DrawFn) -> StreamRows:
+def streams(draw: st.DrawFn) -> RecordedStream:
     present = draw(st.lists(st.sampled_from(WRITERS), unique=True))
     rows = tuple(
         WriterRow(w, draw(st.integers(1, 40)), draw(st.floats(0, 100))) for w in sorted(present)
     )
-    return StreamRows("events", WRITERS, draw(st.integers(40, 60)), rows)
+    return RecordedStream("events", WRITERS, draw(st.integers(40, 60)), rows)
 
 
 @given(streams(), st.floats(0, 100))
-def test_the_assessment_follows_the_rules(stream: StreamRows, stall_after: float) -> None:
+def test_the_assessment_follows_the_rules(stream: RecordedStream, stall_after: float) -> None:
     got = assess(stream, stall_after)
     assert [w.writer for w in got.writers] == list(WRITERS)  # configured ones, in order
     positions = [r.position for r in stream.rows]
@@ -63,19 +63,19 @@ def test_the_assessment_follows_the_rules(stream: StreamRows, stall_after: float
 
 def test_idle_writers_level_with_each_other_are_not_stalled() -> None:
     rows = (WriterRow("w1", 10, 500.0), WriterRow("w2", 10, 500.0))
-    assert not assess(StreamRows("events", ("w1", "w2"), 10, rows), 30).stalled
+    assert not assess(RecordedStream("events", ("w1", "w2"), 10, rows), 30).stalled
 
 
 def test_a_writer_ahead_with_an_old_row_stalls_nobody() -> None:
     rows = (WriterRow("w1", 5, 1.0), WriterRow("w2", 9, 500.0))
-    got = assess(StreamRows("events", ("w1", "w2"), 9, rows), 30)
+    got = assess(RecordedStream("events", ("w1", "w2"), 9, rows), 30)
     assert (got.stalled, got.persisted_up_to, got.gap) == (False, 5, 4)
     assert [w.holding for w in got.writers] == [True, False]
 
 
 def test_rates_are_ids_per_second_between_two_readings() -> None:
-    one = assess(StreamRows("e", ("w1",), 5, (WriterRow("w1", 5, 0),)))
-    two = assess(StreamRows("e", ("w1",), 25, (WriterRow("w1", 25, 0),)))
+    one = assess(RecordedStream("e", ("w1",), 5, (WriterRow("w1", 5, 0),)))
+    two = assess(RecordedStream("e", ("w1",), 25, (WriterRow("w1", 25, 0),)))
     assert rates([one], [two], 2.0) == {("e", "w1"): 10.0}
     assert rates([one], [two], 0.0) == {}
 
@@ -156,7 +156,7 @@ def test_pending_ages_are_read_from_metrics_text() -> None:
     )
     assert pending_ages(text) == {("events", "w1"): 2.5}
     rows = (WriterRow("w1", 5, 1.0), WriterRow("w2", 9, 1.0))
-    got = assess(StreamRows("events", ("w1", "w2"), 9, rows), 30, pending_ages(text))
+    got = assess(RecordedStream("events", ("w1", "w2"), 9, rows), 30, pending_ages(text))
     assert [w.pending_age for w in got.writers] == [2.5, None]  # w2: unknown
 
 
@@ -203,11 +203,13 @@ async def test_rows_written_counts_rows_between_two_readings(db: Database) -> No
     await create_table(db)
     w1 = await create_generator(db, ["w1"], "w1", position_flush_interval=0.1)
 
-    def reading() -> list[stream_records.StreamRows]:
+    def reading() -> list[stream_records.RecordedStream]:
         with psycopg.connect(db.dsn, autocommit=True) as conn:
             return stream_records.read(conn)
 
-    def moved(streams: list[stream_records.StreamRows], since: dict[tuple[str, str], int]) -> Any:
+    def moved(
+        streams: list[stream_records.RecordedStream], since: dict[tuple[str, str], int]
+    ) -> Any:
         with psycopg.connect(db.dsn, autocommit=True) as conn:
             return stream_records.rows_written(conn, streams, since)
 

@@ -91,7 +91,7 @@ def status(
 
     def look(
         conn: psycopg.Connection[Any],
-    ) -> tuple[list[records.StreamRows], list[ops.StreamStatus], dict[str, str]]:
+    ) -> tuple[list[records.RecordedStream], list[ops.StreamStatus], dict[str, str]]:
         pending, failed = ops.scrape(instances)
         streams = records.read(conn)
         return streams, [ops.assess(s, stall_after, pending) for s in streams], failed

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
-from plait.storage.stream_records import StreamRows
+from plait.storage.stream_records import RecordedStream
 
 DEFAULT_STALL_AFTER = 30.0
 # Largest /metrics answer read from an instance; a real one is a few hundred kilobytes.
@@ -58,7 +58,7 @@ class StreamStatus:
 
 
 def assess(
-    stream: StreamRows,
+    stream: RecordedStream,
     stall_after: float = DEFAULT_STALL_AFTER,
     pending: Mapping[tuple[str, str], float] | None = None,
 ) -> StreamStatus:

@@ -23,8 +23,8 @@ from plait.core.offsets import Slice, WriterRange, above_head, not_a_writer
 from plait.core.spec import StreamSpec, TableSpec
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError
+from plait.storage.recorded import head_of, head_query, ident, spec_columns, spec_from_row
 from plait.storage.server_errors import CHECK_DSN, connect_or_say
-from plait.storage.stream_tables import head_of, ident
 
 T = TypeVar("T")
 
@@ -46,8 +46,7 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
 def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:
     try:
         row = conn.execute(
-            "SELECT stream_name, sequence_name, backwards, writers, tables FROM plait_streams"
-            " WHERE stream_name = %s",
+            sql.SQL("SELECT {} FROM plait_streams WHERE stream_name = %s").format(spec_columns()),
             (stream,),
         ).fetchone()
     except psycopg.errors.UndefinedTable:
@@ -63,16 +62,7 @@ def load_spec(conn: psycopg.Connection[Any], stream: str) -> StreamSpec:
             "(a stream is recorded when its first writer starts; an in-memory stream, kind "
             "memory, is never stored: its rows reach the instances over replication only)"
         )
-    name, sequence, backwards, writers, tables = row
-    spec = StreamSpec.from_json(
-        {
-            "name": name,
-            "sequence": sequence,
-            "backwards": backwards,
-            "writers": writers,
-            "tables": tables,
-        }
-    )
+    spec = spec_from_row(row)
     if spec.any_writer:
         raise ConfigError(
             f"plait source: stream {stream!r} lets any instance write and records no "
@@ -168,12 +158,11 @@ def latest(conn: psycopg.Connection[Any], spec: StreamSpec) -> StreamToken:
     return StreamToken.normalised(min(positions.values()), positions)
 
 
-def head(conn: psycopg.Connection[Any], spec: StreamSpec) -> int:
-    """The largest ID (internal, as in tokens) the stream's sequence has handed out."""
+def sequence_head(conn: psycopg.Connection[Any], spec: StreamSpec) -> int:
+    """The largest ID (internal, as in tokens) the stream's sequence has handed out
+    (`StreamStore.sequence_head`'s twin; ID 1 always counts as handed out)."""
     try:
-        row = conn.execute(
-            sql.SQL("SELECT last_value, is_called FROM {}").format(ident(spec.sequence))
-        ).fetchone()
+        row = conn.execute(head_query(spec.sequence)).fetchone()
     except psycopg.errors.UndefinedTable:
         raise _no_sequence(spec) from None
     assert row is not None
@@ -202,7 +191,7 @@ def check(conn: psycopg.Connection[Any], spec: StreamSpec, token: StreamToken) -
     against its sequence head and writers): one read of the head, and one query per
     table only when the token names writers the spec does not list. The message names
     no option: callers say where the token came from and what to do."""
-    reason = above_head(token, head(conn, spec)) or not_a_writer(
+    reason = above_head(token, sequence_head(conn, spec)) or not_a_writer(
         token, _known_writers(conn, spec, set(token.writers))
     )
     if reason is not None:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from psycopg import sql
 
-from plait.storage.stream_tables import ident
+from plait.storage.recorded import ident
 from plait.storage.timeouts import connect_sync
 
 # Which batches of which job were applied: (job, batch_id), one row per batch.

@@ -15,7 +15,7 @@ from plait.core.offsets import WriterRange
 from plait.core.spec import StreamSpec
 from plait.errors import SchemaError
 from plait.storage.catalog import range_condition
-from plait.storage.stream_tables import head_of, ident
+from plait.storage.recorded import head_of, head_query, ident, spec_columns, spec_from_row
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class WriterRow:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamRows:
+class RecordedStream:
     """One stream as the database records it."""
 
     name: str
@@ -61,54 +61,45 @@ def check_schema(conn: psycopg.Connection[Any]) -> None:
         )
 
 
-def read(conn: psycopg.Connection[Any]) -> list[StreamRows]:
+def read(conn: psycopg.Connection[Any]) -> list[RecordedStream]:
     """Every recorded stream with its writers' rows (one query, then one per sequence)."""
     found = conn.execute(
-        "SELECT s.stream_name, s.sequence_name, s.backwards, s.writers, s.tables,"
-        " p.instance_name, p.stream_id, extract(epoch FROM now() - p.updated_at)::float8"
-        " FROM plait_streams s LEFT JOIN stream_positions p ON p.stream_name = s.stream_name"
-        " ORDER BY s.stream_name, p.instance_name"
+        sql.SQL(
+            "SELECT {}, p.instance_name, p.stream_id,"
+            " extract(epoch FROM now() - p.updated_at)::float8"
+            " FROM plait_streams s LEFT JOIN stream_positions p ON p.stream_name = s.stream_name"
+            " ORDER BY s.stream_name, p.instance_name"
+        ).format(spec_columns("s"))
     ).fetchall()
     return list(_streams(conn, found))
 
 
 def _streams(
     conn: psycopg.Connection[Any], found: Sequence[tuple[Any, ...]]
-) -> Iterable[StreamRows]:
+) -> Iterable[RecordedStream]:
     by_stream: dict[str, list[tuple[Any, ...]]] = {}
     for row in found:
         by_stream.setdefault(row[0], []).append(row)
     for name, rows in by_stream.items():
-        _, sequence, backwards, writers, tables, *_ = rows[0]
-        sign = -1 if backwards else 1
-        head_row = conn.execute(
-            sql.SQL("SELECT last_value, is_called FROM {}").format(ident(sequence))
-        ).fetchone()
+        spec = spec_from_row(rows[0])
+        head_row = conn.execute(head_query(spec.sequence)).fetchone()
         head = None if head_row is None else head_of(head_row)
-        yield StreamRows(
+        yield RecordedStream(
             name,
-            tuple(writers or ()),
+            tuple(spec.writers),
             head,
             tuple(
-                WriterRow(writer, sign * int(position), float(age))
+                WriterRow(writer, spec.sign * int(position), float(age))
                 for *_, writer, position, age in rows
                 if writer is not None
             ),
-            StreamSpec.from_json(
-                {
-                    "name": name,
-                    "sequence": sequence,
-                    "backwards": backwards,
-                    "writers": writers,
-                    "tables": tables,
-                }
-            ),
+            spec,
         )
 
 
 def rows_written(
     conn: psycopg.Connection[Any],
-    streams: Sequence[StreamRows],
+    streams: Sequence[RecordedStream],
     since: Mapping[tuple[str, str], int],
 ) -> dict[tuple[str, str], int]:
     """How many rows each writer persisted between the position it had in `since` and

@@ -31,8 +31,9 @@ from plait.errors import (
 )
 from plait.storage.database import Database
 from plait.storage.identity import regclass_text
+from plait.storage.recorded import head_of, head_query, ident
 from plait.storage.stream_rows import StreamRows
-from plait.storage.stream_tables import StreamRow, StreamTable, head_of, ident
+from plait.storage.stream_tables import StreamRow, StreamTable
 from plait.storage.transaction import Transaction
 from plait.storage.writer_rows import WriterRows
 
@@ -71,7 +72,7 @@ class StreamStore:
         self._sign = spec.sign
         self._seq = ident(spec.sequence)
         self._seq_regclass = regclass_text(spec.sequence)
-        self._head_query = sql.SQL("SELECT last_value, is_called FROM {}").format(self._seq)
+        self._head_query = head_query(spec.sequence)
         self._tables = [StreamTable(t, spec.backwards) for t in spec.tables]
         # Its rows: read at start-up, by range, and scanned for catch-up.
         self.rows = StreamRows(db, spec, self._tables)

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from psycopg import AsyncCursor, sql
 
 from plait.core.spec import TableSpec
+from plait.storage.recorded import ident
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +52,7 @@ class StreamRow(NamedTuple):
     data: dict[str, Any]
 
 
-def ident(name: str) -> sql.Identifier:
-    """A table or sequence name, schema-qualified or not, as an SQL identifier."""
-    return sql.Identifier(*name.split("."))
-
-
 FLOOR = sql.SQL("%(floor)s")
-
-
-def head_of(row: tuple[Any, ...]) -> int:
-    """The largest ID handed out, from a sequence's (last_value, is_called)."""
-    last, called = row
-    return int(last) if called else int(last) - 1
 
 
 class StreamTable:

@@ -18,7 +18,8 @@ from psycopg.rows import TupleRow
 from plait.core.spec import StreamSpec
 from plait.storage.database import Database
 from plait.storage.incarnation import name_prefix
-from plait.storage.stream_tables import StreamTable, head_of
+from plait.storage.recorded import head_of
+from plait.storage.stream_tables import StreamTable
 from plait.storage.transaction import Transaction
 
 # Longest a transaction holding a writer's row lock (a fence, a registration) may sit
