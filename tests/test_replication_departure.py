@@ -15,7 +15,7 @@ import pytest
 import pace
 from plait import Database
 from plait.instance import Instance
-from plait.replication import session as session_module
+from plait.replication import retries
 from plait.storage.stream_tables import StreamRow
 from replication_helpers import (
     Cluster,
@@ -234,7 +234,7 @@ async def test_a_reader_that_gives_up_a_failing_row_gets_it_when_its_writer_come
     the commands queued behind it, said at ERROR; the writer's departure queued among
     them still reaches the departure listeners. What was given up arrives, once and in
     order, when the writer speaks again (a restart: its next POSITION)."""
-    monkeypatch.setattr(session_module, "_RETRY_FOR", 1.0)
+    monkeypatch.setattr(retries, "RETRY_FOR", 1.0)
     reader = SlowRows()
     codec = RefusesPoisonEverywhere()
     departed: list[str] = []

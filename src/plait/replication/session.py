@@ -7,18 +7,14 @@ catch-up on one stream holds up no other. A POSITION whose writer is out of reac
 followed by a catch-up in pages before the writer advances. A connection counts as up
 once every writer caught up on it (or, for configured writers that never answered,
 once a grace period passed); the transport resets its reconnect backoff only then. A
-failure while handling a command closes the connection, so the transport reconnects
-after a growing delay and catches up afresh; the command itself is tried again, as a
-catch-up from the source, after a growing delay of its own (the commands behind it
-build on it: skipping it would skip its rows). A connection that ends leaves what it
-brought to be handled all the same: its writer may have departed, and nobody would
-send it again. A queue holds at most
-`inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a catch-up
-from the source, counted in plait_inbound_overflows and logged at most every 10 s.
-A DEPART (R-RP-8) waits in each stream's queue behind the commands of its writer that
-arrived before it, and in the application commands' queue: the departure listeners run
-once that writer's rows sent before it were delivered on every stream (application
-commands after the DEPART wait for them).
+failure while handling a command closes the connection and the command is tried again
+(`retries.py`). A connection that ends leaves what it brought to be handled all the
+same: its writer may have departed, and nobody would send it again. A queue holds at
+most `inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a
+catch-up from the source, counted in plait_inbound_overflows and logged at most every
+10 s.
+A DEPART (R-RP-8) waits in each stream's queue and in the application commands' queue
+(`departures.py`); application commands after it wait for its listeners.
 """
 
 from __future__ import annotations
@@ -28,10 +24,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from plait.core.backoff import Backoff
 from plait.core.commands import (
     Command,
     CommandSet,
@@ -57,20 +51,17 @@ from plait.core.inbound import (
 )
 from plait.core.throttle import Throttle
 from plait.errors import CommandParseError
+from plait.replication.departures import Departing, Departures
 from plait.replication.link import Link
 from plait.replication.listeners import Listeners, call
 from plait.replication.metrics import ReplicationMetrics
+from plait.replication.retries import GivenUp, handle_surely
 from plait.replication.streams import ReplicatedStream
 
 logger = logging.getLogger("plait.replication.handler")  # what operators filter on
 
 # The queue key of application commands (stream names are SQL names: never this).
 _APP_QUEUE = "\x00commands"
-# A command whose handling failed is tried again after these delays (seconds), growing,
-# for this long; then the connection's commands are given up.
-_RETRY_INITIAL = 0.1
-_RETRY_CAP = 10.0
-_RETRY_FOR = 300.0
 
 
 class SessionHost(Protocol):
@@ -145,28 +136,14 @@ class SessionHost(Protocol):
         """A stream's inbound queue passed its bound on `link`."""
 
 
-class _GivenUp(Exception):
-    """A command failed for `_RETRY_FOR` s: its worker ends."""
-
-
-@dataclass(slots=True)
-class _Departing:
-    """A DEPART in the application commands' queue: its listeners run once every stream
-    in `waiting` handled the `Departure` queued behind the writer's commands."""
-
-    name: str
-    waiting: set[str]
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
 # What a worker of a connection takes from its queue.
-_Work = Command | Queued | _Departing
+_Work = Command | Queued | Departing
 
 
 def _label(work: _Work) -> str:
     if isinstance(work, Resync):
         return "catch-up"
-    if isinstance(work, Departure | _Departing):
+    if isinstance(work, Departure | Departing):
         return "DEPART"
     return work.NAME
 
@@ -190,9 +167,9 @@ class HandlerSession:
         self._own_name = handler.instance_name
         self._own_bytes = self._own_name.encode()
         # The application's commands; None once the connection ended, after them.
-        self._commands: asyncio.Queue[Command | _Departing | None] | None = None
+        self._commands: asyncio.Queue[Command | Departing | None] | None = None
         self._backlogs: dict[str, Backlog] = {}  # per stream
-        self._departing: dict[str, list[_Departing]] = {}  # per writer, oldest first
+        self._departures = Departures()
         self._wakes: dict[str, asyncio.Event] = {}  # set when a backlog got a command
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._announced: set[tuple[str, str]] = set()
@@ -339,31 +316,12 @@ class HandlerSession:
             for stream in self._backlogs
             if (writers := streams[stream].writers) is None or name in writers
         }
-        departing = _Departing(name, set(waiting))
-        if waiting:
-            self._departing.setdefault(name, []).append(departing)
-        else:
-            departing.done.set()
+        departing = self._departures.begin(name, waiting)
         for stream in sorted(waiting):
             self._enqueue_stream(streams[stream], Departure(stream, name))
         self._enqueue(departing)
 
-    def _stream_departed(self, command: Departure) -> None:
-        """A stream handled `command`: the `count` oldest departures of its writer that
-        waited for that stream no longer do."""
-        pending = self._departing.get(command.instance, [])
-        left = command.count
-        for departing in pending:
-            if left and command.stream in departing.waiting:
-                departing.waiting.discard(command.stream)
-                left -= 1
-                if not departing.waiting:
-                    departing.done.set()
-        pending[:] = [departing for departing in pending if departing.waiting]
-        if not pending:
-            self._departing.pop(command.instance, None)
-
-    def _enqueue(self, command: Command | _Departing) -> None:
+    def _enqueue(self, command: Command | Departing) -> None:
         """An application command or a departure: in order, after the ones before it."""
         queue = self._commands
         if queue is None:
@@ -424,7 +382,7 @@ class HandlerSession:
                 self._busy.add(key)
                 try:
                     await self._handle_surely(command)
-                except _GivenUp:
+                except GivenUp:
                     self._give_up(key)
                     return
                 finally:
@@ -437,50 +395,15 @@ class HandlerSession:
                 self._handler.drained(self)
 
     async def _handle_surely(self, command: _Work) -> None:
-        """Handle `command`, trying again after a growing delay while that fails
-        (database or peer unreachable). A failure also drops the connection, so that
-        the transport reconnects and catches up afresh; this command is still handled
-        here, as a catch-up where it can be: the ones after it build on it (a row is
-        delivered when its token is above what was seen, so skipping one would skip its
-        rows). Once the new connection got that far, the catch-up has nothing left to
-        read. Past `_RETRY_FOR` s of failures the connection's commands are given up
-        (said at ERROR): what they carried waits for the writer's next POSITION."""
-        retry = Backoff(initial=_RETRY_INITIAL, cap=_RETRY_CAP)
-        failures = 0
-        deadline = time.monotonic() + _RETRY_FOR
-        while True:
-            try:
-                await self._handle(command)
-                return
-            except Exception as err:
-                self.link.close()
-                if self._handler.stopping:
-                    return
-                failures += 1
-                if time.monotonic() > deadline:
-                    logger.error(
-                        "replication: %s on %s failed for %.0f s (%s: %s); giving up the "
-                        "commands of this connection: what they carried arrives with the "
-                        "writer's next POSITION",
-                        _label(command),
-                        self.link.label,
-                        _RETRY_FOR,
-                        type(err).__name__,
-                        err,
-                    )
-                    raise _GivenUp from err
-                if failures & (failures - 1) == 0:  # 1st, 2nd, 4th, 8th...: not a flood
-                    logger.warning(
-                        "replication: %s on %s failed (%s: %s); trying again as a catch-up "
-                        "(failure %d)",
-                        _label(command),
-                        self.link.label,
-                        type(err).__name__,
-                        err,
-                        failures,
-                    )
-                command = self._as_catch_up(command)
-                await asyncio.sleep(retry.next_delay())
+        await handle_surely(
+            self._handle,
+            command,
+            label=_label,
+            link=self.link.label,
+            on_failure=self.link.close,
+            stopping=lambda: self._handler.stopping,
+            as_catch_up=self._as_catch_up,
+        )
 
     def _give_up(self, key: str) -> None:
         """A stream's commands are given up: its writers' departures queued among them
@@ -489,7 +412,7 @@ class HandlerSession:
         while backlog is not None and (command := backlog.pop()) is not None:
             if isinstance(command, Departure):
                 self._inbound.departed(command)
-                self._stream_departed(command)
+                self._departures.handled(command)
 
     def _as_catch_up(self, command: _Work) -> _Work:
         """What to try again in place of a failed `command`: its writer's rows up to
@@ -519,8 +442,8 @@ class HandlerSession:
                 await self._resync(command)
         elif isinstance(command, Departure):
             self._inbound.departed(command)
-            self._stream_departed(command)
-        elif isinstance(command, _Departing):
+            self._departures.handled(command)
+        elif isinstance(command, Departing):
             await command.done.wait()
             await handler.departed(command.name)
         else:
