@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 import psycopg
 
 from plait.core.backoff import Backoff
-from plait.core.positions import FetchTicket, PositionTracker
+from plait.core.positions import FetchTicket
 from plait.errors import FencedError, PlaitError
-from plait.storage.database import Database
-from plait.storage.stream_store import StreamStore
 from plait.storage.stream_tables import StreamRow
 from plait.storage.transaction import Transaction
 from plait.streams.allocator import Fetches
-from plait.streams.outbox import Outbox
+from plait.streams.shared import Shared
 from plait.tasks import TaskSet, cancel_and_wait
 
 logger = logging.getLogger("plait.streams.generator")  # what operators filter on
@@ -37,24 +34,8 @@ class Finisher:
     telling the outbox first. `closed()` says the generator is closing: nothing more
     completes then."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        db: Database,
-        store: StreamStore,
-        tracker: PositionTracker,
-        outbox: Outbox,
-        poke_if_moved: Callable[[int], None],
-        closed: Callable[[], bool],
-    ) -> None:
-        self._name = name
-        self._db = db
-        self._store = store
-        self._tracker = tracker
-        self._outbox = outbox
-        self._poke_if_moved = poke_if_moved
-        self._closed = closed
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
         # IDs that finish once the WAL is flushed, and the task that flushes it.
         self._unflushed: list[int] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -69,10 +50,10 @@ class Finisher:
         txn.call_on_exception(lambda: self.finish_flushed(ids))
 
     def finish(self, ids: list[int], rows: list[StreamRow] | None = None) -> None:
-        self._outbox.written(ids, rows)
-        before = self._tracker.local_position
-        self._tracker.complete(ids)
-        self._poke_if_moved(before)
+        self._shared.outbox.written(ids, rows)
+        before = self._shared.tracker.local_position
+        self._shared.tracker.complete(ids)
+        self._shared.poke_if_moved(before)
 
     def finish_flushed(self, ids: list[int]) -> None:
         """IDs that may have finished without a row count as finished once the WAL is
@@ -82,9 +63,9 @@ class Finisher:
         out again, after this writer reported them as its position. One flush serves
         every ID queued before it began; the position waits for it (and, the server
         down, for its return)."""
-        if not ids or self._closed():
+        if not ids or self._shared.closed():
             return
-        if self._db.fenced:
+        if self._shared.db.fenced:
             # Its connections are refused until none of its IDs is pending: finish them
             # now so it can go on as a new incarnation. The fence that stopped it
             # committed, durably, once all of its server processes had ended, which
@@ -96,7 +77,7 @@ class Finisher:
         self._unflushed.extend(ids)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(
-                self._flush_then_finish(), name=f"plait-flush-{self._name}"
+                self._flush_then_finish(), name=f"plait-flush-{self._shared.name}"
             )
 
     def finish_if_flushed(self, txn: Transaction, ids: list[int]) -> None:
@@ -113,11 +94,11 @@ class Finisher:
         block committed its row through this `Database`, that commit said so: no round
         trip; else one statement. Should that fail (the server down), they finish as
         `finish_flushed` does."""
-        if not ids or self._closed():
+        if not ids or self._shared.closed():
             return
         try:
-            if not self._db.fenced:
-                await self._store.make_durable(lsn)
+            if not self._shared.db.fenced:
+                await self._shared.store.make_durable(lsn)
         except FencedError:
             pass  # see `finish_flushed`
         except (psycopg.Error, OSError, PlaitError):
@@ -136,7 +117,7 @@ class Finisher:
         while self._unflushed:
             batch = self._unflushed.copy()  # what this flush covers; later ones wait
             try:
-                await self._store.flush_wal()
+                await self._shared.store.flush_wal()
             except FencedError:
                 pass  # this run writes nothing more (see `finish_flushed`)
             except (psycopg.Error, OSError, PlaitError) as err:
@@ -146,7 +127,7 @@ class Finisher:
                         "stream %s: could not flush PostgreSQL's log before IDs that "
                         "may have no row (rolled back, or written nothing with) count "
                         "as finished (%s); this writer's position waits for it",
-                        self._name,
+                        self._shared.name,
                         err,
                     )
                 await asyncio.sleep(backoff.next_delay())
@@ -164,25 +145,10 @@ class Finisher:
 class Settler:
     """Settles the writes whose outcome was lost (see the module's docstring)."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        db: Database,
-        store: StreamStore,
-        tracker: PositionTracker,
-        fetches: Fetches,
-        outbox: Outbox,
-        poke_if_moved: Callable[[int], None],
-    ) -> None:
-        self._name = name
-        self._db = db
-        self._store = store
-        self._tracker = tracker
+    def __init__(self, shared: Shared, fetches: Fetches) -> None:
+        self._shared = shared
         self._fetches = fetches
-        self._outbox = outbox
-        self._poke_if_moved = poke_if_moved
-        self._tasks = TaskSet(f"stream {name}")
+        self._tasks = TaskSet(f"stream {shared.name}")
 
     def unsettled(self, ticket: FetchTicket, backend_pid: int | None) -> bool:
         """A statement that takes its IDs as it runs failed without saying which, or
@@ -192,21 +158,21 @@ class Settler:
         mark that range unknown. Otherwise the position would move past a committed row
         and replication would claim nothing lies there. False: end the ticket as usual
         (without an open outbox, readers read every range from the database anyway)."""
-        if not self._outbox.is_open:
+        if not self._shared.outbox.is_open:
             return False
-        self._tasks.start(self._settle(ticket, backend_pid), f"plait-settle-{self._name}")
+        self._tasks.start(self._settle(ticket, backend_pid), f"plait-settle-{self._shared.name}")
         return True
 
     async def _settle(self, ticket: FetchTicket, backend_pid: int | None) -> None:
         """See `unsettled`. Cancelled (at close), it leaves the ticket open: a position
         held back is safe, one moved past a row is not."""
         if backend_pid is not None:
-            await self._db.wait_finished(backend_pid=backend_pid)
+            await self._shared.db.wait_finished(backend_pid=backend_pid)
         low = ticket.floor - 1  # the sequence gave the statement nothing below the floor
         high, backoff = low, Backoff(initial=0.05, cap=5.0)
         while True:
             try:
-                high = await self._store.sequence_head()
+                high = await self._shared.store.sequence_head()
                 break
             except FencedError:
                 break  # others moved this run's position on; it writes nothing more
@@ -214,18 +180,18 @@ class Settler:
                 logger.warning(
                     "stream %s: cannot read the sequence head after a write whose outcome "
                     "was lost (%s); this writer's position waits for it",
-                    self._name,
+                    self._shared.name,
                     err,
                 )
                 await asyncio.sleep(backoff.next_delay())
-        self._outbox.unknown(low, high)
+        self._shared.outbox.unknown(low, high)
         self.end_empty(ticket)
 
     def end_empty(self, ticket: FetchTicket) -> None:
         """End a fetch that handed out nothing (or nothing anyone can name)."""
-        before = self._tracker.local_position
+        before = self._shared.tracker.local_position
         self._fetches.end(ticket, [])
-        self._poke_if_moved(before)
+        self._shared.poke_if_moved(before)
 
     def lost(self, ticket: FetchTicket) -> None:
         """A fetch's IDs may have committed unnamed: settle it, or end it at once."""

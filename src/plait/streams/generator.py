@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from psycopg.rows import TupleRow, scalar_row, tuple_row
 
@@ -34,10 +34,11 @@ from plait.streams.fencer import Fencer
 from plait.streams.others import OtherWriters
 from plait.streams.outbox import Outbox
 from plait.streams.position_writer import PositionWriter
+from plait.streams.shared import Shared
 from plait.streams.startup import load
+from plait.streams.statements import Statements
 from plait.streams.write_helpers import (
     IDS_UNKNOWN,
-    IdsNotReturned,
     InsertAtCommit,
     Parts,
     Reservation,
@@ -51,8 +52,6 @@ T = TypeVar("T")
 
 DEFAULT_BATCH = 100
 MAX_UPSERT_DELAY = 0.1  # seconds
-# Statements given to `insert` are rewritten once and kept (applications use a handful).
-SQL_CACHE_SIZE = 256
 
 
 class MultiWriterIdGenerator:
@@ -79,39 +78,25 @@ class MultiWriterIdGenerator:
         self._store = store
         self._tracker = tracker
         self._sign = spec.sign
-        self._insert_sql: dict[str, str] = {}
+        self._statements = statements = Statements(store)
         # Everything replication hears of this writer goes through here (`open_outbox`).
         self._outbox = Outbox(spec.sign)
         self._closed = False
-        self._others = OtherWriters(
+        shared = Shared(
             db=db,
             spec=spec,
             instance_name=instance_name,
             store=store,
             tracker=tracker,
+            outbox=self._outbox,
             poke_if_moved=self._poke_if_moved,
             closed=lambda: self._closed,
         )
+        self._others = OtherWriters(shared)
         self._fetches = Fetches(tracker, self._others.handed_out)
         # IDs whose caller went away before it got them: no row, as a failed block.
-        self._finisher = Finisher(
-            name=spec.name,
-            db=db,
-            store=store,
-            tracker=tracker,
-            outbox=self._outbox,
-            poke_if_moved=self._poke_if_moved,
-            closed=lambda: self._closed,
-        )
-        self._settler = Settler(
-            name=spec.name,
-            db=db,
-            store=store,
-            tracker=tracker,
-            fetches=self._fetches,
-            outbox=self._outbox,
-            poke_if_moved=self._poke_if_moved,
-        )
+        self._finisher = Finisher(shared)
+        self._settler = Settler(shared, self._fetches)
         self._allocator = IdAllocator(self._fetches, store.allocate, self._finisher.finish_flushed)
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
@@ -138,18 +123,15 @@ class MultiWriterIdGenerator:
         # What the per-write helpers (`Reservation`, `InsertAtCommit`) use of this
         # generator, handed over once rather than reached for.
         self._parts = Parts(
-            stream_name=spec.name,
+            shared=shared,
             allocator=self._allocator,
-            store=store,
             wal=db.wal,
-            tracker=tracker,
             fetches=self._fetches,
             finish_durable=self._finisher.finish_durable,
             finish_flushed=self._finisher.finish_flushed,
-            returned_ids=self._returned_ids,
+            returned_ids=statements.returned_ids,
             lost=self._settler.lost,
             written=self._written_at_commit,
-            poke_if_moved=self._poke_if_moved,
         )
         self._fencer: Fencer | None = None
         others = set(spec.writers) - {instance_name}
@@ -257,13 +239,13 @@ class MultiWriterIdGenerator:
     def get_next(self) -> AbstractAsyncContextManager[int]:
         """`async with gen.get_next() as stream_id:` write rows, then the ID completes."""
         self._check_writer()
-        return Reservation(self._parts, 1, self._first_signed)
+        return Reservation(self._parts, 1, self._statements.first_signed)
 
     def get_next_mult(self, n: int) -> AbstractAsyncContextManager[list[int]]:
         """Like `get_next`, for `n` IDs taken in one round trip."""
         self._check_writer()
         check_count(n)
-        return Reservation(self._parts, n, self._signed)
+        return Reservation(self._parts, n, self._statements.signed)
 
     async def get_next_txn(self, txn: Transaction) -> int:
         """An ID inside the caller's transaction; it completes after commit or rollback."""
@@ -277,7 +259,7 @@ class MultiWriterIdGenerator:
         # something (it flushed), else after a flush (see `Finisher.finish_flushed`).
         txn.call_after(lambda: self._finisher.finish_if_flushed(txn, ids))
         txn.call_on_exception(lambda: self._finisher.finish_flushed(ids))
-        return self._signed(ids)
+        return self._statements.signed(ids)
 
     async def insert(self, query: str, params: Params = None) -> list[int]:
         """Run one statement that takes its own stream IDs, in one round trip.
@@ -288,7 +270,7 @@ class MultiWriterIdGenerator:
         in autocommit mode; its IDs complete as soon as it returns. Returns the IDs.
         """
         self._check_writer()
-        text = self._with_ids(query)
+        text = self._statements.with_ids(query)
 
         backend_pid: int | None = None
 
@@ -298,17 +280,19 @@ class MultiWriterIdGenerator:
                 backend_pid = server_pid(cursor.connection)
                 if not self._outbox.is_open:
                     await cursor.execute(text, params)
-                    return self._returned_ids(
+                    return self._statements.returned_ids(
                         await cursor.fetchall() if cursor.description else None
                     )
                 cursor.row_factory = tuple_row  # whole rows, for the outbox
                 try:
                     await cursor.execute(text, params)
                     records = await cursor.fetchall() if cursor.description else None
-                    rows = self._rows_of(column_names(cursor), records)
+                    rows = self._statements.rows_of(column_names(cursor), records)
                 finally:
                     cursor.row_factory = scalar_row
-            ids = self._returned_ids(None if records is None else [r[0] for r in records])
+            ids = self._statements.returned_ids(
+                None if records is None else [r[0] for r in records]
+            )
             # Before the IDs complete (when `run` returns), as for every other write.
             self._outbox.written(ids, rows)
             return ids
@@ -321,7 +305,7 @@ class MultiWriterIdGenerator:
                 isinstance(error, IDS_UNKNOWN) and self._settler.unsettled(ticket, backend_pid)
             ),
         )
-        return self._signed(ids)
+        return self._statements.signed(ids)
 
     async def insert_txn(
         self,
@@ -332,7 +316,7 @@ class MultiWriterIdGenerator:
         """Like `insert`, inside the caller's transaction: the IDs complete after it
         commits or rolls back."""
         self._check_writer()
-        text = self._with_ids(query)
+        text = self._statements.with_ids(query)
 
         rows: list[StreamRow] | None = None
 
@@ -340,15 +324,15 @@ class MultiWriterIdGenerator:
             nonlocal rows
             cursor = await txn.execute(text, params)
             if cursor.description is None:
-                return self._returned_ids(None)
+                return self._statements.returned_ids(None)
             records = await cursor.fetchall()
             if self._outbox.is_open:
-                rows = self._rows_of(column_names(cursor), records)
-            return self._returned_ids([row[0] for row in records])
+                rows = self._statements.rows_of(column_names(cursor), records)
+            return self._statements.returned_ids([row[0] for row in records])
 
         ids = await self._take_ids(run)
         self._finisher.complete_after(txn, ids, rows)
-        return self._signed(ids)
+        return self._statements.signed(ids)
 
     def insert_with_commit(
         self, txn: Transaction, query: str, params: Callable[[], Params] | None = None
@@ -359,7 +343,7 @@ class MultiWriterIdGenerator:
         transaction go out in one statement. The IDs complete once COMMIT succeeded;
         they are not known before."""
         self._check_writer()
-        txn.send_with_commit(InsertAtCommit(self._parts, self._with_ids(query), params))
+        txn.send_with_commit(InsertAtCommit(self._parts, self._statements.with_ids(query), params))
 
     async def _take_ids(
         self,
@@ -403,65 +387,13 @@ class MultiWriterIdGenerator:
             self._fencer.start()
         return self._outbox
 
-    def _signed(self, ids: list[int]) -> list[int]:
-        """Internal IDs as the caller sees them (negative on a backwards stream), in a
-        list of the caller's own: completions still hold the internal one."""
-        return ids.copy() if self._sign == 1 else [-i for i in ids]
-
-    def _with_ids(self, query: str) -> str:
-        cached = self._insert_sql.get(query) if isinstance(query, str) else None
-        if cached is not None:
-            return cached
-        if not isinstance(query, str) or "{id}" not in query:
-            raise ConfigError(
-                "the statement must say where stream IDs go: write {id} in place of each "
-                "new row's ID, e.g. INSERT INTO t (stream_id, ...) VALUES ({id}, ...) "
-                "RETURNING stream_id"
-            )
-        if len(self._insert_sql) >= SQL_CACHE_SIZE:
-            self._insert_sql.clear()  # statements built on the fly: keep memory bounded
-        text = self._insert_sql[query] = query.replace("{id}", self._store.next_id_sql())
-        return text
-
-    def _returned_ids(self, values: list[Any] | None) -> list[int]:
-        """The IDs a statement returned (its first column), internal domain, sorted."""
-        if values is None:
-            raise IdsNotReturned(
-                "the statement returned nothing: end it with RETURNING <id column> so "
-                "plait learns which stream IDs it took"
-            )
-        # One column has one type, so the first value tells; `type(...) is int` also
-        # refuses bool, a subclass of int.
-        if values and (type(values[0]) is not int or None in values):
-            raise IdsNotReturned(
-                "the statement must return the new stream IDs as its first column "
-                "(RETURNING <id column>)"
-            )
-        if self._sign != 1:
-            values = [-v for v in values]
-        values.sort()
-        return values
-
-    def _first_signed(self, ids: list[int]) -> int:
-        return self._sign * ids[0]
-
     def _written_at_commit(
         self, ids: list[int], columns: list[str] | None, records: list[TupleRow] | None
     ) -> None:
         """A statement sent with COMMIT wrote `ids`: its rows, when it returned them
         whole, go to the outbox with the IDs."""
         if self._outbox.is_open:
-            self._outbox.written(ids, self._rows_of(columns, records))
-
-    def _rows_of(
-        self, columns: list[str] | None, records: list[Any] | None
-    ) -> list[StreamRow] | None:
-        """The rows a statement returned, when they are whole rows of the stream's one
-        table (RETURNING *); else None."""
-        if records is None or columns is None:
-            return None
-        build = self._store.row_builder(columns)
-        return None if build is None else build(records)
+            self._outbox.written(ids, self._statements.rows_of(columns, records))
 
     def _check_writer(self) -> None:
         if self._closed:

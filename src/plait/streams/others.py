@@ -16,16 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import psycopg
 
-from plait.core.positions import PositionTracker
-from plait.core.spec import StreamSpec
 from plait.core.throttle import Throttle
 from plait.errors import ConfigError, PlaitError
-from plait.storage.database import Database
-from plait.storage.stream_store import StreamStore
+from plait.streams.shared import Shared
 from plait.streams.startup import observe_committed
 from plait.tasks import cancel_and_wait
 
@@ -39,25 +35,10 @@ PASS_PAGE = 1000
 class OtherWriters:
     """The other writers' positions, as one writer's generator follows them."""
 
-    def __init__(
-        self,
-        *,
-        db: Database,
-        spec: StreamSpec,
-        instance_name: str,
-        store: StreamStore,
-        tracker: PositionTracker,
-        poke_if_moved: Callable[[int], None],
-        closed: Callable[[], bool],
-    ) -> None:
-        self._db = db
-        self._spec = spec
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+        spec, tracker = shared.spec, shared.tracker
         self._sign = spec.sign
-        self._instance = instance_name
-        self._store = store
-        self._tracker = tracker
-        self._poke_if_moved = poke_if_moved
-        self._closed = closed
         # Any-writer streams keep no position rows (R-ID-12).
         self._keeps_rows = bool(spec.writers)
         self._heard_upto = tracker.max_seen  # when learn_stored_positions last looked
@@ -91,7 +72,7 @@ class OtherWriters:
             )
         if not self._configured(instance_name):
             return
-        if self._tracker.is_writer and internal > self.known_head():
+        if self._shared.tracker.is_writer and internal > self.known_head():
             # A writer that took an ID the sequence has not handed out would report it
             # as its own position (the idle rule), store it, and refuse its own next
             # IDs as "the sequence went backwards". Replication vouches for what it
@@ -99,7 +80,7 @@ class OtherWriters:
             # taken once the sequence has handed it out (R-ID-14).
             self._confirm_later(instance_name, internal)
             return
-        self._tracker.advance(instance_name, internal)
+        self._shared.tracker.advance(instance_name, internal)
 
     def vouched(self, instance_name: str, position: int) -> None:
         """`advance`, for a position replication vouches for: checked against the
@@ -111,8 +92,10 @@ class OtherWriters:
             # Handed out, as far as this process knows: a crash may not take the
             # sequence back below it (`Database.known_head`).
             # A writer checks it soon after a restart (it allocates; readers need not).
-            self._db.note_head(self._spec.sequence, internal, heard=self._tracker.is_writer)
-            self._tracker.advance(instance_name, internal)
+            self._shared.db.note_head(
+                self._shared.spec.sequence, internal, heard=self._shared.tracker.is_writer
+            )
+            self._shared.tracker.advance(instance_name, internal)
 
     def heard(self, instance_name: str, position: int) -> None:
         """A position of another writer, vouched for as in `vouched`, heard before
@@ -123,32 +106,34 @@ class OtherWriters:
         `vouched`, it pokes nothing: the idle move is stored and announced on their own
         schedules (once per interval), not once per token heard."""
         internal = self._sign * position
-        tracker = self._tracker
+        tracker = self._shared.tracker
         if internal <= tracker.max_seen or not tracker.is_writer:
             return  # no news, or no position of its own
         if not self._configured(instance_name):
             return
-        self._db.note_head(self._spec.sequence, internal, heard=True)
+        self._shared.db.note_head(self._shared.spec.sequence, internal, heard=True)
         tracker.learn_completed(internal)
 
     def _configured(self, writer: str) -> bool:
         """Whether `writer`'s positions count here. The configured writers are
         authoritative (start-up drops the rows of others too): a late message from a
         removed writer must not hold the linear position back forever."""
-        if not self._spec.writers or writer in self._spec.writers:
+        if not self._shared.spec.writers or writer in self._shared.spec.writers:
             return True
         logger.debug(
-            "stream %s: ignoring position of %r, not a configured writer", self._spec.name, writer
+            "stream %s: ignoring position of %r, not a configured writer",
+            self._shared.spec.name,
+            writer,
         )
         return False
 
     def _confirm_later(self, writer: str, position: int) -> None:
-        if position <= self._unconfirmed.get(writer, 0) or self._closed():
+        if position <= self._unconfirmed.get(writer, 0) or self._shared.closed():
             return
         self._unconfirmed[writer] = position
         if self._confirming is None or self._confirming.done():
             self._confirming = asyncio.get_running_loop().create_task(
-                self._confirm_positions(), name=f"plait-confirm-{self._spec.name}"
+                self._confirm_positions(), name=f"plait-confirm-{self._shared.spec.name}"
             )
 
     async def _confirm_positions(self) -> None:
@@ -162,42 +147,42 @@ class OtherWriters:
                 logger.warning(
                     "stream %s: could not check %s's position %d against the sequence "
                     "(%s); not taking it (a later one will be)",
-                    self._spec.name,
+                    self._shared.spec.name,
                     writer,
                     self._sign * position,
                     err,
                 )
                 continue
             if allocated:
-                before = self._tracker.local_position
-                self._tracker.advance(writer, position)
-                self._poke_if_moved(before)
+                before = self._shared.tracker.local_position
+                self._shared.tracker.advance(writer, position)
+                self._shared.poke_if_moved(before)
             elif (held := self._refused_advances.allow(writer, time.monotonic())) is not None:
                 logger.warning(
                     "stream %s: not taking position %d of %s given to advance(): sequence "
                     "%s has handed out IDs up to %d only, so it names no ID (a wrong, "
                     "forged or corrupted position); %s goes on at %d%s",
-                    self._spec.name,
+                    self._shared.spec.name,
                     self._sign * position,
                     writer,
-                    self._spec.sequence,
+                    self._shared.spec.sequence,
                     self._sign * self.known_head(),
-                    self._instance,
-                    self._sign * self._tracker.position_of(self._instance),
+                    self._shared.instance_name,
+                    self._sign * self._shared.tracker.position_of(self._shared.instance_name),
                     f"; {held} more refused since the last warning" if held else "",
                 )
 
     def known_head(self) -> int:
-        return self._db.known_head(self._spec.sequence)
+        return self._shared.db.known_head(self._shared.spec.sequence)
 
     def handed_out(self, stream_id: int) -> None:
         """This writer took IDs up to `stream_id` (internal) from the sequence."""
-        self._db.note_head(self._spec.sequence, stream_id)
+        self._shared.db.note_head(self._shared.spec.sequence, stream_id)
 
     async def get_max_allocated_token(self) -> int:
         """The largest ID the sequence has handed out (signed)."""
-        head = await self._store.sequence_head()
-        self._db.note_head(self._spec.sequence, head)
+        head = await self._shared.store.sequence_head()
+        self._shared.db.note_head(self._shared.spec.sequence, head)
         return self._sign * head
 
     def is_known_allocated(self, position: int) -> bool:
@@ -216,7 +201,9 @@ class OtherWriters:
             return True
         async with self._head_lock:
             if internal > self.known_head():
-                self._db.note_head(self._spec.sequence, await self._store.sequence_head())
+                self._shared.db.note_head(
+                    self._shared.spec.sequence, await self._shared.store.sequence_head()
+                )
         return internal <= self.known_head()
 
     async def is_stored_at(self, writer: str, position: int) -> bool:
@@ -227,7 +214,9 @@ class OtherWriters:
         if internal > self._stored_at_least.get(writer, 0):
             # Stored positions only grow (and never pass the head): read once per claim
             # above the highest read.
-            for name, stored in (await self._store.load_positions(drop_others=False)).items():
+            for name, stored in (
+                await self._shared.store.load_positions(drop_others=False)
+            ).items():
                 self._stored_at_least[name] = max(self._stored_at_least.get(name, 0), stored)
         return internal <= self._stored_at_least.get(writer, 0)
 
@@ -237,9 +226,11 @@ class OtherWriters:
             return
         # Only configured writers' rows come back; our own is ignored by the tracker.
         # Stored positions are at or below the head (`StreamStore.upsert_position`).
-        for writer, position in (await self._store.load_positions(drop_others=False)).items():
-            self._db.note_head(self._spec.sequence, position)
-            self._tracker.advance(writer, position)
+        for writer, position in (
+            await self._shared.store.load_positions(drop_others=False)
+        ).items():
+            self._shared.db.note_head(self._shared.spec.sequence, position)
+            self._shared.tracker.advance(writer, position)
         await self._pass_committed_rows()
 
     async def _pass_committed_rows(self) -> None:
@@ -250,13 +241,13 @@ class OtherWriters:
         replication passes those as their rows arrive; one that follows the database
         learns no IDs from rows, so it reads them, once persisted-up-to stood still for
         a whole refresh with a writer past it (no query while positions move)."""
-        tracker = self._tracker
+        tracker = self._shared.tracker
         persisted = tracker.persisted_upto
         stood_still, self._passed_from = persisted == self._passed_from, persisted
         if not stood_still or max(tracker.positions().values(), default=0) <= persisted:
             return
-        first = await self._store.rows.ids_above(persisted, PASS_PAGE)
-        await observe_committed(self._store, tracker, first, PASS_PAGE)
+        first = await self._shared.store.rows.ids_above(persisted, PASS_PAGE)
+        await observe_committed(self._shared.store, tracker, first, PASS_PAGE)
         self._passed_from = tracker.persisted_upto
 
     async def learn_stored_positions(self) -> None:
@@ -264,17 +255,19 @@ class OtherWriters:
         (`PositionTracker.learn_completed`). Replication moves it as soon as it hears
         the others; this keeps it moving while it hears nothing (Redis down, or out of
         its reach), or readers of the database alone would stall on it (R-ID-8)."""
-        tracker = self._tracker
+        tracker = self._shared.tracker
         heard, self._heard_upto = self._heard_upto, tracker.max_seen
         if not tracker.is_idle or tracker.max_seen > heard:
             return  # busy, or replication moved it since the last look: no query
-        stored = await self._store.load_positions(drop_others=False)
-        others = [position for writer, position in stored.items() if writer != self._instance]
+        stored = await self._shared.store.load_positions(drop_others=False)
+        others = [
+            position for writer, position in stored.items() if writer != self._shared.instance_name
+        ]
         if others:
             before = tracker.local_position
             tracker.learn_completed(max(others))
             self._heard_upto = tracker.max_seen  # what it learned here is no news next time
-            self._poke_if_moved(before)
+            self._shared.poke_if_moved(before)
 
     async def close(self) -> None:
         """Stop checking positions against the sequence (unchecked ones are not taken)."""

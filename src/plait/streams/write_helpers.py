@@ -13,13 +13,13 @@ from typing import Any, Generic, TypeVar
 import psycopg
 from psycopg.rows import TupleRow
 
-from plait.core.positions import FetchTicket, PositionTracker, SequenceWentBackwardsError
+from plait.core.positions import FetchTicket, SequenceWentBackwardsError
 from plait.errors import (
     ConfigError,
 )
-from plait.storage.stream_store import StreamStore
 from plait.storage.transaction import Params, WalProgress
 from plait.streams.allocator import Fetches, IdAllocator
+from plait.streams.shared import Shared
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +30,15 @@ T = TypeVar("T")
 class Parts:
     """What the per-write helpers below use of their generator."""
 
-    stream_name: str
+    shared: Shared
     allocator: IdAllocator
-    store: StreamStore
     wal: WalProgress
-    tracker: PositionTracker
     fetches: Fetches
     finish_durable: Callable[[list[int], int], Awaitable[None]]
     finish_flushed: Callable[[list[int]], None]
     returned_ids: Callable[[list[Any] | None], list[int]]
     lost: Callable[[FetchTicket], None]
     written: Callable[[list[int], list[str] | None, list[TupleRow] | None], None]
-    poke_if_moved: Callable[[int], None]
 
 
 class Reservation(Generic[T]):
@@ -61,7 +58,7 @@ class Reservation(Generic[T]):
     async def __aenter__(self) -> T:
         parts = self._parts
         self._ids = await parts.allocator.allocate(self._n)
-        self._lsn = parts.store.allocated_lsn
+        self._lsn = parts.shared.store.allocated_lsn
         parts.wal.watchers += 1  # commits meanwhile tell `Finisher.finish_durable`
         return self._present(self._ids)
 
@@ -91,7 +88,7 @@ class InsertAtCommit:
         return self._text, None if self._params is None else self._params()
 
     def sending(self) -> None:
-        self._before = self._parts.tracker.local_position
+        self._before = self._parts.shared.tracker.local_position
         self._ticket = self._parts.fetches.begin()
 
     def committed(self, columns: list[str] | None, records: list[TupleRow] | None) -> None:
@@ -103,7 +100,7 @@ class InsertAtCommit:
             ids = parts.returned_ids(None if records is None else [r[0] for r in records])
         except IdsNotReturned as err:
             # Committed, but plait cannot tell which IDs it took: as for a lost answer.
-            logger.error("stream %s: %s", parts.stream_name, err)
+            logger.error("stream %s: %s", parts.shared.name, err)
             parts.lost(ticket)
             return
         if ids:
@@ -111,8 +108,8 @@ class InsertAtCommit:
         try:
             parts.fetches.end(ticket, ids, completed=True)
         except SequenceWentBackwardsError as err:
-            logger.error("stream %s: %s", parts.stream_name, err)
-        parts.poke_if_moved(self._before)
+            logger.error("stream %s: %s", parts.shared.name, err)
+        parts.shared.poke_if_moved(self._before)
 
     def failed(self) -> None:
         # The transaction waited until its COMMIT's outcome was final; which IDs the
