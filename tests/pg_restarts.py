@@ -25,8 +25,7 @@ from plait.caches.invalidations import CACHES_STREAM
 from plait.check.journal import Line, read
 from plait.check.plan import Plan, write_control
 from plait.check.postgres import RestartablePostgres
-from plait.check.run import create_schema
-from plait.storage.cache_rows import CACHES_TABLE
+from plait.check.schema import create_tables, last_cache_rows
 
 __all__ = ["RestartablePostgres", "Role", "control", "prepare_plan", "targets"]
 
@@ -48,23 +47,20 @@ async def prepare_plan(server_dsn: str, run_dir: Path, redis_url: str, **changes
         redis_url=redis_url,
         **changes,
     )
-    await create_schema(plan)
+    await create_tables(plan)
     return plan
 
 
 async def targets(plan: Plan) -> dict[str, Any]:
     """What the readers must reach: the linear position of each stream, and every
-    writer's last row of the caches stream (as `Checker._truth` computes them)."""
+    writer's last row of the caches stream (as `check.schema.truth` computes them)."""
     async with await psycopg.AsyncConnection.connect(plan.dsn, autocommit=True) as conn:
         linear = {}
         for s in plan.stream_names:
             cur = await conn.execute(f"SELECT COALESCE(max(stream_id), 0) FROM {plan.table(s)}")
             row = await cur.fetchone()
             linear[s] = {"*": int(row[0]) if row else 0}
-        cur = await conn.execute(
-            f"SELECT instance_name, max(stream_id) FROM {CACHES_TABLE} GROUP BY 1"
-        )
-        caches = {str(w): int(m) for w, m in await cur.fetchall()}
+        caches = await last_cache_rows(conn)
     return {"linear": linear, "caches": {CACHES_STREAM: caches}}
 
 

@@ -23,13 +23,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+from plait.core.id_sets import AscendingIds, IdSet
 from plait.core.positions import (
     FetchTicket,
     PositionError,
     PositionTracker,
     SequenceWentBackwardsError,
-    _AscendingIds,
-    _IdSet,
 )
 
 UNKNOWN = "never-announced"
@@ -786,7 +785,7 @@ _ID_OPS = st.lists(
 def test_ascending_ids_skip_like_a_set(ops: list[tuple[str, object]]) -> None:
     """The gap-skipping store agrees with the obvious model: from p, step to p + 1
     while p + 1 is known; everything at or below the result is forgotten."""
-    store = _AscendingIds()
+    store = AscendingIds()
     model: set[int] = set()
     for op, arg in ops:
         if op == "add":
@@ -820,7 +819,7 @@ _SET_OPS = st.lists(
 def test_unfinished_id_set_is_a_set_with_its_minimum(ops: list[tuple[str, list[int]]]) -> None:
     """Batches in and out, in any order; a bad batch (an ID present twice, or missing)
     changes nothing and names the first offending ID."""
-    ids = _IdSet()
+    ids = IdSet()
     model: set[int] = set()
     for op, values in ops:
         if op == "add_all":

@@ -22,7 +22,6 @@ import signal
 import tempfile
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,12 @@ from typing import Any
 import psycopg
 from redis.asyncio import Redis
 
-from plait.caches.invalidations import CACHES_STREAM
-from plait.check import journal
+from plait.check import journal, schema
 from plait.check.faults import FaultLog, Partition, schedule
 from plait.check.journal import Kind
 from plait.check.judging import Run, judge
 from plait.check.options import Options
 from plait.check.plan import (
-    KV_CHANGED,
-    KV_KEYS,
     PG_OUTAGES,
     PG_PARTITION,
     SPARK,
@@ -60,10 +56,6 @@ from plait.check.verdict import (
 from plait.config import InstanceConfig
 from plait.errors import PlaitError
 from plait.ports import free_port
-from plait.storage.cache_rows import CACHES_TABLE
-from plait.storage.database import Database
-from plait.storage.incarnation import name_prefix
-from plait.storage.search_path import in_schema
 
 START_TIMEOUT = 60.0
 # A Spark reader starts a JVM and plans a first query per stream: on a machine the
@@ -140,7 +132,7 @@ class Checker:
             await self._inject(time.time())
             say("draining: faults undone, writers going idle")
             problems += await self._drain()
-            truth, kv_truth, targets = await self._truth()
+            truth, kv_truth, targets = await schema.truth(self.plan)
             self._write_control(targets=targets)
             deadline = time.monotonic() + CATCH_UP_TIMEOUT  # for all of them at once
             for reader in readers:
@@ -158,7 +150,7 @@ class Checker:
         report = judge(run, plan, truth, kv_truth, time.monotonic() - started, died)
         report.findings[:0] = problems
         if report.ok and not options.keep:
-            await self._drop_schema()
+            await schema.drop_schema(self._server_dsn, self._schema)
             if options.run_dir is None:  # a temporary folder of ours, not the user's
                 shutil.rmtree(run_dir, ignore_errors=True)
                 report.run_dir_kept = False
@@ -168,10 +160,7 @@ class Checker:
 
     async def _prepare(self, run_dir: Path) -> Plan:
         options = self.options
-        async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
-            await c.execute(f'CREATE SCHEMA "{self._schema}"')
-            server = (c.info.hostaddr or c.info.host, c.info.port)  # where it really is
-        dsn = in_schema(self._server_dsn, self._schema)
+        dsn, server = await schema.create_schema(self._server_dsn, self._schema)
         plan = Plan(
             dsn=dsn,
             transport=options.transport,
@@ -181,7 +170,7 @@ class Checker:
             fence_after=options.fence_after,
             batch=options.batch,
         )
-        await create_schema(plan)
+        await schema.create_tables(plan)
         plan = await self._proxy_databases(plan, *server)
         if options.transport == "redis":
             self._redis = RedisServer()
@@ -326,7 +315,7 @@ class Checker:
             self.faults.note(kind, name)
             return True  # counted when made (`_done`)
         elif kind == "pg_terminate" and target is not None:
-            if not await self._terminate_backend(target.name):
+            if not await schema.terminate_backend(self.plan.dsn, target.name, self.rng):
                 return False
         elif kind == "transport_cut":
             if not await self._cut():
@@ -420,29 +409,6 @@ class Checker:
             self.faults.stop(w.name, start, time.time())
             w.stopped = False
 
-    async def _terminate_backend(self, writer: str) -> bool:
-        """Terminate one of `writer`'s database connections: those named after an epoch
-        it registered in this run's schema (`plait#<epoch> <name>`). Not every `w0` on
-        the server: another run's writers of the same names are not this run's to break
-        (two checks on one server crashed each other's writers as they started)."""
-        async with await psycopg.AsyncConnection.connect(self.plan.dsn, autocommit=True) as c:
-            cur = await c.execute(
-                "SELECT DISTINCT epoch FROM stream_positions"
-                " WHERE instance_name = %s AND epoch IS NOT NULL",
-                (writer,),
-            )
-            prefixes = [name_prefix(int(epoch)) for (epoch,) in await cur.fetchall()]
-            cur = await c.execute(
-                "SELECT pid FROM pg_stat_activity WHERE EXISTS"
-                " (SELECT 1 FROM unnest(%s::text[]) AS p WHERE starts_with(application_name, p))",
-                (prefixes,),
-            )
-            pids = [row[0] for row in await cur.fetchall()]
-            if not pids:
-                return False
-            await c.execute("SELECT pg_terminate_backend(%s)", (self.rng.choice(pids),))
-        return True
-
     async def _cut(self) -> bool:
         if self._proxy is not None:
             return self._proxy.cut(self.rng)
@@ -480,40 +446,6 @@ class Checker:
             if not await w.until("idle", self.plan.slow_commit + START_TIMEOUT):
                 problems.append(f"{w.name} did not go idle:\n{w.log_tail()}")
         return problems
-
-    async def _truth(
-        self,
-    ) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, str]], dict[str, Any]]:
-        """What the database holds: committed IDs and writers, per stream; the
-        invalidations the worker must get; the targets every reader must reach."""
-        plan = self.plan
-        truth: dict[str, dict[int, str]] = {}
-        kv: dict[str, dict[int, str]] = defaultdict(dict)
-        async with await psycopg.AsyncConnection.connect(plan.dsn, autocommit=True) as conn:
-            for s in plan.stream_names:
-                cur = await conn.execute(f"SELECT stream_id, instance_name FROM {plan.table(s)}")
-                truth[s] = {int(i): str(w) for i, w in await cur.fetchall()}
-            cur = await conn.execute(
-                f"SELECT keys FROM {CACHES_TABLE} WHERE cache_name = %s", (KV_CHANGED,)
-            )
-            for (keys,) in await cur.fetchall():
-                kv[f"kv.s{keys[0]}"][int(keys[1])] = "*"
-            cur = await conn.execute(
-                f"SELECT instance_name, max(stream_id) FROM {CACHES_TABLE} GROUP BY 1"
-            )
-            caches = {str(w): int(m) for w, m in await cur.fetchall()}
-        writers: dict[str, dict[str, int]] = {}
-        for s, rows in truth.items():
-            per_writer: dict[str, int] = {}
-            for i, w in rows.items():
-                per_writer[w] = max(per_writer.get(w, 0), i)
-            writers[s] = per_writer
-        targets = {
-            "writers": writers,
-            "linear": {s: {"*": max(rows, default=0)} for s, rows in truth.items()},
-            "caches": {CACHES_STREAM: caches},
-        }
-        return truth, dict(kv), targets
 
     async def _stop_all(self) -> None:
         self._stopping = True
@@ -566,34 +498,3 @@ class Checker:
             if p.proc is not None and p.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     p.proc.send_signal(signal.SIGUSR1)
-
-    async def _drop_schema(self) -> None:
-        async with await psycopg.AsyncConnection.connect(self._server_dsn, autocommit=True) as c:
-            await c.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
-
-
-async def create_schema(plan: Plan) -> None:
-    """plait's tables, the plan's stream tables and the cache worker's `check_kv`, in
-    the plan's database (its DSN names the run's schema)."""
-    db = await Database.connect(plan.dsn, max_size=2)
-    try:
-        await db.migrate()
-        async with db.transaction() as txn:
-            for s in plan.stream_names:
-                await txn.execute(
-                    f"CREATE TABLE {plan.table(s)} (stream_id bigint NOT NULL,"
-                    " instance_name text NOT NULL, payload text NOT NULL)"
-                )
-                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (instance_name, stream_id)")
-                await txn.execute(f"CREATE INDEX ON {plan.table(s)} (stream_id)")
-            await txn.execute(
-                "CREATE TABLE check_kv (s int, k int, version bigint NOT NULL DEFAULT 0,"
-                " PRIMARY KEY (s, k))"
-            )
-            await txn.execute(
-                "INSERT INTO check_kv (s, k) SELECT s, k FROM generate_series(0, %s) s,"
-                " generate_series(0, %s) k",
-                (plan.streams - 1, KV_KEYS - 1),
-            )
-    finally:
-        await db.close()

@@ -4,6 +4,7 @@ for that SQL and for turning its rows into plait's values."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from psycopg import sql
@@ -49,3 +50,27 @@ def head_of(row: tuple[Any, ...]) -> int:
     """The largest ID handed out, from a sequence's (last_value, is_called)."""
     last, called = row
     return int(last) if called else int(last) - 1
+
+
+def record_spec_statement(spec: StreamSpec) -> tuple[str, tuple[Any, ...]]:
+    """The statement (and its parameters) that records `spec` in `plait_streams`, so
+    database-only readers (Spark, `plait tail`) find the stream by name; it changes the
+    row only when the spec changed."""
+    as_json = spec.to_json()
+    return (
+        "INSERT INTO plait_streams (stream_name, sequence_name, backwards, writers, tables)"
+        " VALUES (%s, %s, %s, %s::jsonb, %s::jsonb)"
+        " ON CONFLICT (stream_name) DO UPDATE SET sequence_name = EXCLUDED.sequence_name,"
+        " backwards = EXCLUDED.backwards, writers = EXCLUDED.writers,"
+        " tables = EXCLUDED.tables, updated_at = now()"
+        " WHERE (plait_streams.sequence_name, plait_streams.backwards,"
+        " plait_streams.writers, plait_streams.tables) IS DISTINCT FROM"
+        " (EXCLUDED.sequence_name, EXCLUDED.backwards, EXCLUDED.writers, EXCLUDED.tables)",
+        (
+            spec.name,
+            spec.sequence,
+            spec.backwards,
+            json.dumps(as_json["writers"]),
+            json.dumps(as_json["tables"]),
+        ),
+    )

@@ -1,6 +1,7 @@
 """The SQL about one stream: its sequence, its rows in `stream_positions`, and the
 start-up survey; registrations and fences are `writer_rows.py` (`writers`), reads of
-its rows `stream_rows.py` (`rows`), each table's queries `stream_tables.py`.
+its rows `stream_rows.py` (`rows`), each table's queries `stream_tables.py`, the
+tables' start-up check `table_checks.py`, the spec's row `recorded.py`.
 
 Values cross these modules' boundary in the *internal* domain (always growing); a
 backwards stream's stored IDs and positions are negated in them and nowhere else. Reads
@@ -11,7 +12,6 @@ time (a loose index scan), so start-up never scans a whole table.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,14 +26,14 @@ from plait.errors import (
     DatabaseUnavailableError,
     PlaitError,
     PositionAboveHeadError,
-    SchemaError,
     SequenceBehindError,
 )
 from plait.storage.database import Database
 from plait.storage.identity import regclass_text
-from plait.storage.recorded import head_of, head_query, ident
+from plait.storage.recorded import head_of, head_query, ident, record_spec_statement
 from plait.storage.stream_rows import StreamRows
 from plait.storage.stream_tables import StreamRow, StreamTable
+from plait.storage.table_checks import check_tables
 from plait.storage.transaction import Transaction
 from plait.storage.writer_rows import WriterRows
 
@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 
 # IDs read per table and query while looking for rows above the loaded positions.
 STARTUP_PAGE = 10_000
-_INTEGER_TYPES = {"bigint", "integer", "smallint"}
-_TEXT_TYPES = {"text", "character varying", "character", "name"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,99 +91,9 @@ class StreamStore:
     # -- start-up checks ------------------------------------------------------------------
 
     async def check_tables(self) -> bool:
-        """Every table and column exists with a usable type; warn about a missing index.
-
-        One round trip for all tables. Returns whether the sequence exists already.
-        """
-        async with self.db.connection() as conn:
-            async with conn.pipeline():
-                sequence = await conn.execute(
-                    "SELECT to_regclass(%s) IS NOT NULL", (self._seq_regclass,)
-                )
-                found = [
-                    (
-                        table,
-                        await conn.execute(
-                            "SELECT to_regclass(%s)::oid", (regclass_text(table.name),)
-                        ),
-                        await conn.execute(
-                            "SELECT attname, attnum, format_type(atttypid, NULL) FROM pg_attribute"
-                            " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-                            (regclass_text(table.name),),
-                        ),
-                        await conn.execute(
-                            "SELECT indkey[0], indkey[1] FROM pg_index WHERE indrelid ="
-                            " to_regclass(%s) AND indisvalid AND indpred IS NULL",
-                            (regclass_text(table.name),),
-                        ),
-                    )
-                    for table in self._tables
-                ]
-            exists = await sequence.fetchone()
-            for table, oid, columns, indexes in found:
-                row = await oid.fetchone()
-                self._check_table(
-                    table,
-                    None if row is None else row[0],
-                    {name: (num, kind) for name, num, kind in await columns.fetchall()},
-                    {(first, second) for first, second in await indexes.fetchall()},
-                )
-        return bool(exists and exists[0])
-
-    def _check_table(
-        self,
-        table: StreamTable,
-        oid: int | None,
-        columns: dict[str, tuple[int, str]],
-        indexes: set[tuple[int, int]],
-    ) -> None:
-        spec = table.spec
-        table.columns = frozenset(columns)
-        if oid is None:
-            raise SchemaError(
-                f"stream {self.spec.name!r}: table {spec.name!r} does not exist. Create it "
-                f"with a BIGINT {spec.id_column!r} column and a TEXT {spec.instance_column!r} "
-                "column, or fix the stream's table name (its `tables` in the configuration "
-                "file, its TableSpec in Python)"
-            )
-        for column, allowed, wanted in (
-            (spec.id_column, _INTEGER_TYPES, "BIGINT"),
-            (spec.instance_column, _TEXT_TYPES, "TEXT"),
-        ):
-            if column not in columns:
-                raise SchemaError(
-                    f"stream {self.spec.name!r}: table {spec.name!r} has no column {column!r} "
-                    f"(it has {', '.join(sorted(columns))}). Add a {wanted} column {column!r} "
-                    "or fix the column name (`id_column`/`instance_column` of the stream's "
-                    "table in the configuration file, of its TableSpec in Python)"
-                )
-            if columns[column][1] not in allowed:
-                raise SchemaError(
-                    f"stream {self.spec.name!r}: column {spec.name}.{column} is "
-                    f"{columns[column][1]}, but plait needs {wanted}"
-                )
-        if columns[spec.id_column][1] != "bigint":
-            logger.warning(
-                "stream %s: %s.%s is %s; BIGINT is recommended",
-                self.spec.name,
-                spec.name,
-                spec.id_column,
-                columns[spec.id_column][1],
-            )
-        table.indexed = (columns[spec.instance_column][0], columns[spec.id_column][0]) in indexes
-        table.id_indexed = any(first == columns[spec.id_column][0] for first, _ in indexes)
-        if not table.indexed:
-            logger.warning(
-                "stream %s: table %s has no index on (%s, %s), so start-up and per-writer "
-                "reads scan it; create one with: CREATE INDEX CONCURRENTLY ON %s (%s, %s)",
-                self.spec.name,
-                spec.name,
-                spec.instance_column,
-                spec.id_column,
-                spec.name,
-                spec.instance_column,
-                spec.id_column,
-            )
+        """Every table and column exists with a usable type; warn about a missing index
+        (`table_checks.check_tables`). Returns whether the sequence exists already."""
+        return await check_tables(self.db, self.spec, self._tables)
 
     def row_builder(
         self, names: list[str]
@@ -245,27 +153,6 @@ class StreamStore:
             "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (self._lock_key(),)
         )
 
-    def _record_spec_statement(self) -> tuple[str, tuple[Any, ...]]:
-        """Record the spec so database-only readers (Spark) find the stream by name."""
-        spec = self.spec.to_json()
-        return (
-            "INSERT INTO plait_streams (stream_name, sequence_name, backwards, writers, tables)"
-            " VALUES (%s, %s, %s, %s::jsonb, %s::jsonb)"
-            " ON CONFLICT (stream_name) DO UPDATE SET sequence_name = EXCLUDED.sequence_name,"
-            " backwards = EXCLUDED.backwards, writers = EXCLUDED.writers,"
-            " tables = EXCLUDED.tables, updated_at = now()"
-            " WHERE (plait_streams.sequence_name, plait_streams.backwards,"
-            " plait_streams.writers, plait_streams.tables) IS DISTINCT FROM"
-            " (EXCLUDED.sequence_name, EXCLUDED.backwards, EXCLUDED.writers, EXCLUDED.tables)",
-            (
-                self.spec.name,
-                self.spec.sequence,
-                self.spec.backwards,
-                json.dumps(spec["writers"]),
-                json.dumps(spec["tables"]),
-            ),
-        )
-
     async def flush_wal(self) -> None:
         """Return once everything the server logged so far is on disk. What it is for:
         the sequence's log record of IDs whose transaction rolled back (R-ID-14,
@@ -285,7 +172,7 @@ class StreamStore:
             locked = await cur.fetchone()
         if locked is None:  # the row is gone: write it again, which flushes as well
             async with self.db.connection() as conn:
-                await conn.execute(*self._record_spec_statement())
+                await conn.execute(*record_spec_statement(self.spec))
 
     async def sequence_head(self) -> int:
         """The largest ID the sequence has handed out."""
@@ -322,7 +209,7 @@ class StreamStore:
                 # compilation: milliseconds for microseconds of work.
                 await conn.execute("BEGIN")
                 await conn.execute("SET LOCAL jit = off")
-                await conn.execute(*self._record_spec_statement())
+                await conn.execute(*record_spec_statement(self.spec))
                 maxima = [await conn.execute(t.max_query()) for t in self._tables]
                 head = await conn.execute(self._head_query)
                 top = None
@@ -545,7 +432,7 @@ class StreamStore:
                     flushed = await cur.fetchone()
                 if flushed is None:  # the row is gone: write it again, then flush
                     async with self.db.connection() as conn:
-                        await conn.execute(*self._record_spec_statement())
+                        await conn.execute(*record_spec_statement(self.spec))
                     await self.flush_wal()
                     flushed = lsn
             except (psycopg.Error, OSError, PlaitError) as err:
