@@ -9,25 +9,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plait.check.allowed import (
+    DATABASE_GRACE,
+    IDLE_GRACE,
+    TRANSPORT_GRACE,
+    History,
+    allowed_positions,
+    least,
+)
+from plait.check.error_lines import error_line, last_error, worker_start_timed_out
 from plait.check.faults import FaultLog, counts_for, kinds_for, schedule
 from plait.check.options import Options
 from plait.check.plan import PG_SETTLE, postgres_fault_near
 from plait.check.report import Report
 from plait.check.spark_reader import Batches
 from plait.check.verdict import (
-    DATABASE_GRACE,
-    IDLE_GRACE,
-    TRANSPORT_GRACE,
-    History,
     ReaderLog,
     ReaderVerdict,
-    allowed_positions,
-    error_line,
     judge_reader,
-    last_error,
-    least,
     longest_stall,
-    worker_start_timed_out,
 )
 from plait.errors import ConfigError
 

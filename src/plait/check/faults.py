@@ -6,9 +6,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from plait.check.allowed import merged_windows
 from plait.check.journal import Journal, Kind
 from plait.check.plan import FAULT_KINDS, PG_OUTAGES, PG_PARTITION, Transport
-from plait.check.verdict import merged_windows
 
 
 def kinds_for(

@@ -8,15 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.check import journal
+from plait.check.allowed import History, allowed_positions
 from plait.check.faults import FaultLog
 from plait.check.journal import Kind
 from plait.check.options import Options
 from plait.check.plan import FOLLOWER, REPLICATION_READERS, SPARK, WORKER, Plan
 from plait.check.report import Report
 from plait.check.verdict import (
-    History,
     ReaderLog,
-    allowed_positions,
     judge_reader,
     own_regressions,
 )

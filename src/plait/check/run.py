@@ -30,6 +30,7 @@ import psycopg
 from redis.asyncio import Redis
 
 from plait.check import journal, schema
+from plait.check.error_lines import last_error
 from plait.check.faults import FaultLog, Partition, schedule
 from plait.check.journal import Kind
 from plait.check.judging import Run, judge
@@ -50,9 +51,6 @@ from plait.check.proxy import CutProxy
 from plait.check.redis_server import RedisServer
 from plait.check.report import Report
 from plait.check.roles import FENCED_EXIT, UNAVAILABLE_EXIT
-from plait.check.verdict import (
-    last_error,
-)
 from plait.config import InstanceConfig
 from plait.errors import PlaitError
 from plait.ports import free_port

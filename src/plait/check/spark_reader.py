@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.check.error_lines import error_line, worker_start_timed_out
 from plait.check.journal import Journal, Kind
 from plait.check.plan import Plan, postgres_fault_near, read_control
 from plait.check.seen import Seen
-from plait.check.verdict import error_line, worker_start_timed_out
 from plait.core import offsets
 from plait.core.tokens import StreamToken
 

@@ -79,6 +79,6 @@ def summary(report: Report) -> list[Table]:
 
 
 def _short(cause: str) -> str:
-    """The cause part of a Spark error line (`verdict.error_line`), at most 100 chars."""
+    """The cause part of a Spark error line (`error_lines.error_line`), at most 100 chars."""
     text = cause.strip('"').split(" ... ")[-1]
     return text if len(text) <= 100 else text[:99] + "…"
