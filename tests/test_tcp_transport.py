@@ -28,8 +28,9 @@ from plait.errors import CommandParseError, ConfigError
 from plait.replication import tcp_connection, tcp_transport
 from plait.replication.link import Link
 from plait.replication.metrics import ReplicationMetrics
+from plait.replication.tcp_client import TcpClient
 from plait.replication.tcp_options import TcpOptions
-from plait.replication.tcp_transport import TcpClient, TcpHub
+from plait.replication.tcp_transport import TcpHub
 from transport_helpers import RecordingBackoff, eventually
 
 HOST = "127.0.0.1"

@@ -48,7 +48,8 @@ from plait.replication.metrics import ReplicationMetrics
 from plait.replication.redis_transport import RedisTransport
 from plait.replication.rows import DictRows, JsonRows, RowCodec
 from plait.replication.streams import DatabaseStream, InMemoryStream, ReplicatedStream
-from plait.replication.tcp_transport import TcpClient, TcpHub
+from plait.replication.tcp_client import TcpClient
+from plait.replication.tcp_transport import TcpHub
 from plait.replication.waiters import PositionWaiters
 from plait.storage.database import Database
 from plait.storage.incarnation import Incarnation

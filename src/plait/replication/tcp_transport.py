@@ -1,7 +1,8 @@
 """TCP replication transport: a hub on one instance, clients on the others (R-RP-1).
 
-This module is the asyncio shell of the hub and the client (accepting, connecting,
-handshakes, relaying); one established connection is `tcp_connection.Connection`. What
+This module is the asyncio shell of the hub (accepting, its handshake, relaying) and
+`tcp_client` the client's (connecting, its handshake); one established connection is
+`tcp_connection.Connection`. What
 to do with the bytes and lines (framing, both handshakes, the hub's rules for a client's
 lines and its bad-line budget, keepalive decisions) is decided by the pure state
 machines of `plait.core.tcp_protocol`. The rules the three keep together:
@@ -48,8 +49,9 @@ machines of `plait.core.tcp_protocol`. The rules the three keep together:
 - `Link.send` never waits: a connection queues at most `send_queue` lines (and
   `MAX_BUFFERED_BYTES`) for its writer task. A peer too slow to keep up gets ERROR and
   is closed (it catches up after reconnecting); lines sent to a closed connection are
-  dropped. With the reader's limit of two lines, what the hub holds for one peer stays
-  bounded whatever it sends or fails to read.
+  dropped. With the framer's one line and the stream reader's flow control (it stops
+  reading the socket past `2 x READ_LIMIT` unread), what the hub holds for one peer
+  stays bounded whatever it sends or fails to read.
 - Each end sends PING every `ping_interval` and closes a peer silent for `dead_after`.
 - Every task and timer is owned: a connection's reader, writer, pinger and wait_up
   watcher end when it closes; the hub and the client end their connections, and their
@@ -64,12 +66,10 @@ import ipaddress
 import logging
 import secrets
 
-from plait.core.backoff import Backoff
 from plait.core.commands import Error, command_name, to_line
 from plait.core.tcp_protocol import (
     Accepted,
     Admit,
-    ClientHandshake,
     ClientLines,
     HubHandshake,
     Refused,
@@ -78,7 +78,7 @@ from plait.core.tcp_protocol import (
 )
 from plait.errors import ConfigError
 from plait.ports import is_loopback
-from plait.replication.link import Handler, Session, wait_set
+from plait.replication.link import Handler, Session
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.tcp_connection import (
     READ_LIMIT,
@@ -101,14 +101,14 @@ log = logging.getLogger(__name__)
 _MAX_HANDSHAKING_PER_ADDRESS = 8
 _MAX_HANDSHAKING = 256
 # Random bytes in each nonce of the handshake.
-_NONCE_BYTES = 16
+NONCE_BYTES = 16
 # Connections the kernel may hold for the hub to accept (asyncio's default is 100): a
 # burst past it (every client reconnecting at once, or a flood) leaves connections
 # established for the client but unseen by the hub, for seconds of SYN-ACK retries.
 _BACKLOG = 1024
 
 
-def _check_secret(secret: str | None) -> bytes | None:
+def check_secret(secret: str | None) -> bytes | None:
     if secret is None:
         return None
     if not isinstance(secret, str) or not secret:
@@ -154,7 +154,7 @@ class TcpHub:
         self._host = options.host
         self._port = options.port
         self._handshake_timeout = options.handshake_timeout
-        self._secret = _check_secret(secret)
+        self._secret = check_secret(secret)
         self._metrics = metrics
         self._server: asyncio.Server | None = None
         self._stopping = False
@@ -320,7 +320,7 @@ class TcpHub:
     ) -> str | None:
         """The client's name once the handshake succeeded (`HubHandshake`); None once it
         failed (the client answered ERROR, unless it hung up or gave up itself)."""
-        nonce = secrets.token_hex(_NONCE_BYTES)
+        nonce = secrets.token_hex(NONCE_BYTES)
         shake = HubHandshake(self._handler.instance_name, self._secret, nonce)
         done: Accepted | Refused | TellHub | None = None
         try:
@@ -399,162 +399,3 @@ class TcpHub:
         # same label: its gauge belongs to the newer connection.
         if self._metrics is not None and all(p.label != conn.label for p in self._peers):
             self._metrics.connection_up.labels(link=conn.label).set(0)
-
-
-class TcpClient:
-    """Keeps one connection to a hub, reconnecting with backoff forever until `stop()`.
-    The backoff starts over only once the handler's session says every stream caught up
-    (R-RP-3), so a connection that fails before that never reconnects in a tight loop.
-    With a `secret` it proves it holds it, and opens only once the hub proved it too."""
-
-    def __init__(
-        self,
-        handler: Handler,
-        options: TcpOptions,
-        *,
-        secret: str | None = None,
-        backoff: Backoff | None = None,
-        metrics: ReplicationMetrics | None = None,
-    ) -> None:
-        self._options = options
-        self._handler = handler
-        self._host = options.host
-        self._port = options.port
-        self._connect_timeout = options.connect_timeout
-        self._secret = _check_secret(secret)
-        self._backoff = backoff if backoff is not None else Backoff()
-        self._metrics = metrics
-        self._task: asyncio.Task[None] | None = None
-        self._open = asyncio.Event()
-        self._log = PeerLog("tcp client", log)
-
-    @property
-    def label(self) -> str:
-        return "tcp:hub"
-
-    async def start(self) -> None:
-        """Start connecting in the background; returns at once."""
-        if self._task is not None:
-            raise RuntimeError("TcpClient: already started")
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"tcp client of {self._host}:{self._port}"
-        )
-
-    async def stop(self) -> None:
-        """Close the connection (flushing what is queued) and end every task."""
-        task, self._task = self._task, None
-        if task is not None:
-            await cancel_and_wait(task)
-        self._log.close()
-
-    async def wait_open(self, timeout: float) -> bool:  # noqa: ASYNC109 (a deadline for one wait)
-        """Whether a connection is open (handshake done, session opened) within `timeout`."""
-        return await wait_set(self._open, timeout)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                reason = await self._attempt()
-            except Exception as err:  # a bug or an odd failure: never end the loop over it
-                log.exception("tcp client: hub %s:%d: connection failed", self._host, self._port)
-                reason = f"failed: {err!r}"
-            first = not self._backoff.failures_pending  # the first failure since up
-            delay = self._backoff.next_delay()
-            log.log(
-                logging.WARNING if first else logging.DEBUG,
-                "tcp client: hub %s:%d: %s; reconnecting in %.2fs",
-                self._host,
-                self._port,
-                reason,
-                delay,
-            )
-            await asyncio.sleep(delay)
-            if self._metrics is not None:
-                self._metrics.reconnects.labels(link=self.label).inc()
-
-    async def _attempt(self) -> str:
-        """One connection, from connecting to hanging up; returns why it ended."""
-        try:
-            async with asyncio.timeout(self._connect_timeout):
-                reader, writer = await asyncio.open_connection(
-                    self._host, self._port, limit=READ_LIMIT
-                )
-        except TimeoutError:
-            return f"no connection within {self._connect_timeout:g}s"
-        except OSError as err:
-            return f"cannot connect: {err}"
-        conn: Connection | None = None
-        told = False  # we sent the hub ERROR: it should read it before we hang up
-        lines = Lines(reader)
-        try:
-            done = await self._handshake(lines, writer)
-            if isinstance(done, str):
-                return done
-            if isinstance(done, TellHub):
-                writer.write(encode([to_line(Error(done.to_hub))]))
-                told = True
-                return done.text
-            if isinstance(done, Refused):
-                return done.text
-            hub = done.name
-            log.info("tcp client: connected to hub %s at %s:%d", hub, self._host, self._port)
-            conn = Connection(
-                lines,
-                writer,
-                name="hub",
-                label=self.label,
-                options=self._options,
-                complain=functools.partial(self._log.warn, f"hub {self._host}:{self._port}"),
-            )
-            # With the secret, every line on it is a proven peer's, in its own name
-            # (the hub checks the name of each; a client's lines come through the hub).
-            session = self._handler.open(
-                conn, reply_errors=True, authenticated=self._secret is not None
-            )
-            self._open.set()
-            try:
-                return await conn.run(session, on_up=self._connection_up)
-            finally:
-                self._open.clear()
-                tell_closed(session, self.label)
-                if self._metrics is not None:
-                    self._metrics.connection_up.labels(link=self.label).set(0)
-        except Exception as err:
-            log.exception("tcp client: the connection to the hub failed")
-            return f"failed: {err!r}"
-        finally:
-            if conn is not None:
-                await conn.aclose()
-            else:
-                await close_stream(reader, writer, linger=told)
-
-    async def _handshake(
-        self, lines: Lines, writer: asyncio.StreamWriter
-    ) -> Accepted | Refused | TellHub | str:
-        """How the handshake (`ClientHandshake`) ended, or why it could not (a string:
-        the hub hung up, timed out, or sent a line over the limit)."""
-        nonce = secrets.token_hex(_NONCE_BYTES)
-        shake = ClientHandshake(self._handler.instance_name, self._secret, nonce)
-        writer.write(encode([shake.start()]))
-        try:
-            async with asyncio.timeout(self._connect_timeout):
-                while True:
-                    step = shake.receive(await lines.next())
-                    if step.send:
-                        writer.write(encode(step.send))
-                    if step.done is not None:
-                        return step.done
-        except TimeoutError:
-            return f"the handshake with the hub did not finish within {self._connect_timeout:g}s"
-        except LineTooLongError:
-            return "the hub sent a line over the limit"
-        except PeerHungUpError:
-            return "the hub hung up during the handshake"
-        except OSError as err:
-            return f"the handshake failed: {err}"
-
-    def _connection_up(self) -> None:
-        log.info("tcp client: the connection to the hub is up (every stream caught up)")
-        self._backoff.up()
-        if self._metrics is not None:
-            self._metrics.connection_up.labels(link=self.label).set(1)
