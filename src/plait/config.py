@@ -155,6 +155,9 @@ class HttpConfig(_Model):
     secret: SecretStr | None = None
     """The bearer secret callers must send (compared in constant time; 401 without it)."""
 
+    def secret_value(self) -> str | None:
+        return None if self.secret is None else self.secret.get_secret_value()
+
 
 class CachesConfig(_Model):
     """The `caches` stream and its cleanup (SPEC §7)."""

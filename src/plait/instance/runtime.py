@@ -15,11 +15,9 @@ arrived before it was registered.
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,10 +27,10 @@ from plait.caches.invalidations import CACHES_STREAM, InvalidationRows, caches_s
 from plait.caches.registry import CacheRegistry
 from plait.caches.start import fenced
 from plait.config import InstanceConfig, StreamConfig
-from plait.core.backoff import Backoff
 from plait.core.commands import Command, CommandSet
-from plait.core.throttle import Throttle
 from plait.errors import ConfigError, StateError
+from plait.instance.http import start_api
+from plait.instance.transport import Transport, make_transport
 from plait.replication.handler import (
     CommandListener,
     DepartureListener,
@@ -42,14 +40,12 @@ from plait.replication.handler import (
     ResetListener,
     RowsListener,
 )
+from plait.replication.http_api import EndpointHandler
 from plait.replication.http_client import InternalClient
 from plait.replication.http_server import InternalApi
 from plait.replication.metrics import ReplicationMetrics
-from plait.replication.redis_transport import RedisTransport
 from plait.replication.rows import DictRows, JsonRows, RowCodec
 from plait.replication.streams import DatabaseStream, InMemoryStream, ReplicatedStream
-from plait.replication.tcp_client import TcpClient
-from plait.replication.tcp_transport import TcpHub
 from plait.replication.waiters import PositionWaiters
 from plait.storage.database import Database
 from plait.storage.incarnation import Incarnation
@@ -57,9 +53,8 @@ from plait.streams.generator import MultiWriterIdGenerator
 from plait.streams.memory import MemoryStream, ReadPage
 from plait.tasks import cancel_and_wait
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("plait.instance")  # what operators filter on
 
-EndpointHandler = Callable[[Any], Awaitable[Any]]
 DEFAULT_WAIT = 5.0  # seconds
 
 
@@ -80,9 +75,8 @@ class Instance:
         self._generators: dict[str, MultiWriterIdGenerator] = {}
         self.metrics = ReplicationMetrics()
         self._waiters = PositionWaiters()
-        self._refused_waits = Throttle(10.0)  # one warning per stream this often
         self._handler: ReplicationHandler | None = None
-        self._transport: RedisTransport | TcpHub | TcpClient | None = None
+        self._transport: Transport | None = None
         self._api: InternalApi | None = None
         self._client: InternalClient | None = None
         # Caches can be declared (`@instance.caches.cached()`) before start().
@@ -297,45 +291,9 @@ class Instance:
             raise ConfigError(f"unknown stream {stream!r}; streams here: {list(self._streams)}")
         if instance == self.name:
             return True
-        internal = replicated.sign * position
-        if replicated.seen(instance) >= internal:
-            return True
-        if not replicated.is_known_allocated(internal) and not await replicated.is_allocated(
-            internal
-        ):
-            # No write can ever reach it: waiting would only stall the caller (R-ID-14).
-            self.metrics.refused_positions.labels(stream).inc()
-            if (held := self._refused_waits.allow(stream, time.monotonic())) is not None:
-                logger.warning(
-                    "instance %s: not waiting for %s to reach %d on %s: no ID that high "
-                    "was handed out yet (a forged or corrupted position)%s",
-                    self.name,
-                    instance,
-                    position,
-                    stream,
-                    f"; {held} more refused since the last warning" if held else "",
-                )
-            return False
-        if replicated.seen(instance) >= internal:
-            return True  # it arrived while the head was read: no release would come
-        future = self._waiters.add(stream, instance, internal)
-        try:
-            async with asyncio.timeout(timeout):
-                await future
-            return True
-        except TimeoutError:
-            self._waiters.discard(stream, instance, future)
-            self.metrics.wait_timeouts.labels(stream).inc()
-            logger.warning(
-                "instance %s: timed out after %.1f s waiting for %s to reach %d on %s (seen %d)",
-                self.name,
-                timeout,
-                instance,
-                position,
-                stream,
-                replicated.sign * replicated.seen(instance),
-            )
-            return False
+        return await self._waiters.wait(
+            replicated, instance, position, timeout, metrics=self.metrics, waiter=self.name
+        )
 
     async def call(
         self, instance: str, endpoint: str, args: Any = None, *, txn_id: str | None = None
@@ -484,43 +442,18 @@ class Instance:
         return replicated.read_json(from_exclusive, to_inclusive, limit)
 
     async def _start_http(self) -> None:
-        http = self.config.http
-        secret = None if http.secret is None else http.secret.get_secret_value()
-        self._api = InternalApi(
-            instance_name=self.name,
-            secret=secret,
+        self._api = await start_api(
+            self.config,
+            self._endpoints,
             catch_up=self._catch_up_source,
             own_positions=self.own_positions,
             await_positions=self.await_positions,
             metrics=self.metrics,
         )
-        for name, handler in self._endpoints.items():
-            self._api.register(name, handler)
-        host, port, setting = self.config.http_address()
-        try:
-            await self._api.start(host, port)
-        except OSError as err:
-            if err.errno != errno.EADDRINUSE:  # not allowed (a port below 1024), no such address
-                raise ConfigError(
-                    f"instance {self.name!r} cannot listen on {host}:{port} ({setting}, "
-                    f"http.host): {err.strerror or err}"
-                ) from None
-            holders = self.config.holders_of(port)
-            who = f"; instance_map gives it to {', '.join(holders)}" if holders else ""
-            fix = (
-                "give each instance its own address in instance_map (the file's http.port "
-                "is the same for all)"
-                if setting == "http.port"
-                else "stop the process that holds it, or change the address"
-            )
-            raise ConfigError(
-                f"instance {self.name!r} cannot listen on {host}:{port} ({setting}): the "
-                f"address is in use{who}. Does this instance run already? Else {fix}"
-            ) from None
         self._client = InternalClient(
             instance_name=self.name,
             instance_map=self.config.instance_map,
-            secret=secret,
+            secret=self.config.http.secret_value(),
             own_positions=self.own_positions,
             await_positions=self.await_positions,
         )
@@ -536,25 +469,6 @@ class Instance:
             metrics=self.metrics,
             options=config,
         )
-        backoff = Backoff(initial=config.backoff_initial, cap=config.backoff_cap)
-        if config.transport == "redis":
-            self._transport = RedisTransport(
-                self._handler,
-                config.redis,
-                channel=self.config.channel,
-                secret=config.secret_value(),
-                backoff=backoff,
-                metrics=self.metrics,
-            )
-        else:
-            tcp = config.tcp
-            assert tcp is not None
-            secret = None if config.secret is None else config.secret.get_secret_value()
-            if tcp.hub == self.name:
-                self._transport = TcpHub(self._handler, tcp, secret=secret, metrics=self.metrics)
-            else:
-                self._transport = TcpClient(
-                    self._handler, tcp, secret=secret, backoff=backoff, metrics=self.metrics
-                )
+        self._transport = make_transport(self.config, self._handler, self.metrics)
         await self._handler.start()
         await self._transport.start()
