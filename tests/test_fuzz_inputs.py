@@ -48,7 +48,7 @@ from plait.replication.http_api import PREFIX
 from plait.replication.http_server import InternalApi
 from plait.replication.metrics import OLDEST_UNFINISHED_AGE
 from plait.spark.options import Options
-from plait.spark.source import Plan
+from plait.spark.plan import Plan
 from token_strategies import tokens
 
 T = TypeVar("T")

@@ -23,7 +23,7 @@ import plait.spark
 from conftest import with_search_path
 from pg_proxy import proxy_in_front
 from plait import ConfigError, Database, MultiWriterIdGenerator, StreamToken
-from plait.spark import source
+from plait.spark import kept
 from stream_helpers import create_generator, create_table, spec_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -289,7 +289,7 @@ async def test_a_backwards_stream_reads_its_negative_ids_in_batch_and_streaming(
         return sorted(row.stream_id for row in frame.collect())
 
     assert await asyncio.to_thread(read_all) == sorted(ids)
-    assert db.dsn not in source._KEPT  # the driver keeps no connection
+    assert db.dsn not in kept._KEPT  # the driver keeps no connection
 
     def stream_all() -> list[int]:
         query = (

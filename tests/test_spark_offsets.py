@@ -24,7 +24,8 @@ from plait.core import offsets
 from plait.core.offsets import WriterRange
 from plait.core.tokens import StreamToken, decode_text
 from plait.errors import ConfigError, TokenParseError
-from plait.spark import options, source
+from plait.spark import kept, options, streaming
+from plait.spark.plan import Plan
 from plait.spark.schema import infer
 from stream_helpers import create_generator, create_table
 
@@ -409,22 +410,22 @@ async def _stream_with_rows(db: Database, **per_writer: int) -> None:
 
 
 @pytest.fixture
-def load_plan() -> Iterator[Callable[[str], source.Plan]]:
+def load_plan() -> Iterator[Callable[[str], Plan]]:
     """Loads stream `events`' plan on the connection this process keeps for the DSN (as
     Spark's driver does), closed when the test ends."""
     loaded: list[str] = []
 
-    def load(dsn: str) -> source.Plan:
+    def load(dsn: str) -> Plan:
         loaded.append(dsn)
-        return source.Plan.load(options.Options.parse({"dsn": dsn, "stream": "events"}))
+        return Plan.load(options.Options.parse({"dsn": dsn, "stream": "events"}))
 
     yield load
     for dsn in loaded:
-        source.Kept(dsn).forget()
+        kept.Kept(dsn).forget()
 
 
 async def test_tokens_above_the_sequence_head_or_of_writers_the_stream_lacks_are_refused(
-    db: Database, load_plan: Callable[[str], source.Plan]
+    db: Database, load_plan: Callable[[str], Plan]
 ) -> None:
     await _stream_with_rows(db, w1=3, w2=4)  # IDs 2..8: the head is 8
     plan = await asyncio.to_thread(load_plan, db.dsn)
@@ -454,7 +455,7 @@ async def test_tokens_above_the_sequence_head_or_of_writers_the_stream_lacks_are
 
 
 async def test_a_writer_removed_from_the_stream_is_still_known_by_its_rows(
-    db: Database, load_plan: Callable[[str], source.Plan]
+    db: Database, load_plan: Callable[[str], Plan]
 ) -> None:
     await _stream_with_rows(db, w1=3, w2=4)
     gen = await create_generator(db, ["w1"], "w1")  # w2 leaves the stream's writers
@@ -469,14 +470,14 @@ async def test_a_writer_removed_from_the_stream_is_still_known_by_its_rows(
 
 
 async def test_a_checkpoint_offset_above_the_head_is_refused_before_any_planning(
-    db: Database, load_plan: Callable[[str], source.Plan]
+    db: Database, load_plan: Callable[[str], Plan]
 ) -> None:
     """A checkpoint of another database: Spark hands its offsets back to `latestOffset`
     (the next batch's start) and, on a restart, to `partitions` (the batch it had
     planned). Both refuse it, and say what to do, before cutting anything into slices."""
     await _stream_with_rows(db, w1=3, w2=4)
     plan = await asyncio.to_thread(load_plan, db.dsn)
-    reader = source.StreamReader(plan, infer(list(plan.columns)))
+    reader = streaming.StreamReader(plan, infer(list(plan.columns)))
     try:
         # 10^9 IDs would plan 4,000 slices (a checkpoint up to 2^63 - 1, 3.7e13 of them).
         far = {"min": 10**9, "writers": {}}
@@ -506,7 +507,7 @@ async def test_a_checkpoint_offset_above_the_head_is_refused_before_any_planning
 
 
 async def test_positions_stored_above_the_head_are_refused_not_read_up_to(
-    db: Database, load_plan: Callable[[str], source.Plan]
+    db: Database, load_plan: Callable[[str], Plan]
 ) -> None:
     """A `stream_positions` row past the sequence head (written by a rogue or a restored
     database) is not an offset to read up to: the source says what is wrong."""
@@ -521,7 +522,7 @@ async def test_positions_stored_above_the_head_are_refused_not_read_up_to(
     message = str(caught.value)
     assert "stream_positions records writer 'w1' at 1000000000" in message
     assert "sequence head 8" in message
-    reader = source.StreamReader(plan, infer(list(plan.columns)))
+    reader = streaming.StreamReader(plan, infer(list(plan.columns)))
     try:
         with pytest.raises(ConfigError, match="stream_positions records writer 'w1'"):
             await asyncio.to_thread(reader.latestOffset, {"min": 0}, ReadAllAvailable())
@@ -559,7 +560,7 @@ async def test_the_cli_refuses_tokens_above_the_head_naming_its_flag(
 
 
 async def test_a_stream_without_its_sequence_says_so(
-    db: Database, load_plan: Callable[[str], source.Plan]
+    db: Database, load_plan: Callable[[str], Plan]
 ) -> None:
     await _stream_with_rows(db, w1=3)
     plan = await asyncio.to_thread(load_plan, db.dsn)
@@ -608,7 +609,7 @@ def test_a_trigger_holds_back_only_as_the_kafka_source_would(
     """minRowsPerTrigger's rule (`holds_back`): never on the first trigger, never once
     maxTriggerDelay has passed since the last batch, else while rows are too few; the
     database is asked only when it decides."""
-    from plait.spark.source import holds_back
+    from plait.spark.streaming import holds_back
 
     asked: list[bool] = []
 

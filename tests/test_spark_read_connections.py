@@ -20,7 +20,7 @@ import json, sys, time
 import psycopg
 from pyspark.sql.types import LongType, StructField, StructType
 from plait.spark import read_connections
-from plait.spark.source import read_arrow
+from plait.spark.task_reads import read_arrow
 
 dsn, within = sys.argv[1], float(sys.argv[2])
 read_connections.REUSE_WITHIN = within

@@ -51,7 +51,7 @@ def stream(spark: Any, dsn: str, stream: str, **options: Any) -> Any:
 
 def _checked(dsn: str, stream: str, options: dict[str, Any], *, batch: bool) -> dict[str, str]:
     from plait.spark.options import Options
-    from plait.spark.source import Plan
+    from plait.spark.plan import Plan
     from plait.storage import catalog
 
     given = {"dsn": dsn, "stream": stream, **{k: str(v) for k, v in options.items()}}
