@@ -12,7 +12,8 @@ import aiohttp
 
 from plait import Database
 from plait.demo import roles, schema
-from plait.demo.roles import SyncWorker, event_writer
+from plait.demo.roles import event_writer
+from plait.demo.sync_api import SyncWorker
 from plait.instance import Instance
 from plait.ports import free_port
 
