@@ -10,21 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.core.commands import CommandSet, Error, Name, Server, to_line
+from plait.core.tcp_handshake import Accepted, ClientHandshake, HubHandshake, Refused, TellHub
 from plait.core.tcp_protocol import (
     BAD_LINES_BURST,
     BAD_LINES_PER_SECOND,
     LINE_TOO_LONG,
     REPLICATE_FREE,
-    Accepted,
     Admit,
-    ClientHandshake,
     ClientLines,
-    HubHandshake,
     Keepalive,
     LineFramer,
-    Refused,
     Route,
-    TellHub,
     route,
 )
 from plait.errors import CommandParseError

@@ -10,7 +10,8 @@ import secrets
 
 from plait.core.backoff import Backoff
 from plait.core.commands import Error, to_line
-from plait.core.tcp_protocol import Accepted, ClientHandshake, Refused, TellHub, encode
+from plait.core.tcp_handshake import Accepted, ClientHandshake, Refused, TellHub
+from plait.core.tcp_protocol import encode
 from plait.replication.link import Handler, wait_set
 from plait.replication.metrics import ReplicationMetrics
 from plait.replication.tcp_connection import (

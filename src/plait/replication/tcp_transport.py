@@ -67,15 +67,8 @@ import logging
 import secrets
 
 from plait.core.commands import Error, command_name, to_line
-from plait.core.tcp_protocol import (
-    Accepted,
-    Admit,
-    ClientLines,
-    HubHandshake,
-    Refused,
-    TellHub,
-    encode,
-)
+from plait.core.tcp_handshake import Accepted, HubHandshake, Refused, TellHub
+from plait.core.tcp_protocol import Admit, ClientLines, encode
 from plait.errors import ConfigError
 from plait.ports import is_loopback
 from plait.replication.link import Handler, Session
