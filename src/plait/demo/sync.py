@@ -18,8 +18,8 @@ from plait.core import offsets
 from plait.core.pages import TablePage, cut_pages
 from plait.core.spec import StreamSpec
 from plait.core.tokens import StreamToken
-from plait.storage import catalog
 from plait.storage.database import Database
+from plait.storage.range_sql import page_query
 
 LIMIT = 100
 
@@ -61,7 +61,7 @@ async def rows_between(
         async with db.connection() as conn:
             for table in spec.tables:
                 columns = (table.instance_column, *COLUMNS[table.name])
-                query = catalog.page_query(
+                query = page_query(
                     table, spec.backwards, ranges, read, columns=columns, where=where
                 )
                 cursor = await conn.execute(query)

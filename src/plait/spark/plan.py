@@ -20,6 +20,7 @@ from plait.spark.options import METADATA, Options
 from plait.spark.schema import text_columns
 from plait.spark.task_reads import RangePartition
 from plait.storage import catalog
+from plait.storage.range_sql import slice_query
 
 T = TypeVar("T")
 
@@ -111,7 +112,7 @@ class Plan:
         self, schema: StructType, as_text: set[str], piece: offsets.Slice, where: str | None
     ) -> str:
         added = {METADATA[name]: name for name in self.options.metadata}
-        return catalog.slice_query(
+        return slice_query(
             self.spec,
             self.table,
             [f.name for f in schema.fields],

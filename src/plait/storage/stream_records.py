@@ -14,7 +14,7 @@ from psycopg import sql
 from plait.core.offsets import WriterRange
 from plait.core.spec import StreamSpec
 from plait.errors import SchemaError
-from plait.storage.catalog import range_condition
+from plait.storage.range_sql import range_condition
 from plait.storage.recorded import head_of, head_query, ident, spec_columns, spec_from_row
 
 
