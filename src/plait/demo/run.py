@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import random
-import secrets
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psycopg
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from rich.console import Console, Group
@@ -35,228 +28,14 @@ from rich.table import Table
 from rich.text import Text
 
 from plait.demo import SCHEMA, schema
-from plait.demo.roles import SYNC_PORT_ENV
+from plait.demo.load import Load, Tally
+from plait.demo.processes import ROLES, Processes
 from plait.errors import ConfigError
 from plait.ops import status
-from plait.ports import free_port
 from plait.storage import stream_records
 from plait.storage.database import Database
 from plait.storage.embedded import dsn_or_embedded
 from plait.storage.search_path import in_schema
-
-EVENT_WRITERS = ["ev1", "ev2"]
-ROLES = {
-    "main": "main",
-    "ev1": "event_writer",
-    "ev2": "event_writer",
-    "bg": "background",
-    "sync1": "sync_worker",
-}
-ROOMS = [f"!room{i}:demo" for i in range(8)]
-USERS = [f"@user{i}:demo" for i in range(12)]
-OBSERVER = "@observer:demo"  # in every room, never leaves: must get every message once
-
-
-@dataclass
-class Tally:
-    """What the load did and what the observing client got."""
-
-    sent: dict[int, float] = field(default_factory=dict)  # stream_id -> when sent
-    received: dict[int, int] = field(default_factory=dict)  # stream_id -> times received
-    latencies: list[float] = field(default_factory=list)
-    writes: dict[str, int] = field(default_factory=dict)  # kind -> count
-    errors: int = 0
-
-    def count(self, kind: str) -> None:
-        self.writes[kind] = self.writes.get(kind, 0) + 1
-
-    def percentile(self, q: float) -> float | None:
-        if not self.latencies:
-            return None
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    @property
-    def duplicates(self) -> int:
-        return sum(n - 1 for n in self.received.values() if n > 1)
-
-
-class Processes:
-    """The service's processes: started in order, each once it answers; stopped with
-    SIGTERM (gracefully), killed if one takes longer than 15 s."""
-
-    def __init__(self, dsn: str, redis: str | None, logs: Path) -> None:
-        self.dsn, self.redis, self.logs = dsn, redis, logs
-        self.ports = {name: free_port() for name in ROLES}
-        self.sync_port = free_port()
-        self.hub_port = free_port()
-        # One per run, for the internal HTTP API and replication alike: the processes
-        # prove it to each other (and Redis lines are signed with it).
-        self.secret = secrets.token_hex(16)
-        self.running: dict[str, asyncio.subprocess.Process] = {}
-
-    @property
-    def sync_url(self) -> str:
-        return f"http://127.0.0.1:{self.sync_port}"
-
-    @property
-    def api_urls(self) -> dict[str, str]:
-        """Each process's internal HTTP API (its instance_map)."""
-        return {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
-
-    def metrics_url(self, name: str) -> str:
-        return f"{self.api_urls[name]}/metrics"
-
-    async def start(self) -> None:
-        for name in ROLES:  # main first: it is the hub
-            await self._start(name)
-            await self._ready(self.metrics_url(name), name)
-        await self._ready(f"{self.sync_url}/sync?user=ready", "sync1")
-
-    async def _start(self, name: str) -> None:
-        config = schema.config_dict(
-            name,
-            database=self.dsn,
-            event_writers=EVENT_WRITERS,
-            http_ports=self.ports,
-            secret=self.secret,
-            redis=self.redis,
-            hub_port=self.hub_port,
-        )
-        path = self.logs / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        log = (self.logs / f"{name}.log").open("ab")
-        env = {**os.environ, SYNC_PORT_ENV: str(self.sync_port)}
-        self.running[name] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "plait.cli", "serve", "--config", str(path),
-            "--app", f"plait.demo.roles:{ROLES[name]}", "--log-level", "info",
-            stdout=log, stderr=log, env=env, start_new_session=True,
-        )  # fmt: skip
-        log.close()
-
-    async def _ready(self, url: str, name: str, within: float = 60.0) -> None:
-        deadline = time.monotonic() + within
-        async with aiohttp.ClientSession() as session:
-            while True:
-                process = self.running[name]
-                if process.returncode is not None:
-                    raise RuntimeError(
-                        f"process {name} exited with status {process.returncode}; "
-                        f"see {self.logs / (name + '.log')}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url) as response:
-                        if response.status == 200:
-                            return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"process {name} did not answer at {url} in {within:.0f} s")
-                await asyncio.sleep(0.1)
-
-    async def stop(self) -> None:
-        for name in reversed(list(self.running)):  # the hub last
-            process = self.running[name]
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
-                try:
-                    async with asyncio.timeout(15):
-                        await process.wait()
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        process.kill()
-                    await process.wait()
-
-
-class Load:
-    """Simulated users on the sync worker's public API."""
-
-    def __init__(self, url: str, tally: Tally, seed: int = 7) -> None:
-        self.url = url
-        self.tally = tally
-        self.random = random.Random(seed)
-        self.joined: dict[str, set[str]] = {user: set() for user in USERS}
-
-    async def post(self, session: aiohttp.ClientSession, path: str, body: Any) -> Any:
-        async with session.post(f"{self.url}{path}", json=body) as response:
-            if response.status != 200:
-                self.tally.errors += 1
-                return None
-            return await response.json()
-
-    async def setup(self, session: aiohttp.ClientSession) -> None:
-        for room in ROOMS:
-            await self.post(
-                session, "/membership", {"room": room, "user": OBSERVER, "membership": "join"}
-            )
-        for user in USERS:
-            for room in self.random.sample(ROOMS, 3):
-                await self.membership(session, user, room, "join")
-
-    async def membership(
-        self, session: aiohttp.ClientSession, user: str, room: str, state: str
-    ) -> None:
-        if await self.post(
-            session, "/membership", {"room": room, "user": user, "membership": state}
-        ):
-            (self.joined[user].add if state == "join" else self.joined[user].discard)(room)
-            self.tally.count("membership")
-
-    async def user(self, session: aiohttp.ClientSession, until: float) -> None:
-        while time.monotonic() < until:
-            user = self.random.choice(USERS)
-            roll = self.random.random()
-            rooms = sorted(self.joined[user]) or ROOMS[:1]
-            room = self.random.choice(rooms)
-            if roll < 0.75:
-                answer = await self.post(
-                    session, "/send", {"room": room, "sender": user, "body": "hello"}
-                )
-                if answer:
-                    self.tally.sent[int(answer["stream_id"])] = time.monotonic()
-                    self.tally.count("message")
-            elif roll < 0.85:  # join any room, or leave one of several
-                target = self.random.choice(ROOMS)
-                joined = self.joined[user]
-                state = "leave" if target in joined and len(joined) > 1 else "join"
-                await self.membership(session, user, target, state)
-            elif roll < 0.93:
-                if await self.post(
-                    session, "/typing", {"room": room, "user": user, "typing": roll < 0.9}
-                ):
-                    self.tally.count("typing")
-            elif roll < 0.98:
-                body = {"user": user, "kind": "theme", "content": {"n": self.random.randint(0, 9)}}
-                if await self.post(session, "/account_data", body):
-                    self.tally.count("account data")
-            elif await self.post(
-                session, "/backfill", {"room": room, "sender": user, "body": "old"}
-            ):
-                self.tally.count("backfill")
-            await asyncio.sleep(0.005)
-
-    async def observe(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
-        """The observer's long-poll loop: every message exactly once, and how long after
-        its send it arrived."""
-        since: str | None = None
-        while not stop.is_set():
-            query = {"user": OBSERVER, "timeout": "1000", **({"since": since} if since else {})}
-            try:
-                async with session.get(f"{self.url}/sync", params=query) as response:
-                    answer = await response.json()
-            except aiohttp.ClientError:
-                self.tally.errors += 1
-                await asyncio.sleep(0.1)
-                continue
-            now = time.monotonic()
-            for event in answer.get("events", []):
-                if event.get("table") != "events":
-                    continue
-                stream_id = int(event["stream_id"])
-                self.tally.received[stream_id] = self.tally.received.get(stream_id, 0) + 1
-                sent = self.tally.sent.get(stream_id)
-                if sent is not None:
-                    self.tally.latencies.append(now - sent)
-            since = answer.get("next", since)
 
 
 def dashboard(
