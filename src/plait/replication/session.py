@@ -3,11 +3,8 @@ is parsed, checked and queued per stream, and handled in order; delivering and c
 up are the handler's (`SessionHost`).
 
 Inbound (R-RP-2, R-RP-3): each connection has one serial queue per stream, so a slow
-catch-up on one stream holds up no other. A POSITION whose writer is out of reach is
-followed by a catch-up in pages before the writer advances. A connection counts as up
-once every writer caught up on it (or, for configured writers that never answered,
-once a grace period passed); the transport resets its reconnect backoff only then. A
-failure while handling a command closes the connection and the command is tried again
+catch-up on one stream holds up no other. What a command does once its turn comes, and
+when the connection counts as up, is `following.py`'s. A failure while handling a command closes the connection and the command is tried again
 (`retries.py`). A connection that ends leaves what it brought to be handled all the
 same: its writer may have departed, and nobody would send it again. A queue holds at
 most `inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a
@@ -20,9 +17,7 @@ A DEPART (R-RP-8) waits in each stream's queue and in the application commands' 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Protocol
 
@@ -39,22 +34,18 @@ from plait.core.commands import (
     Replicate,
     Server,
     rows_of,
-    with_sign,
 )
 from plait.core.inbound import (
     Backlog,
     Departure,
-    Inbound,
-    Plan,
     Queued,
     Resync,
 )
-from plait.core.throttle import Throttle
 from plait.errors import CommandParseError
 from plait.replication.departures import Departing, Departures
+from plait.replication.following import FollowHost, Following
 from plait.replication.link import Link
 from plait.replication.listeners import Listeners, call
-from plait.replication.metrics import ReplicationMetrics
 from plait.replication.retries import GivenUp, handle_surely
 from plait.replication.streams import ReplicatedStream
 
@@ -64,21 +55,14 @@ logger = logging.getLogger("plait.replication.handler")  # what operators filter
 _APP_QUEUE = "\x00commands"
 
 
-class SessionHost(Protocol):
+class SessionHost(FollowHost, Protocol):
     """What a session needs of the replication handler (`ReplicationHandler`)."""
 
-    streams: dict[str, ReplicatedStream]
     commands: CommandSet
     listeners: Listeners
-    metrics: ReplicationMetrics
     inbound_queue: int
-    up_grace: float
     stopping: bool
     sync_streams: set[str]
-    warnings: Throttle
-
-    @property
-    def instance_name(self) -> str: ...
 
     def stream(self, name: str) -> ReplicatedStream | None:
         """The stream named in a command, or None when it is not replicated here."""
@@ -95,9 +79,6 @@ class SessionHost(Protocol):
     def drained(self, session: HandlerSession) -> None:
         """What waited was handled."""
 
-    def expected_writers(self) -> set[tuple[str, str]]:
-        """(stream, writer) of every configured writer but this instance."""
-
     def send_command(self, link: Link, command: Command) -> None:
         """Send one command on one link."""
 
@@ -109,28 +90,8 @@ class SessionHost(Protocol):
 
     def is_delivering(self, stream: str, writer: str) -> bool: ...
 
-    async def deliver(
-        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
-    ) -> None:
-        """Hand rows over, in R-CA-3's order."""
-
-    def deliver_now(
-        self, stream: ReplicatedStream, writer: str, token: int, rows: list[Any]
-    ) -> None:
-        """`deliver`, for a stream whose listeners are all plain functions."""
-
-    async def catch_up(
-        self, stream: ReplicatedStream, writer: str, from_exclusive: int, to_inclusive: int
-    ) -> None:
-        """Read and deliver `writer`'s rows in (from, to]."""
-
     async def departed(self, instance: str) -> None:
         """`instance` departed: its departure listeners run."""
-
-    def refuse(
-        self, stream: ReplicatedStream, command: Rdata | Position | Fenced, link: str
-    ) -> None:
-        """A claim that failed its check: dropped, counted and logged."""
 
     def overflowed(self, stream: ReplicatedStream, link: str) -> None:
         """A stream's inbound queue passed its bound on `link`."""
@@ -157,13 +118,13 @@ class HandlerSession:
         self._handler = handler
         self.link = link
         self._reply_errors = reply_errors
-        # Unauthenticated lines may come from anyone: every claim above the sequence
-        # head known here is checked against the sequence before it counts (R-ID-14).
-        # Authenticated ones carry a writer's word about its own IDs, which it took
-        # from the sequence (the transports refuse RDATA and POSITION in another's
-        # name). A FENCED, on another's behalf, is always checked against the database.
-        self._check_every_claim = not authenticated
-        self._inbound = Inbound(handler.instance_name)
+        self._following = Following(
+            handler,
+            link.label,
+            check_every_claim=not authenticated,
+            queue_resync=self._enqueue_stream,
+        )
+        self._inbound = self._following.inbound
         self._own_name = handler.instance_name
         self._own_bytes = self._own_name.encode()
         # The application's commands; None once the connection ended, after them.
@@ -172,9 +133,7 @@ class HandlerSession:
         self._departures = Departures()
         self._wakes: dict[str, asyncio.Event] = {}  # set when a backlog got a command
         self._workers: dict[str, asyncio.Task[None]] = {}
-        self._announced: set[tuple[str, str]] = set()
         self._busy: set[str] = set()
-        self._changed = asyncio.Event()
         self._up = asyncio.Event()
         self._closed = False
         self._watcher = asyncio.create_task(self._watch_up(), name=f"plait-up-{link.label}")
@@ -271,13 +230,13 @@ class HandlerSession:
             and not handler.is_delivering(command.stream, command.instance)
             and (
                 command.token is None
-                or not self._check_every_claim
+                or not self._following.check_every_claim
                 or stream.is_known_allocated(stream.sign * command.token)
             )
         ):
-            self._rdata_now(stream, command)  # nothing queued before it: no task switch
+            self._following.rdata_now(stream, command)  # nothing queued before it
             return
-        self._heard(stream, command)
+        self._following.heard(stream, command)
         self._enqueue_stream(stream, command)
 
     def _on_replicate(self, command: Command) -> None:
@@ -292,20 +251,6 @@ class HandlerSession:
 
     def _on_transport_command(self, command: Command) -> None:
         """NAME, SERVER, PING: the transport's business, handled before the session."""
-
-    def _heard(self, stream: ReplicatedStream, command: Rdata | Position | Fenced) -> None:
-        """A writer's word about how far it got, queued behind others: heard now, it
-        moves this instance's idle position at once (`ReplicatedStream.heard`)."""
-        if isinstance(command, Position):  # checked as `_position` checks it
-            said = command.new
-            claim = max(stream.sign * command.prev, stream.sign * command.new)
-        elif isinstance(command, Rdata) and command.token is not None:
-            said = command.token
-            claim = stream.sign * said
-        else:
-            return  # a batch row says nothing; a FENCED counts once the database shows it
-        if not self._check_every_claim or stream.is_known_allocated(claim):
-            stream.heard(command.instance, stream.sign * said)
 
     def _depart(self, name: str) -> None:
         """Queue the departure of `name` behind its commands on every stream it writes,
@@ -427,19 +372,19 @@ class HandlerSession:
         return Resync(command.stream, command.instance, upto)
 
     async def _handle(self, command: _Work) -> None:
-        handler = self._handler
+        handler, following = self._handler, self._following
         if isinstance(command, Rdata):
             async with handler.delivering(command.stream, command.instance):
-                await self._rdata(command)
+                await following.rdata(command)
         elif isinstance(command, Position):
             async with handler.delivering(command.stream, command.instance):
-                await self._position(command)
+                await following.position(command)
         elif isinstance(command, Fenced):
             async with handler.delivering(command.stream, command.instance):
-                await self._fence(command)
+                await following.fence(command)
         elif isinstance(command, Resync):
             async with handler.delivering(command.stream, command.instance):
-                await self._resync(command)
+                await following.resync(command)
         elif isinstance(command, Departure):
             self._inbound.departed(command)
             self._departures.handled(command)
@@ -449,135 +394,8 @@ class HandlerSession:
         else:
             await call(handler.listeners.commands[command.NAME], command)
 
-    def _accept(self, stream: ReplicatedStream, command: Rdata) -> tuple[int, list[Any]] | None:
-        """What the pure inbound state makes of a row: (token, rows) to deliver, if any."""
-        internal = with_sign(command, stream.sign)
-        assert isinstance(internal, Rdata)
-        deliver = self._inbound.rdata(internal, stream.seen(command.instance))
-        if deliver is None:
-            return None
-        rows = [stream.decode(row) for row in deliver.rows]
-        metrics = self._handler.metrics
-        metrics.child(metrics.rdata_rows, stream.name).inc(len(rows))
-        return deliver.token, rows
-
-    async def _rdata(self, command: Rdata) -> None:
-        stream = self._handler.streams[command.stream]
-        if (
-            self._check_every_claim
-            and command.token is not None
-            and not await stream.is_allocated(stream.sign * command.token)
-        ):
-            self._handler.refuse(stream, command, self.link.label)
-            return
-        accepted = self._accept(stream, command)
-        if accepted is not None:
-            await self._handler.deliver(stream, command.instance, *accepted)
-
-    def _rdata_now(self, stream: ReplicatedStream, command: Rdata) -> None:
-        try:
-            accepted = self._accept(stream, command)
-        except Exception as err:  # a row the codec refuses: read its rows from the source
-            # Only a numbered row is decoded, with the batch rows before it, which the
-            # inbound state has handed over: the catch-up reads them all.
-            assert command.token is not None
-            key = ("decode", self.link.label, stream.name, command.instance)
-            held = self._handler.warnings.allow(key, time.monotonic())
-            if held is not None:
-                logger.warning(
-                    "replication: a row of %s on %s arrived that the row type of %s refuses "
-                    "(%s: %s; %d more like it not logged); reading it from the database",
-                    command.instance,
-                    self.link.label,
-                    stream.name,
-                    type(err).__name__,
-                    err,
-                    held,
-                )
-            upto = stream.sign * command.token
-            self._enqueue_stream(stream, Resync(stream.name, command.instance, upto))
-            return
-        if accepted is not None:
-            self._handler.deliver_now(stream, command.instance, *accepted)
-
-    async def _position(self, command: Position) -> None:
-        handler = self._handler
-        stream = handler.streams[command.stream]
-        internal = with_sign(command, stream.sign)
-        assert isinstance(internal, Position)
-        if self._check_every_claim and not await stream.is_allocated(
-            max(internal.prev, internal.new)
-        ):
-            handler.refuse(stream, command, self.link.label)
-            return
-        plan = self._inbound.position(internal, stream.seen(command.instance))
-        if plan is not None:
-            await self._follow(stream, plan)
-
-    async def _fence(self, command: Fenced) -> None:
-        """Another instance fenced a writer: follow it as that writer's POSITION from
-        wherever this process is, once the database shows the fence (R-ID-14)."""
-        handler = self._handler
-        stream = handler.streams[command.stream]
-        internal = with_sign(command, stream.sign)
-        assert isinstance(internal, Fenced)
-        plan = self._inbound.fenced(internal, stream.seen(command.instance))
-        if plan is None:
-            return  # nothing to move (or this run's own: its renewal reads the database)
-        if not await stream.is_proven_fence(command.instance, internal.position):
-            handler.refuse(stream, command, self.link.label)
-            return
-        await self._follow(stream, plan)
-
-    async def _resync(self, command: Resync) -> None:
-        """Commands of a writer were dropped from a full backlog: read what they carried."""
-        stream = self._handler.streams[command.stream]
-        plan = self._inbound.resync(command, stream.seen(command.instance))
-        if plan is None:
-            return
-        # The dropped commands were the writer's own (FENCED never folds into a Resync):
-        # checked as they would have been. Refused, the writer counts again at its next
-        # POSITION.
-        if (
-            self._check_every_claim
-            and plan.advance_to is not None
-            and not await stream.is_allocated(plan.advance_to)
-        ):
-            signed = stream.sign * plan.advance_to
-            claim = Position(command.stream, command.instance, signed, signed)
-            self._handler.refuse(stream, claim, self.link.label)
-            return
-        await self._follow(stream, plan)
-
-    async def _follow(self, stream: ReplicatedStream, plan: Plan) -> None:
-        """Do what a `Plan` asks, then (unless it came from a fence) count the writer's
-        RDATA on this connection."""
-        handler = self._handler
-        if plan.counts_rows:
-            self._announced.add((plan.stream, plan.instance))
-        if plan.catch_up_from is not None and plan.advance_to is not None:
-            await handler.catch_up(stream, plan.instance, plan.catch_up_from, plan.advance_to)
-        elif plan.advance_to is not None:
-            await handler.deliver(stream, plan.instance, plan.advance_to, [])
-        if plan.counts_rows:
-            self._inbound.caught_up(plan.stream, plan.instance)
-            self._changed.set()
-
     async def _watch_up(self) -> None:
-        handler = self._handler
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + handler.up_grace
-        expected = handler.expected_writers()
-        while True:
-            if self._inbound.all_connected(expected) or (
-                loop.time() >= deadline and self._inbound.all_connected(self._announced)
-            ):
-                break
-            self._changed.clear()
-            timeout = max(0.0, deadline - loop.time()) if loop.time() < deadline else None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._changed.wait()
+        await self._following.watch_up()
         # The transport sets the connection gauge and logs it (it owns the connection).
         self._up.set()
 
