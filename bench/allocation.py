@@ -36,6 +36,7 @@ from common import (
     emit,
     log,
     median,
+    parse,
     rnd,
     round_trip_delta,
     round_trip_snapshot,
@@ -171,6 +172,10 @@ async def run_level(
     emit(figure)
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--tasks", "1", "4", "--reps", "1", "--phase", "0.05"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
@@ -178,7 +183,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=10, help="pool size (both sides)")
     parser.add_argument("--reps", type=int, default=0, help="repetitions per variant")
     parser.add_argument("--phase", type=float, default=0.0, help="seconds per phase")
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":

@@ -265,19 +265,25 @@ async def main(args: argparse.Namespace) -> None:
         await create_kv(db)
         try:
             if args.only in (None, "write_cost"):
-                reps = 3 if args.quick else args.reps
-                await write_cost(db, reps, 200 if args.quick else 1000)
+                reps = args.reps or (3 if args.quick else 9)
+                await write_cost(db, reps, args.writes or (200 if args.quick else 1000))
             if args.only in (None, "end_to_end"):
-                n = 2000 if args.quick else args.transactions
+                n = args.transactions or (2000 if args.quick else 10_000)
                 await end_to_end(db, dsn, n)
         finally:
             await db.close()
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--reps", "1", "--writes", "20", "--transactions", "20"]
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--only", choices=["write_cost", "end_to_end"])
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--transactions", type=int, default=10_000)
-    common.run(main, parser.parse_args())
+    parser.add_argument("--reps", type=int, default=0, help="default 9 (--quick: 3)")
+    parser.add_argument("--writes", type=int, default=0, help="per rep; default 1000 (200)")
+    parser.add_argument(
+        "--transactions", type=int, default=0, help="end to end; default 10000 (2000)"
+    )
+    common.run(main, common.parse(parser, SMOKE))

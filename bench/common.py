@@ -55,6 +55,8 @@ def emit(figure: dict[str, Any]) -> None:
     """One figure as one JSON line on stdout, with the machine's load when it was taken
     (other processes compete for the same 2 cores: a high load means a noisier figure)."""
     figure = {**figure, "load_avg_1m": round(os.getloadavg()[0], 2)}
+    if SMOKE:
+        figure["smoke"] = True  # sizes too small to mean anything
     print(json.dumps(figure, sort_keys=False), flush=True)
 
 
@@ -66,6 +68,35 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "the embedded server if that does not answer)",
     )
     parser.add_argument("--quick", action="store_true", help="a short run (about 20 s)")
+    add_smoke_arg(parser)
+
+
+def add_smoke_arg(parser: argparse.ArgumentParser) -> None:
+    """--smoke, for a script that needs no database (`add_common_args` adds it too)."""
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run that goes through every step, in seconds: CI's check that "
+        "the script still works (its figures mean nothing, and say so)",
+    )
+
+
+# Set by `parse` for a --smoke run: every figure says it is one (`emit`).
+SMOKE = False
+
+
+def parse(
+    parser: argparse.ArgumentParser, smoke: Sequence[str], argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """The script's options. With --smoke, the script's `smoke` options (its smallest
+    sizes) come first, so that any option given on the command line still wins."""
+    global SMOKE
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
+    if args.smoke:
+        SMOKE = True
+        args = parser.parse_args([*smoke, *given])
+    return args
 
 
 def median(values: Sequence[float]) -> float:

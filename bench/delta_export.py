@@ -187,9 +187,12 @@ async def main(args: argparse.Namespace) -> None:
         )
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--sizes", "500,1000"]
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--sizes", default="1000000,4000000", help="rows per batch, small,large")
     parser.add_argument("--cores", type=int, default=2)
-    common.run(main, parser.parse_args())
+    common.run(main, common.parse(parser, SMOKE))

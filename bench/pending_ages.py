@@ -17,7 +17,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from common import emit, log, median, rnd
+from common import add_smoke_arg, emit, log, median, parse, rnd
 from plait.core.positions import PositionTracker
 from plait.streams.allocator import Fetches
 
@@ -47,11 +47,16 @@ def bookkeeping(batch: int, ages: bool) -> Callable[[int], float]:
     return run
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--reps", "1", "--writes", "1000"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_smoke_arg(parser)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--writes", type=int, default=100_000)
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     for batch in (1, 100):
         n = args.writes if batch == 1 else args.writes // 10
         samples: dict[bool, list[float]] = {False: [], True: []}

@@ -131,9 +131,12 @@ def main(args: argparse.Namespace) -> None:
     asyncio.run(run())
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--rows", "2000", "--reps", "1"]
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--reps", type=int, default=5)
-    main(parser.parse_args())
+    main(common.parse(parser, SMOKE))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, log, median, rnd
+from common import add_smoke_arg, emit, log, median, parse, rnd
 from plait.core.commands import command_name, rows_of
 from plait.core.signed_messages import Signer, Verifier, foreign, key_of
 
@@ -66,11 +66,16 @@ def one_run(lines_per_message: int, total_lines: int) -> dict[str, float]:
     return {"sign": sign / n, "verify": verify / n, "check": check / n, "before": before / n}
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--reps", "1", "--lines", "2000"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_smoke_arg(parser)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--lines", type=int, default=200_000)
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     full = 64 * 1024 // (len(message_body(1, 10**6)) + 1)  # lines in a 64 KiB message
     for lines_per_message in (1, 10, 100, full):
         samples: dict[str, list[float]] = {}

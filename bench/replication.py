@@ -445,6 +445,12 @@ async def main(args: argparse.Namespace) -> None:
                     await db.close()
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = [
+    "--samples", "20", "--workers", "2", "--fanout-rows", "200", "--writer-tasks", "2",
+    "--catchup-rows", "2000",
+]  # fmt: skip
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser)
@@ -454,4 +460,4 @@ if __name__ == "__main__":
     parser.add_argument("--fanout-rows", type=int, default=50_000)
     parser.add_argument("--writer-tasks", type=int, default=4)
     parser.add_argument("--catchup-rows", type=int, default=1_000_000)
-    common.run(main, parser.parse_args())
+    common.run(main, common.parse(parser, SMOKE))

@@ -29,6 +29,7 @@ from common import (
     emit,
     log,
     median,
+    parse,
     rnd,
     run,
     server,
@@ -113,12 +114,16 @@ async def main(args: argparse.Namespace) -> None:
     )
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--rounds", "1", "--seconds", "0.5"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per variant")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per round (< 10)")
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":

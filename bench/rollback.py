@@ -28,6 +28,7 @@ from common import (
     bench_schema,
     emit,
     log,
+    parse,
     rnd,
     run,
     server,
@@ -115,11 +116,15 @@ async def main(args: argparse.Namespace) -> None:
     )
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--samples", "10"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--samples", type=int, default=500, help="samples per variant")
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":

@@ -303,8 +303,14 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.to_thread(read_figure, spark, dsn, args, meter)
             if not args.cluster:
                 common.log("micro-batches")
-                await asyncio.to_thread(micro_batches, spark, dsn, 1000, 20)
+                await asyncio.to_thread(micro_batches, spark, dsn, args.batch_rows, args.batches)
 
+
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = [
+    "--rows", "2000", "--reps", "1", "--warmup", "0", "--partitions", "2",
+    "--batch-rows", "100", "--batches", "3",
+]  # fmt: skip
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -316,4 +322,11 @@ if __name__ == "__main__":
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--partitioning", choices=["slices", "writers"], default="slices")
     parser.add_argument("--cluster", action="store_true", help="on a standalone cluster")
-    common.run(main, parser.parse_args())
+    parser.add_argument("--batch-rows", type=int, default=1000, help="rows per micro-batch")
+    parser.add_argument("--batches", type=int, default=20, help="micro-batches measured")
+    args = common.parse(parser, SMOKE)
+    # Every measured batch must be full: past the rows, a streaming query without new
+    # data reports progress only every 10 s.
+    if args.rows < args.batch_rows * (args.batches + 2):
+        parser.error("--rows must be at least --batch-rows x (--batches + 2)")
+    common.run(main, args)

@@ -41,6 +41,7 @@ from common import (
     emit,
     log,
     median,
+    parse,
     rnd,
     rotated,
     round_trip_delta,
@@ -50,7 +51,9 @@ from common import (
     server_info,
 )
 from plait import Database, MultiWriterIdGenerator, StreamSpec, TableSpec
+from plait.storage.stream_rows import StreamRows
 from plait.storage.stream_store import StreamStore
+from plait.storage.writer_rows import WriterRows
 
 TARGET = 1.2
 WRITERS = ["w1", "w2", "w3", "w4"]
@@ -120,23 +123,24 @@ async def reset_positions(dsn: str, positions: dict[str, int]) -> None:
             )
 
 
-# Seconds spent in each StreamStore step of the last `create` (see `time_steps`).
+# Seconds spent in each storage step of the last `create` (see `time_steps`).
 STEP_TIMES: dict[str, float] = {}
-STEPS = (
-    "check_tables",
-    "ensure_sequence",
-    "survey",
-    "check_sequence",
-    "ids_above",
-    "upsert_position",
+STEPS: tuple[tuple[type, str], ...] = (
+    (StreamStore, "check_tables"),
+    (StreamStore, "ensure_sequence"),
+    (StreamStore, "survey"),
+    (StreamStore, "check_sequence"),
+    (StreamRows, "ids_above"),
+    (WriterRows, "register"),
+    (StreamStore, "upsert_position"),
 )
 
 
 def time_steps() -> None:
-    """Wrap StreamStore's start-up steps (in this process only) to time each one."""
+    """Wrap the storage steps of a start (in this process only) to time each one."""
 
     def wrap(name: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        async def timed_step(self: StreamStore, *args: Any, **kwargs: Any) -> Any:
+        async def timed_step(self: object, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return await method(self, *args, **kwargs)
@@ -145,8 +149,8 @@ def time_steps() -> None:
 
         return timed_step
 
-    for name in STEPS:
-        setattr(StreamStore, name, wrap(name, getattr(StreamStore, name)))
+    for owner, name in STEPS:
+        setattr(owner, name, wrap(name, getattr(owner, name)))
 
 
 async def plait_start(db: Database, stream: str) -> dict[str, Any]:
@@ -314,12 +318,16 @@ def report(
     )
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--rows", "2000", "--reps", "1"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--rows", type=int, default=0, help="rows in the big table")
     parser.add_argument("--reps", type=int, default=0, help="repetitions per variant")
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":

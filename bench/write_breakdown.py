@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import add_common_args, emit, median, rnd, run
+from common import add_common_args, emit, median, parse, rnd, run
 from write_path import BATCH, Tally, run_groups
 
 VARIANTS = (
@@ -79,6 +79,10 @@ async def main(args: argparse.Namespace) -> None:
     await run_groups(args, "breakdown", shapes, VARIANTS, timing, report)
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--quick", "--reps", "1", "--phase", "0.05"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
@@ -88,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--writers", type=int, nargs="+", default=[1, 4], help="writer process counts"
     )
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from common import (
     find_postmaster,
     log,
     median,
+    parse,
     rnd,
     rotated,
     round_trip_delta,
@@ -601,6 +602,10 @@ async def main(args: argparse.Namespace) -> None:
     await run_groups(args, "write", [1, BATCH], VARIANTS, timing, report)
 
 
+# --smoke: the smallest sizes that still go through every step.
+SMOKE = ["--quick", "--reps", "1", "--phase", "0.05"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
@@ -609,7 +614,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--writers", type=int, nargs="+", default=[1, 4], help="writer process counts"
     )
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":
