@@ -37,6 +37,7 @@ from plait.storage.database import Database
 from plait.storage.embedded import EmbeddedPostgres
 from plait.storage.stream_tables import StreamRow
 from plait.storage.transaction import Transaction
+from plait.streams.batcher import Batcher
 from plait.streams.generator import MultiWriterIdGenerator
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "Batcher",
     "CacheKeyError",
     "CommandParseError",
     "ConfigError",

@@ -90,6 +90,12 @@ class TaskSet:
         """Cancel every task still running and wait until each has ended."""
         await cancel_and_wait(*self._tasks)
 
+    async def wait(self) -> None:
+        """Wait until every task of the set has ended on its own (tasks a task starts
+        meanwhile too)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
 
 async def to_the_end(step: Awaitable[T]) -> tuple[T, bool]:
     """Await `step` to its end even if the caller is cancelled meanwhile, however often:

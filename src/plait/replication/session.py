@@ -4,14 +4,14 @@ up are the handler's (`SessionHost`).
 
 Inbound (R-RP-2, R-RP-3): each connection has one serial queue per stream, so a slow
 catch-up on one stream holds up no other. What a command does once its turn comes, and
-when the connection counts as up, is `following.py`'s. A failure while handling a command closes the connection and the command is tried again
-(`retries.py`). A connection that ends leaves what it brought to be handled all the
-same: its writer may have departed, and nobody would send it again. A queue holds at
-most `inbound_queue` commands (R-RP-9): past that, its `Backlog` trades them for a
-catch-up from the source, counted in plait_inbound_overflows and logged at most every
-10 s.
-A DEPART (R-RP-8) waits in each stream's queue and in the application commands' queue
-(`departures.py`); application commands after it wait for its listeners.
+when the connection counts as up, is `following.py`'s. A failure while handling a
+command closes the connection and the command is tried again (`retries.py`). A
+connection that ends leaves what it brought to be handled all the same: its writer may
+have departed, and nobody would send it again. A queue holds at most `inbound_queue`
+commands (R-RP-9): past that, its `Backlog` trades them for a catch-up from the source,
+counted in plait_inbound_overflows and logged at most every 10 s. A DEPART (R-RP-8)
+waits in each stream's queue and in the application commands' queue (`departures.py`);
+application commands after it wait for its listeners.
 """
 
 from __future__ import annotations

@@ -152,12 +152,30 @@ class Transaction:
             return await self._conn.execute(query, params)
 
     async def executemany(
-        self, query: Any, params_seq: Iterable[Sequence[Any] | Mapping[str, Any]]
-    ) -> None:
+        self,
+        query: Any,
+        params_seq: Iterable[Sequence[Any] | Mapping[str, Any]],
+        *,
+        returning: bool = False,
+    ) -> tuple[list[str] | None, list[list[TupleRow] | None]]:
+        """`query` once per parameters, in one round trip (pipeline mode). With
+        `returning`: the column names, and what each run returned, in order (None for
+        a run that returned no rows at all); else (None, [])."""
         async with self._conn.pipeline():
             await self._begin()  # queued in the pipeline with the statements
             async with self._conn.cursor() as cursor:
-                await cursor.executemany(query, params_seq)
+                await cursor.executemany(query, params_seq, returning=returning)
+                if not returning:
+                    return None, []
+                columns: list[str] | None = None
+                results: list[list[TupleRow] | None] = []
+                async for run in cursor.results():
+                    if run.description is None:
+                        results.append(None)
+                        continue
+                    columns = [column.name for column in run.description]
+                    results.append(await run.fetchall())
+                return columns, results
 
     async def connection(self) -> AsyncConnection[TupleRow]:
         """The connection, inside the transaction (for cursors, COPY, nested blocks)."""

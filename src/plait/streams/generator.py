@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
@@ -333,6 +333,43 @@ class MultiWriterIdGenerator:
         ids = await self._take_ids(run)
         self._finisher.complete_after(txn, ids, rows)
         return self._statements.signed(ids)
+
+    def check_statement(self, query: str) -> None:
+        """Raise what `insert` would for `query` before it runs: this instance is not a
+        writer of the stream, or the statement does not say where IDs go."""
+        self._check_writer()
+        self._statements.with_ids(query)
+
+    async def insert_many_txn(
+        self, txn: Transaction, query: str, params_seq: Sequence[Params]
+    ) -> list[list[int]]:
+        """`insert_txn` once for each parameters of `params_seq`, in one round trip: the
+        IDs each run took, in order. They complete after the transaction ends, all
+        together (what `Batcher` coalesces concurrent writes into)."""
+        self._check_writer()
+        text = self._statements.with_ids(query)
+        statements = self._statements
+        per_run: list[list[int]] = []
+        rows: list[StreamRow] | None = None
+
+        async def run() -> list[int]:
+            nonlocal per_run, rows
+            given = [() if params is None else params for params in params_seq]
+            columns, results = await txn.executemany(text, given, returning=True)
+            per_run = [
+                statements.returned_ids(None if records is None else [r[0] for r in records])
+                for records in results
+            ]
+            if self._outbox.is_open:
+                records = [record for result in results for record in result or ()]
+                rows = statements.rows_of(columns, records)
+            return sorted(i for ids in per_run for i in ids)
+
+        if not params_seq:
+            return []
+        ids = await self._take_ids(run)
+        self._finisher.complete_after(txn, ids, rows)
+        return [statements.signed(ids) for ids in per_run]
 
     def insert_with_commit(
         self, txn: Transaction, query: str, params: Callable[[], Params] | None = None
