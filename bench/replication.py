@@ -287,9 +287,12 @@ async def _fanout_worker(conn: Connection, dsn: str, deployment: str, name: str)
     await db.close()
 
 
-async def fanout(db: Database, dsn: str, workers: int, rows: int, writer_tasks: int) -> None:
-    """One writer here writing 10-row statements from `writer_tasks` tasks, `workers`
-    worker processes; each worker's receive rate against the writer's write rate."""
+async def fanout(
+    db: Database, dsn: str, workers: int, rows: int, writer_tasks: int, per_statement: int
+) -> None:
+    """One writer here writing `per_statement`-row statements (rows of about 100 bytes)
+    from `writer_tasks` tasks, `workers` worker processes; each worker's receive rate
+    against the writer's write rate."""
     deployment = f"bench{uuid.uuid4().hex[:8]}"
     writer = Instance(config("w1", "redis", deployment), db=db)
     await writer.start()
@@ -314,13 +317,15 @@ async def fanout(db: Database, dsn: str, workers: int, rows: int, writer_tasks: 
             for _ in range(statements):
                 written.extend(
                     await gen.insert(
-                        "INSERT INTO events SELECT {id}, 'w1', 'row ' || g"
-                        " FROM generate_series(1, 10) g RETURNING *"
+                        "INSERT INTO events SELECT {id}, 'w1', rpad('row ' || g, 100, '.')"
+                        " FROM generate_series(1, %s) g RETURNING *",
+                        (per_statement,),
                     )
                 )
 
         started = time.perf_counter()
-        await asyncio.gather(*(write(rows // 10 // writer_tasks) for _ in range(writer_tasks)))
+        statements = rows // per_statement // writer_tasks
+        await asyncio.gather(*(write(statements) for _ in range(writer_tasks)))
         wrote = time.perf_counter() - started
         expected = set(written)
         for here in pipes:
@@ -337,6 +342,7 @@ async def fanout(db: Database, dsn: str, workers: int, rows: int, writer_tasks: 
             "figure": "fanout",
             "workers": workers,
             "rows": len(written),
+            "rows_per_statement": per_statement,
             "writer_rows_per_s": round(writer_rate),
             "worker_vs_writer_min": common.rnd(min(ratios), 3),
             "worker_vs_writer_median": common.rnd(common.median(ratios), 3),
@@ -438,7 +444,14 @@ async def main(args: argparse.Namespace) -> None:
                     if part == "latency":
                         await latency(db, dsn, args.samples)
                     elif part == "fanout":
-                        await fanout(db, dsn, args.workers, args.fanout_rows, args.writer_tasks)
+                        await fanout(
+                            db,
+                            dsn,
+                            args.workers,
+                            args.fanout_rows,
+                            args.writer_tasks,
+                            args.statement_rows,
+                        )
                     else:
                         await catchup(db, dsn, args.catchup_rows)
                 finally:
@@ -459,5 +472,6 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--fanout-rows", type=int, default=50_000)
     parser.add_argument("--writer-tasks", type=int, default=4)
+    parser.add_argument("--statement-rows", type=int, default=10, help="fan-out rows a statement")
     parser.add_argument("--catchup-rows", type=int, default=1_000_000)
     common.run(main, common.parse(parser, SMOKE))
