@@ -88,38 +88,67 @@ async def test_a_bad_row_fails_only_its_own_caller(db: Database) -> None:
     await pace.until(lambda: gen.get_current_token() >= top, 10, "the position to pass the rows")
 
 
-async def test_a_batch_whose_connection_fails_fails_every_caller_and_is_not_run_again(
+async def terminate_once(db: Database, query_like: str) -> None:
+    """Terminate the first server process found running a statement like `query_like`."""
+    async with db.connection() as conn:
+        while True:
+            cur = await conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND pid <> pg_backend_pid()",
+                (query_like,),
+            )
+            pids = [row[0] for row in await cur.fetchall()]
+            if pids:
+                await conn.execute("SELECT pg_terminate_backend(%s)", (pids[0],))
+                return
+            await asyncio.sleep(0.02)
+
+
+async def test_a_batch_that_lost_its_connection_before_commit_runs_again_row_by_row(
     db: Database,
 ) -> None:
+    """Cut mid-statement, the batch never committed: each row runs again alone, and each
+    is written once."""
     await create_table(db)
     gen = await create_generator(db, ["w"], "w")
     slow = (
         "INSERT INTO events (stream_id, instance_name, payload)"
-        " SELECT {id}, 'w', %s FROM pg_sleep(0.4) RETURNING stream_id"
+        " SELECT {id}, 'w', %s FROM pg_sleep(0.3) RETURNING stream_id"
     )
-
-    async def terminate_the_batch() -> None:
-        async with db.connection() as conn:
-            while True:
-                cur = await conn.execute(
-                    "SELECT pid FROM pg_stat_activity WHERE query LIKE '%%pg_sleep(0.4)%%'"
-                    " AND pid <> pg_backend_pid()"
-                )
-                pids = [row[0] for row in await cur.fetchall()]
-                if pids:
-                    await conn.execute("SELECT pg_terminate_backend(%s)", (pids[0],))
-                    return
-                await asyncio.sleep(0.02)
-
-    killer = asyncio.ensure_future(terminate_the_batch())
+    killer = asyncio.ensure_future(terminate_once(db, "%pg_sleep(0.3)%"))
     async with Batcher(gen, linger=0.05) as batcher:
         results = await asyncio.gather(
             *(batcher.insert(slow, (str(n),)) for n in range(4)), return_exceptions=True
         )
     await killer
+    assert all(isinstance(r, list) and len(r) == 1 for r in results), results
+    stored = await payloads_by_id(db)
+    assert sorted(stored.values()) == ["0", "1", "2", "3"]  # each once
+    assert {stored[r[0]] for r in results if isinstance(r, list)} == {"0", "1", "2", "3"}
+
+
+async def test_a_batch_whose_commit_lost_its_answer_fails_every_caller_and_never_runs_again(
+    db: Database,
+) -> None:
+    """Cut during COMMIT, the batch may have committed: every caller gets the failure,
+    as a lone insert would, and no row runs again (it could be written twice)."""
+    await create_table(db)
+    async with db.connection() as conn:
+        await conn.execute(
+            "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN PERFORM pg_sleep(0.5); RETURN NULL; END $$;"
+            " CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON events"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()"
+        )
+    gen = await create_generator(db, ["w"], "w")
+    killer = asyncio.ensure_future(terminate_once(db, "COMMIT%"))
+    async with Batcher(gen, linger=0.05) as batcher:
+        results = await asyncio.gather(
+            *(batcher.insert(ROW, (str(n),)) for n in range(4)), return_exceptions=True
+        )
+    await killer
     assert all(isinstance(r, Exception) for r in results), results
-    assert len({type(r) for r in results}) == 1  # the one failure, told to each caller
-    assert await payloads_by_id(db) == {}  # nothing was run again row by row
+    assert len({id(r) for r in results}) == 1  # the one failure, told to each caller
+    assert await payloads_by_id(db) == {}  # the cut COMMIT rolled back; nothing ran again
 
 
 async def test_misuse_is_refused_in_plain_words(db: Database) -> None:
@@ -153,3 +182,18 @@ async def test_whole_rows_of_a_batch_reach_the_outbox(db: Database) -> None:
     known = outbox.known(1, top)
     assert known is not None
     assert sorted(r.data["payload"] for _, rows in known for r in rows) == ["x", "y", "z"]
+
+
+async def test_a_statement_without_parameters_is_taken_as_insert_takes_it(db: Database) -> None:
+    """No parameters: a literal % is no placeholder, in a batch as in a lone insert."""
+    await create_table(db)
+    gen = await create_generator(db, ["w"], "w")
+    literal = (
+        "INSERT INTO events (stream_id, instance_name, payload) VALUES ({id}, 'w', '100%')"
+        " RETURNING stream_id"
+    )
+    async with Batcher(gen, linger=0.2) as batcher:
+        got = await asyncio.gather(*(batcher.insert(literal) for _ in range(3)))
+    assert len({ids[0] for ids in got}) == 3
+    assert await transactions_of(db) == 1
+    assert set((await payloads_by_id(db)).values()) == {"100%"}

@@ -32,7 +32,10 @@ def test_bench_script_starts(script: Path) -> None:
     assert "--smoke" in done.stdout, f"{script.name} has no --smoke run"
 
 
+# Also `slow`: an explicit -m replaces the default that leaves `bench` out, and the
+# runs that pick `not slow` (CI's embedded-server pass, a quick local run) must skip it.
 @pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_bench_script_runs_small(script: Path, server_dsn: str, redis_url: str) -> None:
     env = {**os.environ, "PLAIT_BENCH_DSN": server_dsn, "PLAIT_BENCH_REDIS": redis_url}

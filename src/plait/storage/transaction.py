@@ -154,7 +154,7 @@ class Transaction:
     async def executemany(
         self,
         query: Any,
-        params_seq: Iterable[Sequence[Any] | Mapping[str, Any]],
+        params_seq: Iterable[Params],
         *,
         returning: bool = False,
     ) -> tuple[list[str] | None, list[list[TupleRow] | None]]:
@@ -164,18 +164,21 @@ class Transaction:
         async with self._conn.pipeline():
             await self._begin()  # queued in the pipeline with the statements
             async with self._conn.cursor() as cursor:
-                await cursor.executemany(query, params_seq, returning=returning)
+                # A None in `params_seq` runs a statement without parameters (psycopg's
+                # types leave that out).
+                await cursor.executemany(query, params_seq, returning=returning)  # type: ignore[arg-type]
                 if not returning:
                     return None, []
                 columns: list[str] | None = None
                 results: list[list[TupleRow] | None] = []
-                async for run in cursor.results():
-                    if run.description is None:
+                while True:  # one result per run (`nextset`: psycopg 3.2 has no `results`)
+                    if cursor.description is None:
                         results.append(None)
-                        continue
-                    columns = [column.name for column in run.description]
-                    results.append(await run.fetchall())
-                return columns, results
+                    else:
+                        columns = [column.name for column in cursor.description]
+                        results.append(await cursor.fetchall())
+                    if not cursor.nextset():
+                        return columns, results
 
     async def connection(self) -> AsyncConnection[TupleRow]:
         """The connection, inside the transaction (for cursors, COPY, nested blocks)."""

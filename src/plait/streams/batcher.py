@@ -9,14 +9,17 @@ gets the IDs its own row took. What that costs a caller: up to `linger`, then on
 
 Semantics, per batch:
 - All rows of a batch commit together, or none does.
-- A batch the database refuses (a constraint, a bad value: any error that rolled it
-  back for sure) is run again row by row, each on its own, so each caller gets its own
-  answer: its IDs, or the error its own row causes. One bad row never fails the others.
-- A batch whose outcome is unknown (the connection failed, the database went away, the
-  writer was fenced) fails every caller with that error, as a lone `insert` would: its
-  rows may have committed, so running them again could write them twice.
+- A batch that failed before COMMIT, or that COMMIT refused (a constraint, a bad value,
+  a deadlock, a connection lost mid-statement: it was rolled back for sure), is run
+  again row by row, each on its own, so each caller gets its own answer: its IDs, or
+  the error its own row causes. One bad row never fails the others.
+- A batch whose COMMIT lost its answer (the connection failed during it: the rows may
+  have committed) fails every caller with that error, as a lone `insert` would; so do
+  plait's own errors (the writer fenced, the database unavailable). Running those rows
+  again could write them twice.
 - A caller cancelled while it waits leaves its row in the batch; like a cancelled
-  `insert`, whether it was written is then unknown to it.
+  `insert`, whether it was written is then unknown to it. A batch run again row by row
+  skips the rows of callers cancelled by then.
 """
 
 from __future__ import annotations
@@ -102,21 +105,36 @@ class Batcher:
         self._batches.start(self._run(query, gathering.calls), "plait-batch")
 
     async def _run(self, query: str, calls: list[tuple[Params, asyncio.Future[list[int]]]]) -> None:
+        try:
+            await self._batch(query, calls)
+        finally:  # whatever happened, no caller waits for ever
+            for _, future in calls:
+                if not future.done():
+                    future.set_exception(StateError("the batch ended without an answer"))
+
+    async def _batch(
+        self, query: str, calls: list[tuple[Params, asyncio.Future[list[int]]]]
+    ) -> None:
         gen = self._gen
+        before_commit: BaseException | None = None
         try:
             async with gen.store.db.transaction() as txn:
-                results = await gen.insert_many_txn(txn, query, [params for params, _ in calls])
-        except psycopg.Error as err:
-            if isinstance(err, psycopg.OperationalError) or len(calls) == 1:
-                _fail(calls, err)  # the outcome may be unknown: as a lone insert
+                try:
+                    results = await gen.insert_many_txn(txn, query, [p for p, _ in calls])
+                except Exception as err:
+                    before_commit = err  # never committed: the block rolls it back
+                    raise
+        except Exception as err:
+            unknown = before_commit is None and isinstance(err, psycopg.OperationalError)
+            if unknown or not isinstance(err, psycopg.Error) or len(calls) == 1:
+                # COMMIT's answer was lost (it may have committed), or plait's own error
+                # (fenced, the database unavailable), or nothing to split: as a lone insert.
+                _fail(calls, err)
                 return
             # Rolled back for sure: each row alone, so one bad row fails only its caller.
             logger.debug("stream %s: a batch of %d was refused (%s); row by row",
                          gen.stream_name, len(calls), err)  # fmt: skip
             await asyncio.gather(*(self._alone(query, params, f) for params, f in calls))
-            return
-        except Exception as err:
-            _fail(calls, err)
             return
         except BaseException:
             for _, future in calls:
@@ -127,6 +145,8 @@ class Batcher:
                 future.set_result(ids)
 
     async def _alone(self, query: str, params: Params, future: asyncio.Future[list[int]]) -> None:
+        if future.done():
+            return  # its caller was cancelled: it never learns, so nothing is written
         try:
             ids = await self._gen.insert(query, params)
         except Exception as err:

@@ -354,8 +354,7 @@ class MultiWriterIdGenerator:
 
         async def run() -> list[int]:
             nonlocal per_run, rows
-            given = [() if params is None else params for params in params_seq]
-            columns, results = await txn.executemany(text, given, returning=True)
+            columns, results = await txn.executemany(text, params_seq, returning=True)
             per_run = [
                 statements.returned_ids(None if records is None else [r[0] for r in records])
                 for records in results
