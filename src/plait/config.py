@@ -12,11 +12,12 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from plait.caches.invalidations import CACHES_STREAM
 from plait.core.spec import StreamSpec, TableSpec
 from plait.errors import ConfigError
+from plait.options import Options, revealed
 from plait.ports import is_loopback
 from plait.replication.handler_options import HandlerOptions
 from plait.replication.redis_options import RedisOptions, check_signing
@@ -33,16 +34,7 @@ _MAX_DEPTH = 32
 _MAX_PROBLEMS = 20
 
 
-class _Model(BaseModel):
-    # No .inf or .nan (YAML floats): every interval and bound is a real number of seconds.
-    # The docstring under each field is its description (the configuration reference in
-    # docs/ is generated from them).
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
-    )
-
-
-class TableConfig(_Model):
+class TableConfig(Options):
     """One table a stream's rows live in."""
 
     name: str
@@ -53,7 +45,7 @@ class TableConfig(_Model):
     """The column holding the name of the writer that wrote the row."""
 
 
-class StreamConfig(_Model):
+class StreamConfig(Options):
     """A stream: stored in PostgreSQL (`database`) or kept in its writers' memory
     (`memory`: typing notices and the like, replicated but never stored)."""
 
@@ -139,10 +131,10 @@ class ReplicationConfig(HandlerOptions):
         return self
 
     def secret_value(self) -> str | None:
-        return None if self.secret is None else self.secret.get_secret_value()
+        return revealed(self.secret)
 
 
-class HttpConfig(_Model):
+class HttpConfig(Options):
     """The internal HTTP API: catch-up of in-memory streams, request endpoints, metrics."""
 
     enabled: bool = True
@@ -156,10 +148,10 @@ class HttpConfig(_Model):
     """The bearer secret callers must send (compared in constant time; 401 without it)."""
 
     def secret_value(self) -> str | None:
-        return None if self.secret is None else self.secret.get_secret_value()
+        return revealed(self.secret)
 
 
-class CachesConfig(_Model):
+class CachesConfig(Options):
     """The `caches` stream and its cleanup (SPEC §7)."""
 
     enabled: bool = True
@@ -176,7 +168,7 @@ class CachesConfig(_Model):
     """Seconds between batches while there is a backlog."""
 
 
-class InstanceConfig(_Model):
+class InstanceConfig(Options):
     """One process's configuration: the same file for every instance of a deployment,
     but for `instance_name`."""
 

@@ -11,7 +11,7 @@ wrapped error would lose the setting's path in a configuration file's message
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 
 class Options(BaseModel):
@@ -22,3 +22,8 @@ class Options(BaseModel):
     model_config = ConfigDict(
         extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
     )
+
+
+def revealed(secret: SecretStr | None) -> str | None:
+    """A secret setting's value, for the one place that uses it (None when unset)."""
+    return None if secret is None else secret.get_secret_value()

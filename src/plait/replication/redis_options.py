@@ -22,7 +22,7 @@ from pydantic import Field, SecretStr
 
 from plait.core.redact import redact
 from plait.errors import ConfigError
-from plait.options import Options
+from plait.options import Options, revealed
 
 CertReqs = Literal["required", "optional", "none"]
 _CERT_REQS = ("required", "optional", "none")
@@ -271,4 +271,4 @@ class RedisOptions(Options):
         )
 
     def password_value(self) -> str | None:
-        return None if self.password is None else self.password.get_secret_value()
+        return revealed(self.password)
