@@ -81,11 +81,13 @@ class Batcher:
         same `query` text: the IDs this call's row took."""
         if self._closed:
             raise StateError("the batcher is closed: make a new one, or call gen.insert")
-        self._gen.check_statement(query)  # a statement without {id} fails here, alone
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[int]] = loop.create_future()
         gathering = self._gathering.get(query)
         if gathering is None:
+            # Once per batch: a statement without {id} fails here, alone; the calls that
+            # join it have the same text.
+            self._gen.check_statement(query)
             gathering = self._gathering[query] = _Gathering([])
             if self._linger > 0:
                 gathering.timer = loop.call_later(self._linger, self._send, query)
@@ -108,24 +110,19 @@ class Batcher:
         try:
             await self._batch(query, calls)
         finally:  # whatever happened, no caller waits for ever
-            for _, future in calls:
-                if not future.done():
-                    future.set_exception(StateError("the batch ended without an answer"))
+            _fail(calls, StateError("the batch ended without an answer"))
 
     async def _batch(
         self, query: str, calls: list[tuple[Params, asyncio.Future[list[int]]]]
     ) -> None:
         gen = self._gen
-        before_commit: BaseException | None = None
+        committing = False  # past the block: its exit sends COMMIT
         try:
             async with gen.store.db.transaction() as txn:
-                try:
-                    results = await gen.insert_many_txn(txn, query, [p for p, _ in calls])
-                except Exception as err:
-                    before_commit = err  # never committed: the block rolls it back
-                    raise
+                results = await gen.insert_many_txn(txn, query, [p for p, _ in calls])
+                committing = True
         except Exception as err:
-            unknown = before_commit is None and isinstance(err, psycopg.OperationalError)
+            unknown = committing and isinstance(err, psycopg.OperationalError)
             if unknown or not isinstance(err, psycopg.Error) or len(calls) == 1:
                 # COMMIT's answer was lost (it may have committed), or plait's own error
                 # (fenced, the database unavailable), or nothing to split: as a lone insert.
