@@ -99,6 +99,12 @@ def parse(
     return args
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile (0.99: p99) of `values`, by nearest rank (never interpolated)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 

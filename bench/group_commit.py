@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ from common import (
     log,
     median,
     parse,
+    percentile,
     rnd,
     run,
     server,
@@ -44,10 +44,6 @@ ROW = (
     " RETURNING stream_id"
 )
 PAYLOAD = "x" * 100  # rows of about 100 bytes
-
-
-def _p(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 async def load(
@@ -131,7 +127,7 @@ async def figures(
         summary[variant] = {
             "rows_per_s": median([rate for rate, _, _ in results]),
             "p50_ms": median(all_latencies) * 1e3,
-            "p99_ms": _p(all_latencies, 99) * 1e3,
+            "p99_ms": percentile(all_latencies, 0.99) * 1e3,
             "transactions_per_row": median([per_row for _, _, per_row in results]),
         }
         emit(
@@ -175,7 +171,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--linger", type=float, default=0.002, help="the Batcher's linger")
     parser.add_argument("--max-batch", type=int, default=100, help="the Batcher's max_batch")
     parser.add_argument("--pool", type=int, default=10, help="connections in the pool")
-    return parse(parser, SMOKE, argv)
+    args = parse(parser, SMOKE, argv)
+    if args.tasks < 1 or args.reps < 1 or args.max_batch < 1 or args.seconds <= 0:
+        parser.error("--tasks, --reps and --max-batch must be at least 1, --seconds above 0")
+    return args
 
 
 if __name__ == "__main__":

@@ -77,11 +77,6 @@ async def until(condition: Any, within: float = 60.0) -> None:
             await asyncio.sleep(0.001)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 # -- latency ------------------------------------------------------------------------------
 
 
@@ -232,7 +227,11 @@ async def latency(db: Database, dsn: str, samples: int) -> None:
                     raw.append(a)
                     hops.append(b)
                 await asyncio.sleep(0.001)
-        raw_p50, p50, p99 = percentile(raw, 0.5), percentile(hops, 0.5), percentile(hops, 0.99)
+        raw_p50, p50, p99 = (
+            common.percentile(raw, 0.5),
+            common.percentile(hops, 0.5),
+            common.percentile(hops, 0.99),
+        )
         common.emit(
             {
                 "figure": "commit_to_remote_on_rows",
@@ -242,7 +241,7 @@ async def latency(db: Database, dsn: str, samples: int) -> None:
                 "p50_ms": common.rnd(p50 * 1e3),
                 "p99_ms": common.rnd(p99 * 1e3),
                 "raw_redis_hop_p50_ms": common.rnd(raw_p50 * 1e3),
-                "raw_redis_hop_p99_ms": common.rnd(percentile(raw, 0.99) * 1e3),
+                "raw_redis_hop_p99_ms": common.rnd(common.percentile(raw, 0.99) * 1e3),
                 "p50_vs_raw_hop": common.rnd(p50 / raw_p50, 3),
                 "targets": "p50 <= 1.5x raw hop, p99 <= 10 ms",
             }

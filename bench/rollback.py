@@ -29,6 +29,7 @@ from common import (
     emit,
     log,
     parse,
+    percentile,
     rnd,
     run,
     server,
@@ -42,10 +43,6 @@ SPEC = StreamSpec("events", sequence="events_seq", tables=[TableSpec("events")],
 
 class _Rollback(Exception):
     pass
-
-
-def _p(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
 async def plait_sample(
@@ -107,9 +104,9 @@ async def main(args: argparse.Namespace) -> None:
         {
             "figure": "rolled-back IDs finished after (plait) vs a bare rollback",
             "plait_p50_ms": rnd(statistics.median(plait) * ms, 3),
-            "plait_p99_ms": rnd(_p(plait, 99) * ms, 3),
+            "plait_p99_ms": rnd(percentile(plait, 0.99) * ms, 3),
             "baseline_p50_ms": rnd(statistics.median(base) * ms, 3),
-            "baseline_p99_ms": rnd(_p(base, 99) * ms, 3),
+            "baseline_p99_ms": rnd(percentile(base, 0.99) * ms, 3),
             "ratio_p50": rnd(statistics.median(plait) / statistics.median(base), 2),
             "samples": samples,
         }
